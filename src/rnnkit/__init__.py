@@ -1,0 +1,22 @@
+"""rnnkit: every LSTM / GRU / RNN variant behind one API, with one packed weight buffer.
+
+    >>> import torch, rnnkit
+    >>> lstm = rnnkit.LSTM(8, 16, num_layers=2, peephole=True, layer_norm=True)
+    >>> y, (h_n, c_n) = lstm(torch.randn(5, 3, 8))
+
+See SPEC.md for the equations and README.md for the tour.
+"""
+from .backend import BackendUnavailableError, backends
+from .functional import backward_data, backward_weights, forward_inference, forward_training, rnn
+from .nn import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
+from .params import Layout, PassWeights
+from .spec import CellSpec, RNNSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell",
+    "RNNSpec", "CellSpec", "Layout", "PassWeights",
+    "rnn", "forward_training", "forward_inference", "backward_data", "backward_weights",
+    "backends", "BackendUnavailableError",
+]

@@ -1,0 +1,370 @@
+"""The functional API: argument checks, the stack loop, and cuDNN's four calls.
+
+Layers: a backend runs one layer in one direction (``run_pass``); :func:`rnn` validates
+its arguments, draws the masks (``masks.py``), runs the passes of every layer and
+direction, and merges their outputs. On top of it sit the cuDNN-style calls
+:func:`forward_training`, :func:`forward_inference`, :func:`backward_data` and
+:func:`backward_weights`, for code ported from cuDNN.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import backend as backends_
+from .masks import draw_pass, layer_dropout
+from .params import Layout
+from .spec import RNNSpec
+
+State = Union[torch.Tensor, List[torch.Tensor]]
+
+
+# ---- argument checks -----------------------------------------------------------------
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def check_tensor(name: str, value, shape: Optional[tuple], like: torch.Tensor) -> torch.Tensor:
+    """A tensor of exactly ``shape`` with ``like``'s dtype and device, or a clear error."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor of shape {shape}, got {type(value).__name__}")
+    if shape is not None and _shape(value) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {_shape(value)}")
+    if value.dtype != like.dtype:
+        raise TypeError(f"{name}: expected dtype {like.dtype} (the dtype of the weights), got {value.dtype}")
+    if value.device != like.device:
+        raise ValueError(f"{name}: expected a tensor on {like.device} (the device of the weights), got {value.device}")
+    return value
+
+
+def check_weights(spec: RNNSpec, weights, layout: Layout) -> torch.Tensor:
+    if not isinstance(weights, torch.Tensor):
+        raise TypeError(f"weights: expected the packed 1-D parameter tensor, got {type(weights).__name__}")
+    if weights.dim() != 1 or weights.numel() != layout.numel:
+        raise ValueError(f"weights: expected a 1-D tensor of {layout.numel} values for this spec, got shape {_shape(weights)}")
+    if not weights.is_floating_point():
+        raise TypeError(f"weights: expected a floating-point tensor, got {weights.dtype}")
+    return weights
+
+
+def check_input(spec: RNNSpec, input, weights: torch.Tensor, batch_first: bool) -> Tuple[torch.Tensor, bool]:
+    """-> (x time-major [T, B, I], unbatched)."""
+    layout = "(B, T, input_size)" if batch_first else "(T, B, input_size)"
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input: expected a tensor {layout} or a PackedSequence, got {type(input).__name__}")
+    if input.dim() not in (2, 3):
+        raise ValueError(f"input: expected a 3-D tensor {layout} or a 2-D unbatched (T, input_size), got shape {_shape(input)}")
+    if input.shape[-1] != spec.input_size:
+        raise ValueError(f"input: expected feature size input_size={spec.input_size} in the last axis, got shape {_shape(input)}")
+    check_tensor("input", input, None, weights)
+    unbatched = input.dim() == 2
+    x = input.unsqueeze(1) if unbatched else (input.transpose(0, 1) if batch_first else input)
+    if x.shape[0] == 0:
+        raise ValueError(f"input: expected at least one time step, got shape {_shape(input)}")
+    return x, unbatched
+
+
+def check_lengths(lengths, T: int, B: int, unbatched: bool) -> Optional[torch.Tensor]:
+    """-> int64 CPU tensor [B] with 1 <= lengths <= T, or None."""
+    if lengths is None:
+        return None
+    if unbatched:
+        raise ValueError("lengths: an unbatched input (T, input_size) has one sequence; pass no lengths")
+    if isinstance(lengths, (list, tuple)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in lengths):
+            raise TypeError(f"lengths: expected integers, got {list(lengths)!r}")
+        lengths = torch.tensor(lengths, dtype=torch.int64)
+    if not isinstance(lengths, torch.Tensor):
+        raise TypeError(f"lengths: expected a 1-D integer tensor or a list of ints, got {type(lengths).__name__}")
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        raise TypeError(f"lengths: expected an integer dtype (e.g. torch.int64), got {lengths.dtype}")
+    if lengths.dim() != 1 or lengths.numel() != B:
+        raise ValueError(f"lengths: expected shape ({B},), one length per sequence in the batch, got {_shape(lengths)}")
+    lengths = lengths.to("cpu", torch.int64)
+    low, high = int(lengths.min()), int(lengths.max())
+    if low < 1 or high > T:
+        raise ValueError(f"lengths: expected values in [1, T={T}], got min {low}, max {high}")
+    return lengths
+
+
+def _state_shapes(spec: RNNSpec, B: int) -> Tuple[list, list]:
+    """Expected shapes of (h_0, c_0): one tensor each, or one per layer with per-layer sizes."""
+    D, L = spec.num_directions, spec.num_layers
+    if spec.per_layer:
+        hs = [(D, B, spec.output_size(k)) for k in range(L)]
+        cs = [(D, B, spec.hidden_sizes[k]) for k in range(L)]
+    else:
+        hs, cs = (L * D, B, spec.output_size(0)), (L * D, B, spec.hidden_sizes[0])
+    return hs, cs
+
+
+def _unbatch_shape(shape, unbatched):
+    return tuple(s for i, s in enumerate(shape) if not (unbatched and i == 1))
+
+
+def _check_state(spec, name: str, value, shape, like, unbatched) -> List[torch.Tensor]:
+    """One of h_0 / c_0 in the user's format -> a list of [B, size] per layer-direction."""
+    D = spec.num_directions
+    if spec.per_layer:
+        if not isinstance(value, (list, tuple)) or len(value) != spec.num_layers:
+            got = f"{type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) else type(value).__name__
+            raise TypeError(f"{name}: expected a list of {spec.num_layers} tensors (one per layer, per-layer sizes), got {got}")
+        per_layer = [
+            check_tensor(f"{name}[{k}]", v, _unbatch_shape(s, unbatched), like) for k, (v, s) in enumerate(zip(value, shape))
+        ]
+        tensors = [t.unsqueeze(1) if unbatched else t for t in per_layer]
+        return [t[d] for t in tensors for d in range(D)]
+    value = check_tensor(name, value, _unbatch_shape(shape, unbatched), like)
+    return list((value.unsqueeze(1) if unbatched else value).unbind(0))
+
+
+def split_states(spec: RNNSpec, hx, x: torch.Tensor, unbatched: bool):
+    """User states -> (h0s, c0s): lists over layer-directions of [B, Hr] / [B, H] (c0s None if not LSTM)."""
+    B = x.shape[1]
+    h_shapes, c_shapes = _state_shapes(spec, B)
+    lstm = spec.mode == "lstm"
+    if hx is None:
+        zeros = lambda shapes: [  # noqa: E731
+            x.new_zeros(s[1:]) for s in ([shapes] if not spec.per_layer else shapes) for _ in range(s[0])
+        ]
+        return zeros(h_shapes), (zeros(c_shapes) if lstm else None)
+    if lstm:
+        if not isinstance(hx, (tuple, list)) or len(hx) != 2:
+            raise TypeError(f"hx: expected a pair (h_0, c_0) for LSTM, got {type(hx).__name__}")
+        return (
+            _check_state(spec, "hx[0] (h_0)", hx[0], h_shapes, x, unbatched),
+            _check_state(spec, "hx[1] (c_0)", hx[1], c_shapes, x, unbatched),
+        )
+    return _check_state(spec, "hx", hx, h_shapes, x, unbatched), None
+
+
+def join_states(spec: RNNSpec, hs: List[torch.Tensor], unbatched: bool) -> State:
+    """List over layer-directions of [B, ·] -> the user's format (inverse of split_states)."""
+    D = spec.num_directions
+    if spec.per_layer:
+        out = [torch.stack(hs[k * D : (k + 1) * D]) for k in range(spec.num_layers)]
+        return [t.squeeze(1) for t in out] if unbatched else out
+    out = torch.stack(hs)
+    return out.squeeze(1) if unbatched else out
+
+
+# ---- the stack -----------------------------------------------------------------------
+
+def run_stack(backend, spec, layout, weights, x, h0s, c0s, lengths, training):
+    """All layers and directions on time-major x -> (y [T, B, F], h_ns, c_ns)."""
+    T, B = x.shape[:2]
+    D = spec.num_directions
+    step_mask = None
+    if lengths is not None:
+        step_mask = (torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)).to(x.device)  # [T, B]
+    layer_input, h_ns, c_ns = x, [], []
+    for layer in range(spec.num_layers):
+        cell = spec.cell(layer)
+        outputs = []
+        for direction in range(D):
+            i = layer * D + direction
+            draw = draw_pass(spec, cell, T, B, x, training)
+            w = layout.pass_weights(weights, layer, direction)
+            if draw.dropconnect is not None:
+                w = w._replace(R=w.R * draw.dropconnect)
+            inp = layer_input if draw.input is None else layer_input * draw.input
+            c0 = c0s[i] if c0s is not None else None
+            y, h_n, c_n = backend.run_pass(cell, inp, h0s[i], c0, w, step_mask, direction == 1, draw.masks)
+            outputs.append(y)
+            h_ns.append(h_n)
+            c_ns.append(c_n)
+        if D == 1:
+            y = outputs[0]
+        else:
+            y = torch.cat(outputs, 2) if spec.merge == "concat" else outputs[0] + outputs[1]
+        if training and spec.dropout and layer < spec.num_layers - 1:
+            y = layer_dropout(y, spec.dropout)
+        layer_input = y
+    return layer_input, h_ns, (c_ns if spec.mode == "lstm" else None)
+
+
+def rnn(
+    spec: RNNSpec,
+    weights: torch.Tensor,
+    input: torch.Tensor,
+    hx=None,
+    lengths=None,
+    *,
+    training: bool = False,
+    backend: str = "auto",
+    layout: Optional[Layout] = None,
+    batch_first: Optional[bool] = None,
+):
+    """Run a recurrent stack: the one entry point the modules and the cuDNN-style calls share.
+
+    Args:
+        spec: the stack's :class:`~rnnkit.RNNSpec`.
+        weights: the packed 1-D parameter buffer (``Layout(spec).numel`` values).
+        input: (T, B, I), or (B, T, I) with ``batch_first``, or unbatched (T, I).
+        hx: initial states, zeros when None. GRU/RNN: h_0 (L·D, B, Hr); LSTM: (h_0, c_0) with
+            c_0 (L·D, B, H). With per-layer sizes each is a list of L tensors (D, B, Hr_k).
+        lengths: (B,) integers in [1, T], in any order; steps t >= length output zeros and
+            leave the state alone.
+        training: draw dropout / zoneout masks (True) or use the expectation (False).
+        backend: "auto", "reference", or another registered backend's name.
+        batch_first: overrides ``spec.batch_first``.
+
+    Returns:
+        (y, h_n) or, for LSTM, (y, (h_n, c_n)); y is (T, B, D·Hr) (``merge="sum"``: Hr).
+    """
+    layout = layout if layout is not None else Layout(spec)
+    batch_first = spec.batch_first if batch_first is None else batch_first
+    check_weights(spec, weights, layout)
+    x, unbatched = check_input(spec, input, weights, batch_first)
+    lengths = check_lengths(lengths, x.shape[0], x.shape[1], unbatched)
+    h0s, c0s = split_states(spec, hx, x, unbatched)
+    chosen = backends_.select(backend, spec, x.device, x.dtype)
+    y, h_ns, c_ns = run_stack(chosen, spec, layout, weights, x, h0s, c0s, lengths, training)
+    if unbatched:
+        y = y.squeeze(1)
+    elif batch_first:
+        y = y.transpose(0, 1)
+    h_n = join_states(spec, h_ns, unbatched)
+    if spec.mode == "lstm":
+        return y, (h_n, join_states(spec, c_ns, unbatched))
+    return y, h_n
+
+
+# ---- cuDNN's four calls --------------------------------------------------------------
+
+def _leaves(tree):
+    return [t for t in (tree if isinstance(tree, (list, tuple)) else [tree]) for t in (t if isinstance(t, (list, tuple)) else [t])]
+
+
+def _map(tree, fn):
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map(t, fn) for t in tree)
+    return fn(tree)
+
+
+def _zero_state(spec: RNNSpec, x_time_major: torch.Tensor, unbatched: bool):
+    h0s, c0s = split_states(spec, None, x_time_major, unbatched)
+    h = join_states(spec, h0s, unbatched)
+    return (h, join_states(spec, c0s, unbatched)) if spec.mode == "lstm" else h
+
+
+class Reserve:
+    """What :func:`backward_data` and :func:`backward_weights` need from :func:`forward_training`.
+
+    Opaque; it holds the recorded computation until backward_data frees it.
+    """
+
+    def __init__(self, spec, inputs, weights, outputs):
+        self.spec = spec
+        self._inputs = inputs  # (x, hx)
+        self._weights = weights
+        self._outputs = outputs  # (y, hy)
+        self._dweights: Optional[torch.Tensor] = None
+
+
+def forward_training(spec: RNNSpec, weights: torch.Tensor, input: torch.Tensor, hx=None, lengths=None, *, backend: str = "auto"):
+    """Forward pass in training mode that records what backward needs (cudnnRNNForwardTraining).
+
+    Shapes as in :func:`rnn`. Dropouts and zoneout draw their masks.
+
+    Returns:
+        (y, hy, reserve): ``hy`` is h_n, or (h_n, c_n) for LSTM; pass ``reserve`` to
+        :func:`backward_data` and then :func:`backward_weights`.
+
+    Example:
+        >>> y, hy, reserve = forward_training(spec, w, x)
+        >>> dx, dhx, dcx = backward_data(reserve, dy)
+        >>> dw = backward_weights(reserve)
+    """
+    layout = Layout(spec)
+    check_weights(spec, weights, layout)
+    x_tm, unbatched = check_input(spec, input, weights, spec.batch_first)
+    if hx is None:
+        hx = _zero_state(spec, x_tm, unbatched)
+    x_leaf = input.detach().requires_grad_(True)
+    hx_leaf = _map(hx, lambda t: t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) else t)
+    w_leaf = weights.detach().requires_grad_(True)
+    with torch.enable_grad():
+        y, hy = rnn(spec, w_leaf, x_leaf, hx_leaf, lengths, training=True, backend=backend, layout=layout)
+    reserve = Reserve(spec, (x_leaf, hx_leaf), w_leaf, (y, hy))
+    return y.detach(), _map(hy, torch.Tensor.detach), reserve
+
+
+def forward_inference(spec: RNNSpec, weights: torch.Tensor, input: torch.Tensor, hx=None, lengths=None, *, backend: str = "auto"):
+    """Forward pass in inference mode, keeping no per-step activations (cudnnRNNForwardInference).
+
+    Zoneout uses its expectation; dropouts are off. Returns (y, hy) as :func:`rnn`.
+    """
+    with torch.no_grad():
+        return rnn(spec, weights, input, hx, lengths, training=False, backend=backend)
+
+
+def backward_data(reserve: Reserve, dy: torch.Tensor, dhy=None, dcy=None):
+    """Gradients with respect to the input and the initial states (cudnnRNNBackwardData).
+
+    Args:
+        reserve: from :func:`forward_training`; consumed (call once).
+        dy: gradient of y, shaped like y.
+        dhy: gradient of h_n, shaped like h_n (None = zeros).
+        dcy: gradient of c_n for LSTM (None = zeros).
+
+    Returns:
+        (dx, dhx, dcx): shaped like the input, h_0 and c_0 (dcx is None unless LSTM).
+    """
+    if not isinstance(reserve, Reserve):
+        raise TypeError(f"reserve: expected the Reserve returned by forward_training, got {type(reserve).__name__}")
+    if reserve._outputs is None:
+        raise RuntimeError("reserve: backward_data was already called with this reserve (it is consumed)")
+    spec = reserve.spec
+    lstm = spec.mode == "lstm"
+    if dcy is not None and not lstm:
+        raise ValueError(f"dcy: only LSTM has a cell state, got mode={spec.mode!r}")
+    y, hy = reserve._outputs
+    h_n, c_n = hy if lstm else (hy, None)
+    check_tensor("dy", dy, _shape(y), y)
+    pairs = [(y, dy)]
+    for name, grad, out in (("dhy", dhy, h_n), ("dcy", dcy, c_n)):
+        if grad is None:
+            continue
+        if isinstance(out, list):
+            if not isinstance(grad, (list, tuple)) or len(grad) != len(out):
+                raise TypeError(f"{name}: expected a list of {len(out)} tensors like the final states")
+            pairs += [(o, check_tensor(f"{name}[{k}]", g, _shape(o), o)) for k, (o, g) in enumerate(zip(out, grad))]
+        else:
+            pairs.append((out, check_tensor(name, grad, _shape(out), out)))
+    x, hx = reserve._inputs
+    inputs = [x] + _leaves(hx) + [reserve._weights]
+    grads = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
+    reserve._dweights = grads[-1]
+    reserve._outputs = None
+    state_grads = iter(grads[1:-1])
+    dhx = _map(hx, lambda _: next(state_grads))
+    if lstm:
+        return grads[0], dhx[0], dhx[1]
+    return grads[0], dhx, None
+
+
+def backward_weights(reserve: Reserve, dweights: Optional[torch.Tensor] = None, *, accumulate: bool = False) -> torch.Tensor:
+    """Gradient with respect to the packed weights (cudnnRNNBackwardWeights).
+
+    Call after :func:`backward_data` with the same reserve.
+
+    Args:
+        dweights: a packed buffer to write into (shape and dtype of the weights); a new
+            one is returned when None.
+        accumulate: add into ``dweights`` (cuDNN's CUDNN_WGRAD_MODE_ADD) instead of
+            overwriting it (CUDNN_WGRAD_MODE_SET).
+    """
+    if not isinstance(reserve, Reserve):
+        raise TypeError(f"reserve: expected the Reserve returned by forward_training, got {type(reserve).__name__}")
+    if reserve._dweights is None:
+        raise RuntimeError("reserve: call backward_data before backward_weights (as with cuDNN)")
+    grad = reserve._dweights
+    if dweights is None:
+        return grad.clone()
+    check_tensor("dweights", dweights, _shape(grad), grad)
+    with torch.no_grad():
+        return dweights.add_(grad) if accumulate else dweights.copy_(grad)

@@ -1,0 +1,65 @@
+"""Random masks of one forward call: variational dropout, DropConnect, zoneout, layer dropout.
+
+Masks are drawn here, in one place and in a fixed order, from torch's default generator on
+the input's device, and handed to the backends as tensors. Every backend therefore sees the
+same masks under the same seed, which is what lets a fused kernel be tested against the
+reference in training mode.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from .spec import CellSpec, RNNSpec
+
+Zoneout = Union[torch.Tensor, float, None]
+
+
+class PassMasks(NamedTuple):
+    """What one layer-direction pass needs beyond its weights.
+
+    recurrent: [B, Hr] variational mask on the h that enters R, already scaled by 1/(1-p).
+    zoneout_h: [T, B, Hr] keep-old-value indicators d in training; the probability p in
+        evaluation (the expectation, SPEC.md); None when zoneout is off.
+    zoneout_c: [T, B, H] or p or None, likewise for the LSTM cell state.
+    """
+
+    recurrent: Optional[torch.Tensor] = None
+    zoneout_h: Zoneout = None
+    zoneout_c: Zoneout = None
+
+
+def _dropout_mask(shape, p: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(1.0 - p).div_(1.0 - p)
+
+
+def _keep_old(shape, p: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(p)
+
+
+class PassDraw(NamedTuple):
+    """The masks of one layer-direction pass, as drawn for one forward call."""
+
+    input: Optional[torch.Tensor]  # [B, I] applied to x before the input projection
+    dropconnect: Optional[torch.Tensor]  # [G·H, Hr] applied to R, scaled by 1/(1-p)
+    masks: PassMasks
+
+
+def draw_pass(spec: RNNSpec, cell: CellSpec, T: int, B: int, like: torch.Tensor, training: bool) -> PassDraw:
+    """Draw the masks of one layer and direction (order: input, recurrent, DropConnect, zoneout h, c)."""
+    p_h, p_c = cell.zoneout_h, cell.zoneout_c
+    if not training:
+        return PassDraw(None, None, PassMasks(None, p_h or None, p_c or None))
+    hr, gh = cell.output_size, cell.gates * cell.hidden_size
+    input_mask = _dropout_mask((B, cell.input_size), spec.input_dropout, like) if spec.input_dropout else None
+    recurrent = _dropout_mask((B, hr), spec.recurrent_dropout, like) if spec.recurrent_dropout else None
+    dropconnect = _dropout_mask((gh, hr), spec.dropconnect, like) if spec.dropconnect else None
+    zoneout_h = _keep_old((T, B, hr), p_h, like) if p_h else None
+    zoneout_c = _keep_old((T, B, cell.hidden_size), p_c, like) if p_c else None
+    return PassDraw(input_mask, dropconnect, PassMasks(recurrent, zoneout_h, zoneout_c))
+
+
+def layer_dropout(y: torch.Tensor, p: float) -> torch.Tensor:
+    """Ordinary dropout on a layer's output sequence (cuDNN semantics, between layers)."""
+    return y * _dropout_mask(y.shape, p, y)

@@ -1,0 +1,189 @@
+"""The packed parameter buffer: its layout, its named views, and its initialization.
+
+Layout (SPEC.md, "Parameters: one packed buffer"): all parameters of a stack live in one
+contiguous 1-D tensor. For each layer, for each direction (forward first), the pieces
+follow torch.nn / cuDNN order, then this layer-direction's extras::
+
+    weight_ih   (G·H, I_k)      gates stacked in SPEC.md's order (LSTM i f g o, GRU r z n)
+    weight_hh   (G·H, Hr)
+    bias_ih     (G·H,)          bias_mode "double" or "single_input"
+    bias_hh     (G·H,)          bias_mode "double" or "single_recurrent"
+    weight_hr   (P, H)          LSTM with projection
+    weight_peephole             (3, H) rows i, f, o; (2, H) rows i, o with coupled gates
+    layer_norm_ih_weight/bias   (G·H,) each
+    layer_norm_hh_weight/bias   (G·H,) each
+    layer_norm_c_weight/bias    (H,) each, LSTM
+
+Views are named like torch.nn's parameters, with ``_l{k}`` and ``_reverse`` suffixes on a
+stack (``weight_hh_l1_reverse``) and no suffix on a cell (``weight_ih``), so torch.nn
+state_dicts load as they are. Views are cut from the buffer on demand, so they are
+always views of the current buffer (after ``.to()``, ``load_state_dict``, deepcopy, ...).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
+
+import torch
+
+from .spec import CellSpec, RNNSpec
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    name: str  # the state_dict key, e.g. "weight_hh_l1_reverse"
+    piece: str  # the piece without suffixes, e.g. "weight_hh"
+    layer: int
+    direction: int
+    shape: Tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class PassWeights(NamedTuple):
+    """The weights of one layer in one direction (views into the packed buffer).
+
+    Absent pieces are None. ``ln_x``, ``ln_h``, ``ln_c`` are (gain, shift) pairs.
+    """
+
+    W: torch.Tensor  # [G·H, I]
+    R: torch.Tensor  # [G·H, Hr]
+    b_W: Optional[torch.Tensor]  # [G·H]
+    b_R: Optional[torch.Tensor]  # [G·H]
+    W_hr: Optional[torch.Tensor]  # [P, H]
+    peephole: Optional[torch.Tensor]  # [3 or 2, H]
+    ln_x: Optional[Tuple[torch.Tensor, torch.Tensor]]
+    ln_h: Optional[Tuple[torch.Tensor, torch.Tensor]]
+    ln_c: Optional[Tuple[torch.Tensor, torch.Tensor]]
+
+
+def cell_pieces(cell: CellSpec) -> List[Tuple[str, Tuple[int, ...]]]:
+    """(piece, shape) of one layer-direction, in buffer order. The one place the order lives."""
+    gh, hidden = cell.gates * cell.hidden_size, cell.hidden_size
+    pieces = [("weight_ih", (gh, cell.input_size)), ("weight_hh", (gh, cell.output_size))]
+    if cell.has_bias_ih:
+        pieces.append(("bias_ih", (gh,)))
+    if cell.has_bias_hh:
+        pieces.append(("bias_hh", (gh,)))
+    if cell.proj_size:
+        pieces.append(("weight_hr", (cell.proj_size, hidden)))
+    if cell.peephole:
+        pieces.append(("weight_peephole", (cell.peephole_rows, hidden)))
+    if cell.layer_norm:
+        for which in ("ih", "hh"):
+            pieces += [(f"layer_norm_{which}_weight", (gh,)), (f"layer_norm_{which}_bias", (gh,))]
+        if cell.mode == "lstm":
+            pieces += [("layer_norm_c_weight", (hidden,)), ("layer_norm_c_bias", (hidden,))]
+    return pieces
+
+
+TORCH_PIECES = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")
+
+
+class Layout:
+    """Where every parameter of a stack (or a cell) lives in the packed buffer.
+
+    Args:
+        spec: the stack's descriptor.
+        suffixes: name views ``weight_ih_l0`` (a stack) or ``weight_ih`` (a cell; needs
+            a single layer and direction).
+    """
+
+    def __init__(self, spec: RNNSpec, suffixes: bool = True):
+        if not suffixes and (spec.num_layers != 1 or spec.bidirectional):
+            raise ValueError("Layout: suffix-free names need one layer and one direction")
+        self.spec = spec
+        self.entries: List[ParamEntry] = []
+        offset = 0
+        for layer in range(spec.num_layers):
+            for direction in range(spec.num_directions):
+                for piece, shape in cell_pieces(spec.cell(layer)):
+                    name = piece
+                    if suffixes:
+                        name += f"_l{layer}" + ("_reverse" if direction else "")
+                    self.entries.append(ParamEntry(name, piece, layer, direction, shape, offset))
+                    offset += math.prod(shape)
+        self.numel = offset
+        self.index: Dict[str, ParamEntry] = {e.name: e for e in self.entries}
+
+    def __iter__(self) -> Iterator[ParamEntry]:
+        return iter(self.entries)
+
+    def view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        entry = self.index[name]
+        return flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
+
+    def named_views(self, flat: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {e.name: flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries}
+
+    def pieces(self, flat: torch.Tensor, layer: int, direction: int) -> Dict[str, torch.Tensor]:
+        return {
+            e.piece: flat[e.offset : e.offset + e.numel].view(e.shape)
+            for e in self.entries
+            if e.layer == layer and e.direction == direction
+        }
+
+    def pass_weights(self, flat: torch.Tensor, layer: int, direction: int) -> PassWeights:
+        p = self.pieces(flat, layer, direction)
+        pair = lambda which: (  # noqa: E731
+            (p[f"layer_norm_{which}_weight"], p[f"layer_norm_{which}_bias"])
+            if f"layer_norm_{which}_weight" in p
+            else None
+        )
+        return PassWeights(
+            W=p["weight_ih"],
+            R=p["weight_hh"],
+            b_W=p.get("bias_ih"),
+            b_R=p.get("bias_hh"),
+            W_hr=p.get("weight_hr"),
+            peephole=p.get("weight_peephole"),
+            ln_x=pair("ih"),
+            ln_h=pair("hh"),
+            ln_c=pair("c"),
+        )
+
+    def new_buffer(self, device=None, dtype=None, forget_bias: Optional[float] = None) -> torch.Tensor:
+        """A freshly initialized packed buffer (see :func:`initialize`)."""
+        flat = torch.empty(self.numel, device=device, dtype=dtype or torch.get_default_dtype())
+        initialize(self, flat, forget_bias=forget_bias)
+        return flat
+
+
+@torch.no_grad()
+def initialize(layout: Layout, flat: torch.Tensor, forget_bias: Optional[float] = None) -> None:
+    """Initialize a packed buffer in place, as torch.nn does.
+
+    Weights, biases and peepholes are uniform in ±1/sqrt(H) of their layer. The torch.nn
+    pieces are drawn first and in torch.nn's parameter order, so under the same seed an
+    rnnkit stack without extras starts from the same weights as its torch.nn twin.
+    Layer-norm gains start at 1 and shifts at 0. ``forget_bias`` (LSTM without coupled
+    gates) sets the forget-gate slice of the bias to that value (split between the biases
+    of "double" mode as bias_ih = forget_bias, bias_hh = 0).
+    """
+    spec = layout.spec
+    if forget_bias is not None and (spec.mode != "lstm" or spec.coupled_gates):
+        raise ValueError(
+            f"forget_bias: needs an LSTM with a forget gate, got mode={spec.mode!r}, "
+            f"coupled_gates={spec.coupled_gates}"
+        )
+    if forget_bias is not None and spec.bias_mode == "none":
+        raise ValueError("forget_bias: needs a bias, got bias_mode='none'")
+    standard = [e for e in layout if e.piece in TORCH_PIECES]
+    extras = [e for e in layout if e.piece not in TORCH_PIECES]
+    for entry in standard + extras:
+        view = layout.view(flat, entry.name)
+        if entry.piece.startswith("layer_norm_"):
+            view.fill_(1.0 if entry.piece.endswith("_weight") else 0.0)
+        else:
+            bound = 1.0 / math.sqrt(spec.hidden_sizes[entry.layer])
+            view.uniform_(-bound, bound)
+    if forget_bias is not None:
+        for entry in layout:
+            if entry.piece in ("bias_ih", "bias_hh"):
+                hidden = spec.hidden_sizes[entry.layer]
+                first = entry.piece == "bias_ih" or spec.bias_mode == "single_recurrent"
+                layout.view(flat, entry.name)[hidden : 2 * hidden] = forget_bias if first else 0.0

@@ -1,0 +1,340 @@
+"""The descriptor of a recurrent stack (the analogue of ``cudnnRNNDescriptor_t``).
+
+An :class:`RNNSpec` is validated once, at construction, and is immutable afterwards.
+Everything downstream (the packed buffer layout, the backends, the converters) reads
+sizes and options from it and never re-validates them. The equations every option
+refers to are in SPEC.md.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple, Union
+
+MODES = ("rnn_tanh", "rnn_relu", "lstm", "gru")
+BIAS_MODES = ("double", "single_input", "single_recurrent", "none")
+MERGES = ("concat", "sum")
+GATES = {"rnn_tanh": 1, "rnn_relu": 1, "lstm": 4, "gru": 3}
+
+
+@dataclass(frozen=True)
+class CellSpec:
+    """One layer's cell: what a backend needs to run one layer in one direction."""
+
+    mode: str
+    input_size: int
+    hidden_size: int
+    proj_size: int = 0
+    peephole: bool = False
+    coupled_gates: bool = False
+    reset_after: bool = True
+    layer_norm: bool = False
+    bias_mode: str = "double"
+    cell_clip: Optional[float] = None
+    proj_clip: Optional[float] = None
+    zoneout_h: float = 0.0
+    zoneout_c: float = 0.0
+
+    @property
+    def gates(self) -> int:
+        """Number of gate blocks G in W and R (a coupled LSTM has 3: i, g, o)."""
+        return 3 if (self.mode == "lstm" and self.coupled_gates) else GATES[self.mode]
+
+    @property
+    def output_size(self) -> int:
+        """Hr: the size of h (the projection size when projecting, else hidden_size)."""
+        return self.proj_size or self.hidden_size
+
+    @property
+    def has_bias_ih(self) -> bool:
+        return self.bias_mode in ("double", "single_input")
+
+    @property
+    def has_bias_hh(self) -> bool:
+        return self.bias_mode in ("double", "single_recurrent")
+
+    @property
+    def peephole_rows(self) -> int:
+        """Peephole rows: i, f, o (3) or, with coupled gates, i, o (2)."""
+        return 2 if self.coupled_gates else 3
+
+
+def _fail(argument: str, expected: str, got) -> ValueError:
+    return ValueError(f"{argument}: expected {expected}, got {got!r}")
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise _fail(name, "a positive int", value)
+    return int(value)
+
+
+def _probability(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a probability in [0, 1), got {type(value).__name__} {value!r}")
+    if not 0.0 <= float(value) < 1.0:
+        raise _fail(name, "a probability in [0, 1)", value)
+    return float(value)
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _clip(name: str, value) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"{name}: expected None or a positive finite float, got {value!r}")
+    if value <= 0:
+        raise _fail(name, "None or a positive float", value)
+    return float(value)
+
+
+def _per_layer(name: str, value, num_layers: int, check) -> Tuple[Tuple[int, ...], bool]:
+    """An int, or a list/tuple with one entry per layer -> (per-layer tuple, given_as_list)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != num_layers:
+            raise ValueError(
+                f"{name}: expected one entry per layer ({num_layers} for num_layers={num_layers}), "
+                f"got {len(value)} entries {list(value)!r}"
+            )
+        return tuple(check(f"{name}[{k}]", v) for k, v in enumerate(value)), True
+    return (check(name, value),) * num_layers, False
+
+
+def _non_negative_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected a non-negative int, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise _fail(name, "a non-negative int", value)
+    return int(value)
+
+
+@dataclass(frozen=True, init=False)
+class RNNSpec:
+    """Validated description of a recurrent stack: cell kind, sizes and options.
+
+    Args:
+        mode: ``"rnn_tanh"``, ``"rnn_relu"``, ``"lstm"`` or ``"gru"``.
+        input_size: I, the feature size of the input.
+        hidden_size: H, an int or a list with one entry per layer.
+        num_layers: L, the number of stacked layers.
+        bidirectional: run a reverse direction too (D = 2).
+        merge: how the two directions' outputs combine: ``"concat"`` (cuDNN) or ``"sum"`` (oneDNN).
+        proj_size: LSTM projection size P (0 = none), an int or a per-layer list; P < H.
+        proj_clip: clamp the projected h to ±proj_clip (needs a projection).
+        cell_clip: clamp c to ±cell_clip (LSTM).
+        peephole: diagonal peephole connections (LSTM).
+        coupled_gates: f := 1 - i, no forget-gate parameters (LSTM; Greff's CIFG).
+        reset_after: GRU reset convention; True applies r after R·h (cuDNN, PyTorch).
+        layer_norm: layer-normalize the input and recurrent pre-activations (and c on LSTM).
+        bias_mode: ``"double"``, ``"single_input"``, ``"single_recurrent"`` or ``"none"``.
+        dropout: dropout on every layer's output but the last (training only).
+        input_dropout: variational dropout on each layer's input (one mask per sequence).
+        recurrent_dropout: variational dropout on the h that enters R (one mask per sequence).
+        dropconnect: DropConnect on R (one mask per forward call, training only).
+        zoneout: a probability for h, or on LSTM a pair ``(p_h, p_c)``.
+        batch_first: inputs and outputs are (B, T, ·) instead of (T, B, ·).
+
+    Example:
+        >>> spec = RNNSpec("lstm", input_size=8, hidden_size=16, num_layers=2, peephole=True)
+        >>> spec.cell(1).input_size
+        16
+    """
+
+    mode: str
+    input_size: int
+    hidden_sizes: Tuple[int, ...]
+    proj_sizes: Tuple[int, ...]
+    num_layers: int
+    bidirectional: bool
+    merge: str
+    proj_clip: Optional[float]
+    cell_clip: Optional[float]
+    peephole: bool
+    coupled_gates: bool
+    reset_after: bool
+    layer_norm: bool
+    bias_mode: str
+    dropout: float
+    input_dropout: float
+    recurrent_dropout: float
+    dropconnect: float
+    zoneout: Tuple[float, float]
+    batch_first: bool
+    per_layer: bool
+
+    def __init__(
+        self,
+        mode: str,
+        input_size: int,
+        hidden_size: Union[int, Sequence[int]],
+        num_layers: int = 1,
+        *,
+        bidirectional: bool = False,
+        merge: str = "concat",
+        proj_size: Union[int, Sequence[int]] = 0,
+        proj_clip: Optional[float] = None,
+        cell_clip: Optional[float] = None,
+        peephole: bool = False,
+        coupled_gates: bool = False,
+        reset_after: bool = True,
+        layer_norm: bool = False,
+        bias_mode: str = "double",
+        dropout: float = 0.0,
+        input_dropout: float = 0.0,
+        recurrent_dropout: float = 0.0,
+        dropconnect: float = 0.0,
+        zoneout: Union[float, Tuple[float, float]] = 0.0,
+        batch_first: bool = False,
+    ):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        if mode not in MODES:
+            raise _fail("mode", f"one of {MODES}", mode)
+        set_("mode", mode)
+        set_("input_size", _positive_int("input_size", input_size))
+        num_layers = _positive_int("num_layers", num_layers)
+        set_("num_layers", num_layers)
+        hidden_sizes, hidden_listed = _per_layer("hidden_size", hidden_size, num_layers, _positive_int)
+        proj_sizes, proj_listed = _per_layer("proj_size", proj_size, num_layers, _non_negative_int)
+        set_("hidden_sizes", hidden_sizes)
+        set_("proj_sizes", proj_sizes)
+        set_("per_layer", hidden_listed or proj_listed)
+        set_("bidirectional", _flag("bidirectional", bidirectional))
+        if merge not in MERGES:
+            raise _fail("merge", f"one of {MERGES}", merge)
+        set_("merge", merge)
+        for name in ("peephole", "coupled_gates", "reset_after", "layer_norm", "batch_first"):
+            set_(name, _flag(name, locals()[name]))
+        if bias_mode not in BIAS_MODES:
+            raise _fail("bias_mode", f"one of {BIAS_MODES}", bias_mode)
+        set_("bias_mode", bias_mode)
+        for name in ("dropout", "input_dropout", "recurrent_dropout", "dropconnect"):
+            set_(name, _probability(name, locals()[name]))
+        set_("proj_clip", _clip("proj_clip", proj_clip))
+        set_("cell_clip", _clip("cell_clip", cell_clip))
+        set_("zoneout", self._zoneout(zoneout))
+        self._check_combinations()
+        if self.dropout > 0 and num_layers == 1:
+            warnings.warn(
+                "dropout > 0 acts only between layers, so with num_layers=1 it does nothing "
+                f"(dropout={self.dropout}, num_layers=1)",
+                stacklevel=3,
+            )
+
+    def _zoneout(self, zoneout) -> Tuple[float, float]:
+        if isinstance(zoneout, (tuple, list)):
+            if self.mode != "lstm":
+                raise ValueError(f"zoneout: a (p_h, p_c) pair needs mode='lstm', got mode={self.mode!r}")
+            if len(zoneout) != 2:
+                raise _fail("zoneout", "a probability or a pair (p_h, p_c)", zoneout)
+            return (_probability("zoneout[0]", zoneout[0]), _probability("zoneout[1]", zoneout[1]))
+        return (_probability("zoneout", zoneout), 0.0)
+
+    def _check_combinations(self) -> None:
+        lstm_only = {
+            "peephole": self.peephole,
+            "coupled_gates": self.coupled_gates,
+            "cell_clip": self.cell_clip is not None,
+            "proj_size": any(self.proj_sizes),
+            "proj_clip": self.proj_clip is not None,
+        }
+        for name, used in lstm_only.items():
+            if used and self.mode != "lstm":
+                raise ValueError(f"{name}: only LSTM has this option, got mode={self.mode!r}")
+        if not self.reset_after and self.mode != "gru":
+            raise ValueError(f"reset_after=False: only GRU has a reset gate, got mode={self.mode!r}")
+        if self.layer_norm and self.mode == "gru" and not self.reset_after:
+            raise ValueError(
+                "layer_norm: has no reference definition for GRU with reset_after=False "
+                "(SPEC.md, Layer normalization); use reset_after=True"
+            )
+        for k, (hidden, proj) in enumerate(zip(self.hidden_sizes, self.proj_sizes)):
+            if proj and proj >= hidden:
+                name = f"proj_size[{k}]" if self.per_layer else "proj_size"
+                raise ValueError(f"{name}: expected a size smaller than hidden_size ({hidden}), got {proj}")
+        if self.proj_clip is not None and not any(self.proj_sizes):
+            raise ValueError("proj_clip: needs a projection (proj_size > 0), got proj_size=0")
+
+    # ---- derived sizes -------------------------------------------------------------
+
+    @property
+    def num_directions(self) -> int:
+        return 2 if self.bidirectional else 1
+
+    @property
+    def gates(self) -> int:
+        return self.cell(0).gates
+
+    def output_size(self, layer: int) -> int:
+        """Hr of one layer (the size of its h in each direction)."""
+        return self.proj_sizes[layer] or self.hidden_sizes[layer]
+
+    def merged_size(self, layer: int) -> int:
+        """Feature size of one layer's output sequence, after merging directions."""
+        concat = self.bidirectional and self.merge == "concat"
+        return self.output_size(layer) * (2 if concat else 1)
+
+    def layer_input_size(self, layer: int) -> int:
+        return self.input_size if layer == 0 else self.merged_size(layer - 1)
+
+    @property
+    def output_feature_size(self) -> int:
+        """Feature size of the stack's output y."""
+        return self.merged_size(self.num_layers - 1)
+
+    def cell(self, layer: int) -> CellSpec:
+        """The cell of one layer (both directions share it)."""
+        return CellSpec(
+            mode=self.mode,
+            input_size=self.layer_input_size(layer),
+            hidden_size=self.hidden_sizes[layer],
+            proj_size=self.proj_sizes[layer],
+            peephole=self.peephole,
+            coupled_gates=self.coupled_gates,
+            reset_after=self.reset_after,
+            layer_norm=self.layer_norm,
+            bias_mode=self.bias_mode,
+            cell_clip=self.cell_clip,
+            proj_clip=self.proj_clip if self.proj_sizes[layer] else None,
+            zoneout_h=self.zoneout[0],
+            zoneout_c=self.zoneout[1],
+        )
+
+    @property
+    def uses_dropout_masks(self) -> bool:
+        """Whether training draws random masks (dropouts, DropConnect, zoneout)."""
+        return any((self.dropout, self.input_dropout, self.recurrent_dropout, self.dropconnect, *self.zoneout))
+
+    def options(self) -> dict:
+        """The keyword arguments that rebuild this spec: ``RNNSpec(**spec.options())``."""
+        listed = self.per_layer
+        return dict(
+            mode=self.mode,
+            input_size=self.input_size,
+            hidden_size=list(self.hidden_sizes) if listed else self.hidden_sizes[0],
+            num_layers=self.num_layers,
+            bidirectional=self.bidirectional,
+            merge=self.merge,
+            proj_size=list(self.proj_sizes) if listed else self.proj_sizes[0],
+            proj_clip=self.proj_clip,
+            cell_clip=self.cell_clip,
+            peephole=self.peephole,
+            coupled_gates=self.coupled_gates,
+            reset_after=self.reset_after,
+            layer_norm=self.layer_norm,
+            bias_mode=self.bias_mode,
+            dropout=self.dropout,
+            input_dropout=self.input_dropout,
+            recurrent_dropout=self.recurrent_dropout,
+            dropconnect=self.dropconnect,
+            zoneout=list(self.zoneout) if self.zoneout[1] else self.zoneout[0],
+            batch_first=self.batch_first,
+        )
