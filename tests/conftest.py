@@ -1,0 +1,31 @@
+"""Suite-wide fixtures. Uninitialised memory is poisoned with NaN (fla's habit), so a kernel
+that leaves padding or tails unwritten fails loudly instead of passing by luck."""
+import pytest
+import torch
+
+_empty, _empty_like, _new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+
+def _poisoned(fn):
+    def wrapper(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if out.is_floating_point():
+            out.fill_(float("nan"))
+        return out
+
+    return wrapper
+
+
+@pytest.fixture(autouse=True)
+def nan_poisoned_allocations(monkeypatch):
+    """Every torch.empty / empty_like / new_empty made from Python during a test is NaN-filled."""
+    monkeypatch.setattr(torch, "empty", _poisoned(_empty))
+    monkeypatch.setattr(torch, "empty_like", _poisoned(_empty_like))
+    monkeypatch.setattr(torch.Tensor, "new_empty", _poisoned(_new_empty))
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
