@@ -2,9 +2,12 @@
 
 A backend is an object with ``name``, ``unavailable_reason()`` (None when it can run on
 this machine), ``unsupported_reason(spec, device, dtype)`` (None when it can run this
-configuration) and ``run_pass(cell, x, h0, c0, weights, step_mask, reverse, masks)``,
-which must be differentiable. Backends are tried for ``"auto"`` in registration order,
-so faster ones are registered first; the reference backend is always last.
+configuration) and either ``run_pass(cell, x, h0, c0, weights, step_mask, reverse, masks)``
+(one layer in one direction; functional.run_stack loops over layers and directions) or
+``run_stack(spec, layout, weights, x, h0s, c0s, lengths, training)`` (the whole stack).
+Both must be differentiable. ``"auto"`` tries backends by descending priority:
+native (torch's own oneDNN / cuDNN ops, plain configurations) 30, fused kernels 20,
+reference 0.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Dict, List
 
 import torch
 
+from .native import NativeBackend
 from .ref import ReferenceBackend
 from .spec import RNNSpec
 
@@ -23,11 +27,18 @@ class BackendUnavailableError(RuntimeError):
 _REGISTRY: List[object] = []
 
 
-def register(backend, *, first: bool = True) -> None:
-    """Add a backend; ``first`` puts it ahead of the others for ``backend="auto"``."""
+def register(backend, priority: int) -> None:
+    """Add (or replace) a backend; ``"auto"`` tries higher priorities first."""
     global _REGISTRY
+    backend.priority = priority
     others = [b for b in _REGISTRY if b.name != backend.name]
-    _REGISTRY = [backend] + others if first else others + [backend]
+    _REGISTRY = sorted(others + [backend], key=lambda b: -b.priority)
+
+
+def get(name: str):
+    """The registered backend called ``name``."""
+    check_name(name)
+    return next(b for b in _REGISTRY if b.name == name)
 
 
 def names() -> List[str]:
@@ -48,7 +59,7 @@ def select(name: str, spec: RNNSpec, device: torch.device, dtype: torch.dtype):
             if backend.unavailable_reason() is None and backend.unsupported_reason(spec, device, dtype) is None:
                 return backend
         raise BackendUnavailableError("backend='auto': no registered backend can run this call")
-    backend = next(b for b in _REGISTRY if b.name == name)
+    backend = get(name)
     reason = backend.unavailable_reason() or backend.unsupported_reason(spec, device, dtype)
     if reason:
         raise BackendUnavailableError(f"backend={name!r} cannot run here: {reason}")
@@ -69,4 +80,5 @@ def backends() -> Dict[str, Dict[str, object]]:
     return report
 
 
-register(ReferenceBackend(), first=False)
+register(ReferenceBackend(), priority=0)
+register(NativeBackend(), priority=30)

@@ -153,7 +153,12 @@ def join_states(spec: RNNSpec, hs: List[torch.Tensor], unbatched: bool) -> State
 # ---- the stack -----------------------------------------------------------------------
 
 def run_stack(backend, spec, layout, weights, x, h0s, c0s, lengths, training):
-    """All layers and directions on time-major x -> (y [T, B, F], h_ns, c_ns)."""
+    """All layers and directions on time-major x -> (y [T, B, F], h_ns, c_ns).
+
+    h_ns / c_ns are lists over layer-directions of [B, Hr] / [B, H] (c_ns None unless LSTM).
+    """
+    if hasattr(backend, "run_stack"):
+        return backend.run_stack(spec, layout, weights, x, h0s, c0s, lengths, training)
     T, B = x.shape[:2]
     D = spec.num_directions
     step_mask = None

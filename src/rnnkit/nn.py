@@ -38,7 +38,7 @@ class _PackedModule(nn.Module):
         self.layout = Layout(spec, suffixes=suffixes)
         self.backend = backends_.check_name(backend)
         if backend != "auto":
-            reason = next(b for b in backends_._REGISTRY if b.name == backend).unavailable_reason()
+            reason = backends_.get(backend).unavailable_reason()
             if reason:
                 raise backends_.BackendUnavailableError(f"backend={backend!r} cannot run here: {reason}")
         self.flat_weights = nn.Parameter(torch.empty(self.layout.numel, device=device, dtype=dtype))
