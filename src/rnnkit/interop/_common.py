@@ -1,0 +1,139 @@
+"""What every converter shares: gate reordering, option checks, and building a module.
+
+Gate orders (SPEC.md, "Gate orders elsewhere") are written as strings of rnnkit's gate
+letters, so one function maps any format onto any other:
+
+    rnnkit LSTM "ifgo" (coupled: "igo"), GRU "rzn", RNN "h"
+
+A format's order uses the same letters for the same gates: ONNX's LSTM "i o f c" is
+"iofg" here, Keras's GRU "z r h" is "zrn". A letter missing from the source order is
+filled with zeros (exporting a coupled LSTM into a 4-gate format); a letter missing from
+the destination is dropped (importing it back).
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Union
+
+import numpy as np
+import torch
+
+from ..nn import GRU, LSTM, RNN
+from ..spec import RNNSpec
+
+Module = Union[LSTM, GRU, RNN]
+
+RNNKIT_GATES = {"lstm": "ifgo", "gru": "rzn", "rnn_tanh": "h", "rnn_relu": "h"}
+COUPLED_GATES = "igo"
+
+
+def rnnkit_gates(spec: RNNSpec) -> str:
+    """rnnkit's gate letters for this spec, in buffer order."""
+    return COUPLED_GATES if spec.mode == "lstm" and spec.coupled_gates else RNNKIT_GATES[spec.mode]
+
+
+def regate(blocks, src: str, dst: str, axis: int = 0):
+    """Reorder the gate blocks of ``blocks`` along ``axis`` from order ``src`` to ``dst``.
+
+    ``blocks.shape[axis]`` is ``len(src) * H``. Gates of ``dst`` absent from ``src`` come out
+    as zeros; gates of ``src`` absent from ``dst`` are dropped. Works on numpy arrays and
+    torch tensors.
+    """
+    size = blocks.shape[axis] // len(src)
+    if size * len(src) != blocks.shape[axis]:
+        raise ValueError(f"regate: axis {axis} of shape {tuple(blocks.shape)} is not {len(src)} gate blocks")
+    lib = torch if isinstance(blocks, torch.Tensor) else np
+    parts = []
+    for gate in dst:
+        if gate in src:
+            k = src.index(gate)
+            index = [slice(None)] * blocks.ndim
+            index[axis] = slice(k * size, (k + 1) * size)
+            parts.append(blocks[tuple(index)])
+        else:
+            shape = list(blocks.shape)
+            shape[axis] = size
+            parts.append(lib.zeros(shape, dtype=blocks.dtype))
+    return np.concatenate(parts, axis) if lib is np else torch.cat(parts, axis)
+
+
+def refuse(fmt: str, spec: RNNSpec, allowed: Iterable[str] = ()) -> None:
+    """Raise a ValueError naming the first option of ``spec`` that ``fmt`` cannot represent.
+
+    Every option that changes the function computed in evaluation is checked unless it is
+    in ``allowed``. Training-only options (dropout, input_dropout, recurrent_dropout,
+    dropconnect) do not change the inference function and are not exported anywhere.
+    """
+    allowed = set(allowed)
+    used = {
+        "proj_size": any(spec.proj_sizes),
+        "proj_clip": spec.proj_clip is not None,
+        "cell_clip": spec.cell_clip is not None,
+        "peephole": spec.peephole,
+        "coupled_gates": spec.coupled_gates,
+        "reset_after=False": spec.mode == "gru" and not spec.reset_after,
+        "reset_after=True": spec.mode == "gru" and spec.reset_after,
+        "layer_norm": spec.layer_norm,
+        "zoneout": any(spec.zoneout),
+        "merge='sum'": spec.bidirectional and spec.merge == "sum",
+        "per-layer sizes": spec.per_layer and (len(set(spec.hidden_sizes)) > 1 or len(set(spec.proj_sizes)) > 1),
+        "bidirectional": spec.bidirectional,
+        "num_layers>1": spec.num_layers > 1,
+        "nonlinearity='relu'": spec.mode == "rnn_relu",
+    }
+    for option, is_used in used.items():
+        if is_used and option not in allowed:
+            raise ValueError(f"{option}: {fmt} cannot represent this option of the {spec.mode} module")
+
+
+def refuse_mode(fmt: str, spec: RNNSpec, modes: Iterable[str]) -> None:
+    modes = tuple(modes)
+    if spec.mode not in modes:
+        raise ValueError(f"mode: {fmt} has no {spec.mode!r} layer (supported: {modes})")
+
+
+def spec_of(module) -> RNNSpec:
+    spec = getattr(module, "spec", None)
+    if not isinstance(spec, RNNSpec) or not hasattr(module, "flat_weights"):
+        raise TypeError(f"module: expected an rnnkit LSTM, GRU or RNN, got {type(module).__name__}")
+    if not hasattr(module, "num_layers"):
+        raise TypeError(f"module: expected a stack (rnnkit.LSTM / GRU / RNN), got the cell {type(module).__name__}")
+    return spec
+
+
+def numpy_pieces(module) -> Dict[str, np.ndarray]:
+    """{torch.nn name: float numpy copy} of every piece of the packed buffer."""
+    return {name: view.detach().cpu().numpy().copy() for name, view in module.named_weights().items()}
+
+
+def build_module(spec: RNNSpec, pieces: Dict[str, object], dtype: Optional[torch.dtype] = None) -> Module:
+    """A new rnnkit module for ``spec`` whose pieces (by torch.nn name) are set from ``pieces``.
+
+    Every piece of the layout must be given; shapes are checked.
+    """
+    options = spec.options()
+    mode = options.pop("mode")
+    input_size, hidden_size, num_layers = options.pop("input_size"), options.pop("hidden_size"), options.pop("num_layers")
+    bias_mode = options.pop("bias_mode")
+    common = dict(bias=bias_mode != "none", bias_mode=bias_mode, dtype=dtype or torch.float32)
+    if mode == "lstm":
+        module = LSTM(input_size, hidden_size, num_layers, **common, **options)
+    elif mode == "gru":
+        module = GRU(input_size, hidden_size, num_layers, **common, **options)
+    else:
+        module = RNN(input_size, hidden_size, num_layers, nonlinearity=mode[4:], **common, **options)
+    views = module.named_weights()
+    missing = [name for name in views if name not in pieces]
+    if missing:
+        raise ValueError(f"weights: no value for {missing[0]} (expected {len(views)} pieces: {list(views)})")
+    with torch.no_grad():
+        for name, view in views.items():
+            value = torch.as_tensor(np.asarray(pieces[name]) if not isinstance(pieces[name], torch.Tensor) else pieces[name])
+            if tuple(value.shape) != tuple(view.shape):
+                raise ValueError(f"weights: {name} expected shape {tuple(view.shape)}, got {tuple(value.shape)}")
+            view.copy_(value.to(view.dtype))
+    return module
+
+
+def suffix(layer: int, direction: int) -> str:
+    """The torch.nn name suffix of one layer-direction: ``_l1``, ``_l0_reverse``."""
+    return f"_l{layer}" + ("_reverse" if direction else "")

@@ -1,0 +1,222 @@
+"""Keras 3: LSTM, GRU and SimpleRNN weight lists (``layer.get_weights()`` order), and Bidirectional.
+
+Per layer and direction Keras holds (https://keras.io/api/layers/recurrent_layers/):
+
+    kernel            (I, G·H)    W transposed
+    recurrent_kernel  (H, G·H)    R transposed
+    bias              (G·H,)      one bias: b_W + b_R (LSTM, SimpleRNN, GRU reset_after=False)
+                      (2, G·H)    GRU reset_after=True: rows [b_W, b_R]
+
+Gate orders (SPEC.md, "Gate orders elsewhere"): Keras LSTM i f c o is rnnkit's i f g o;
+Keras GRU z r h is rnnkit's r z n with the first two blocks swapped. A single Keras bias
+is exact for every rnnkit bias mode because both biases are added outside any product;
+for the GRU with reset_after=False that holds too (b_Rn is outside r ∘ (·) there).
+Keras GRU ``reset_after`` is rnnkit's ``reset_after``. A ``Bidirectional`` wrapper's weights
+are the forward layer's followed by the backward layer's; its merge modes "concat" and
+"sum" are rnnkit's ``merge``.
+
+Not representable, refused naming the option: proj_size, peephole, coupled_gates,
+cell_clip, layer_norm, zoneout. Per-layer sizes are fine (one Keras layer per rnnkit
+layer). Keras's ``recurrent_activation``/``activation`` must be the defaults (sigmoid,
+tanh; SimpleRNN tanh or relu).
+
+Functions that take Keras layers import keras; set ``KERAS_BACKEND`` before that import.
+
+Example:
+    >>> weights = rnnkit.interop.keras.to_keras(gru)       # one list of arrays per layer
+    >>> keras_gru.set_weights(weights[0])                  # or set_keras_weights(gru, [keras_gru])
+    >>> gru2 = rnnkit.interop.keras.from_keras(weights, "gru", reset_after=True)
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from ..spec import RNNSpec
+from ._common import build_module, numpy_pieces, refuse, regate, rnnkit_gates, spec_of, suffix
+
+KERAS_GATES = {"lstm": "ifgo", "gru": "zrn", "rnn_tanh": "h", "rnn_relu": "h"}
+LAYER_CLASSES = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "SimpleRNN", "rnn_relu": "SimpleRNN"}
+FMT = "Keras"
+
+
+def check_spec(spec: RNNSpec) -> None:
+    """Raise a ValueError naming the first option of ``spec`` that Keras cannot represent."""
+    refuse(FMT, spec, allowed={"reset_after=True", "reset_after=False", "merge='sum'", "per-layer sizes",
+                               "bidirectional", "num_layers>1", "nonlinearity='relu'"})
+
+
+def _uses_two_biases(spec: RNNSpec) -> bool:
+    return spec.mode == "gru" and spec.reset_after
+
+
+def to_keras(module) -> List[List[np.ndarray]]:
+    """One list of numpy arrays per layer, as that Keras layer's ``set_weights`` takes them.
+
+    A bidirectional layer's list is the forward direction's arrays followed by the
+    backward direction's (Keras ``Bidirectional`` order). Without bias (bias_mode "none")
+    the layer is a Keras layer with ``use_bias=False``.
+    """
+    spec = spec_of(module)
+    check_spec(spec)
+    pieces = numpy_pieces(module)
+    ours, theirs = rnnkit_gates(spec), KERAS_GATES[spec.mode]
+    layers = []
+    for layer in range(spec.num_layers):
+        cell = spec.cell(layer)
+        arrays = []
+        for direction in range(spec.num_directions):
+            s = suffix(layer, direction)
+            arrays += [regate(pieces["weight_ih" + s], ours, theirs).T.copy(),
+                       regate(pieces["weight_hh" + s], ours, theirs).T.copy()]
+            if cell.bias_mode == "none":
+                continue
+            zeros = np.zeros(cell.gates * cell.hidden_size, dtype=arrays[-1].dtype)
+            b_W = regate(pieces["bias_ih" + s], ours, theirs) if cell.has_bias_ih else zeros
+            b_R = regate(pieces["bias_hh" + s], ours, theirs) if cell.has_bias_hh else zeros
+            arrays.append(np.stack([b_W, b_R]) if _uses_two_biases(spec) else b_W + b_R)
+        layers.append(arrays)
+    return layers
+
+
+def from_keras(
+    weights: Sequence[Sequence[np.ndarray]],
+    mode: str,
+    *,
+    reset_after: bool = True,
+    bidirectional: bool = False,
+    merge: str = "concat",
+    use_bias: bool = True,
+    bias_mode: Optional[str] = None,
+    batch_first: bool = False,
+    dtype=None,
+):
+    """Build an rnnkit module from Keras weight lists, one list per stacked layer.
+
+    Args:
+        weights: per layer, the arrays of ``layer.get_weights()`` (a Bidirectional
+            layer's: forward then backward).
+        mode: "lstm", "gru", "rnn_tanh" or "rnn_relu" (SimpleRNN's activation).
+        reset_after: the Keras GRU's ``reset_after``.
+        bidirectional, merge: the Keras ``Bidirectional`` wrapper and its merge_mode.
+        use_bias: the Keras layers' ``use_bias``.
+        bias_mode: where a single Keras bias goes: "double" (default; into bias_ih,
+            bias_hh zero, as torch.nn expects) or "single_input" / "single_recurrent".
+        batch_first: the module's layout (Keras itself is batch-first).
+    """
+    if mode not in KERAS_GATES:
+        raise ValueError(f"mode: expected one of {tuple(KERAS_GATES)}, got {mode!r}")
+    bias_mode = bias_mode or ("double" if use_bias else "none")
+    D = 2 if bidirectional else 1
+    per_direction = 2 + int(use_bias)
+    for k, arrays in enumerate(weights):
+        if len(arrays) != D * per_direction:
+            raise ValueError(f"weights[{k}]: expected {D * per_direction} arrays "
+                             f"(kernel, recurrent_kernel{', bias' if use_bias else ''} per direction), got {len(arrays)}")
+    hidden = [int(np.shape(arrays[1])[0]) for arrays in weights]
+    spec = RNNSpec(mode, int(np.shape(weights[0][0])[0]), hidden if len(set(hidden)) > 1 else hidden[0],
+                   len(weights), bidirectional=bidirectional, merge=merge, reset_after=reset_after if mode == "gru" else True,
+                   bias_mode=bias_mode, batch_first=batch_first)
+    ours, theirs = rnnkit_gates(spec), KERAS_GATES[mode]
+    pieces = {}
+    for layer, arrays in enumerate(weights):
+        cell = spec.cell(layer)
+        for direction in range(D):
+            s = suffix(layer, direction)
+            kernel, recurrent, *bias = arrays[direction * per_direction : (direction + 1) * per_direction]
+            pieces["weight_ih" + s] = regate(np.asarray(kernel).T, theirs, ours)
+            pieces["weight_hh" + s] = regate(np.asarray(recurrent).T, theirs, ours)
+            if not bias:
+                continue
+            bias = np.asarray(bias[0])
+            if _uses_two_biases(spec):
+                b_W, b_R = bias[0], bias[1]
+                if not (cell.has_bias_ih and cell.has_bias_hh) and np.any(bias[int(cell.has_bias_ih)]):
+                    raise ValueError(f"bias_mode: {bias_mode!r} drops a non-zero row of the GRU bias of layer {layer}")
+            else:
+                b_W, b_R = bias, np.zeros_like(bias)
+                if bias_mode == "single_recurrent":
+                    b_W, b_R = b_R, b_W
+            if cell.has_bias_ih:
+                pieces["bias_ih" + s] = regate(b_W, theirs, ours)
+            if cell.has_bias_hh:
+                pieces["bias_hh" + s] = regate(b_R, theirs, ours)
+    return build_module(spec, pieces, dtype)
+
+
+# ---- Keras layer objects ---------------------------------------------------------------
+
+def _check_layer(spec: RNNSpec, layer, index: int):
+    """The inner recurrent layer of a Keras layer (unwrapping Bidirectional), checked against spec."""
+    import keras
+
+    bidirectional = isinstance(layer, keras.layers.Bidirectional)
+    if bidirectional != spec.bidirectional:
+        raise ValueError(f"layers[{index}]: bidirectional={spec.bidirectional} needs "
+                         f"{'a' if spec.bidirectional else 'no'} keras.layers.Bidirectional wrapper")
+    if bidirectional and layer.merge_mode != spec.merge:
+        raise ValueError(f"merge: layers[{index}] has merge_mode={layer.merge_mode!r}, the module merge={spec.merge!r}")
+    inner = layer.forward_layer if bidirectional else layer
+    name = LAYER_CLASSES[spec.mode]
+    if type(inner).__name__ != name:
+        raise ValueError(f"layers[{index}]: expected a keras.layers.{name}, got {type(inner).__name__}")
+    activation = "relu" if spec.mode == "rnn_relu" else "tanh"
+    if inner.activation.__name__ != activation:
+        raise ValueError(f"activation: layers[{index}] uses {inner.activation.__name__}, rnnkit's is {activation}")
+    if spec.mode in ("lstm", "gru") and inner.recurrent_activation.__name__ != "sigmoid":
+        raise ValueError(f"recurrent_activation: layers[{index}] uses {inner.recurrent_activation.__name__}, "
+                         "rnnkit's gates use sigmoid")
+    if spec.mode == "gru" and inner.reset_after != spec.reset_after:
+        raise ValueError(f"reset_after: layers[{index}] has {inner.reset_after}, the module {spec.reset_after}")
+    if inner.units != spec.hidden_sizes[index]:
+        raise ValueError(f"units: layers[{index}] has {inner.units}, the module's hidden size is {spec.hidden_sizes[index]}")
+    if inner.use_bias != (spec.bias_mode != "none"):
+        raise ValueError(f"use_bias: layers[{index}] has {inner.use_bias}, the module bias_mode={spec.bias_mode!r}")
+    return inner, bidirectional
+
+
+def set_keras_weights(module, layers) -> None:
+    """Copy the module's weights into built Keras layers, one per stacked layer.
+
+    ``layers`` are keras LSTM / GRU / SimpleRNN layers (in a Bidirectional wrapper when
+    the module is bidirectional) with matching units, activations, reset_after, use_bias.
+    """
+    spec = spec_of(module)
+    layers = list(layers) if isinstance(layers, (list, tuple)) else [layers]
+    if len(layers) != spec.num_layers:
+        raise ValueError(f"layers: expected {spec.num_layers} Keras layers (one per layer), got {len(layers)}")
+    for index, (layer, arrays) in enumerate(zip(layers, to_keras(module))):
+        _check_layer(spec, layer, index)
+        layer.set_weights(arrays)
+
+
+def from_keras_layers(layers, *, batch_first: bool = True, dtype=None):
+    """Build an rnnkit module from built Keras recurrent layers (one per stacked layer).
+
+    The options come from the layers' configuration; ``batch_first`` defaults to True,
+    Keras's own layout.
+    """
+    import keras
+
+    layers = list(layers) if isinstance(layers, (list, tuple)) else [layers]
+    first = layers[0]
+    bidirectional = isinstance(first, keras.layers.Bidirectional)
+    inner = first.forward_layer if bidirectional else first
+    kind = type(inner).__name__
+    modes = {"LSTM": "lstm", "GRU": "gru"}
+    if kind == "SimpleRNN":
+        mode = "rnn_relu" if inner.activation.__name__ == "relu" else "rnn_tanh"
+    elif kind in modes:
+        mode = modes[kind]
+    else:
+        raise ValueError(f"layers[0]: expected a keras LSTM, GRU or SimpleRNN layer, got {kind}")
+    module = from_keras(
+        [layer.get_weights() for layer in layers], mode,
+        reset_after=getattr(inner, "reset_after", True), bidirectional=bidirectional,
+        merge=first.merge_mode if bidirectional else "concat", use_bias=inner.use_bias,
+        batch_first=batch_first, dtype=dtype,
+    )
+    for index, layer in enumerate(layers):
+        _check_layer(module.spec, layer, index)
+    return module

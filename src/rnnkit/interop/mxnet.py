@@ -1,0 +1,136 @@
+"""MXNet: the fused ``RNN`` operator's flat parameter vector and Gluon's parameter names.
+
+Gluon's ``rnn.LSTM / GRU / RNN`` layers register, per layer ``k`` and direction ``l``
+(forward) / ``r`` (reverse)::
+
+    {l,r}{k}_i2h_weight  (G·H, I_k)     {l,r}{k}_h2h_weight  (G·H, Hr)
+    {l,r}{k}_h2r_weight  (P, H)         LSTM with projection_size
+    {l,r}{k}_i2h_bias    (G·H,)         {l,r}{k}_h2h_bias    (G·H,)
+
+and hand the fused operator one flat vector: ALL weights first (for each layer, for each
+direction: i2h, h2h, h2r), then ALL biases (for each layer, for each direction: i2h,
+h2h). Gate order (SPEC.md, "Gate orders elsewhere") is cuDNN's: LSTM i f g o, GRU r z n
+(reset after the recurrent product), so no reordering. MXNet's ``lstm_state_clip_min/max``
+clip the cell: rnnkit's ``cell_clip`` (symmetric).
+
+Refused naming the option: peephole, coupled_gates, layer_norm, zoneout, proj_clip,
+reset_after=False, merge="sum", per-layer sizes. MXNet always has both biases, so rnnkit
+bias modes other than "double" export zeros for the missing one.
+
+Example:
+    >>> flat = rnnkit.interop.mxnet.to_mxnet_flat(lstm)     # numpy vector for the fused op
+    >>> named = rnnkit.interop.mxnet.to_gluon(lstm)         # {"l0_i2h_weight": array, ...}
+    >>> lstm2 = rnnkit.interop.mxnet.from_gluon(named, "lstm")
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import numpy as np
+
+from ..spec import RNNSpec
+from ._common import build_module, numpy_pieces, refuse, spec_of, suffix
+
+FMT = "MXNet"
+TORCH_TO_GLUON = {"weight_ih": "i2h_weight", "weight_hh": "h2h_weight", "weight_hr": "h2r_weight",
+                  "bias_ih": "i2h_bias", "bias_hh": "h2h_bias"}
+
+
+def check_spec(spec: RNNSpec) -> None:
+    """Raise a ValueError naming the first option of ``spec`` that MXNet cannot represent."""
+    refuse(FMT, spec, allowed={"proj_size", "cell_clip", "reset_after=True", "bidirectional", "num_layers>1",
+                               "nonlinearity='relu'"})
+
+
+def _gluon_name(layer: int, direction: int, piece: str) -> str:
+    return f"{'r' if direction else 'l'}{layer}_{TORCH_TO_GLUON[piece]}"
+
+
+def to_gluon(module) -> Dict[str, np.ndarray]:
+    """{Gluon parameter name: numpy array}, in Gluon's registration order."""
+    spec = spec_of(module)
+    check_spec(spec)
+    pieces = numpy_pieces(module)
+    named = {}
+    for layer in range(spec.num_layers):
+        cell = spec.cell(layer)
+        for direction in range(spec.num_directions):
+            s = suffix(layer, direction)
+            gh = cell.gates * cell.hidden_size
+            for piece in ("weight_ih", "weight_hh", "weight_hr", "bias_ih", "bias_hh"):
+                if piece + s in pieces:
+                    named[_gluon_name(layer, direction, piece)] = pieces[piece + s]
+                elif piece.startswith("bias"):
+                    named[_gluon_name(layer, direction, piece)] = np.zeros(gh, dtype=pieces["weight_ih" + s].dtype)
+    return named
+
+
+def flat_order(spec: RNNSpec):
+    """Gluon names in the fused operator's order: all weights, then all biases."""
+    D, proj = spec.num_directions, any(spec.proj_sizes)
+    weights = ("weight_ih", "weight_hh") + (("weight_hr",) if proj else ())
+    order = [_gluon_name(k, d, p) for k in range(spec.num_layers) for d in range(D) for p in weights]
+    order += [_gluon_name(k, d, p) for k in range(spec.num_layers) for d in range(D) for p in ("bias_ih", "bias_hh")]
+    return order
+
+
+def to_mxnet_flat(module) -> np.ndarray:
+    """The fused ``RNN`` operator's parameter vector (1-D numpy)."""
+    named = to_gluon(module)
+    return np.concatenate([named[name].reshape(-1) for name in flat_order(module.spec)])
+
+
+def from_gluon(named: Dict[str, np.ndarray], mode: str, *, cell_clip=None, batch_first: bool = False, dtype=None):
+    """Build an rnnkit module from Gluon-named parameters (``l0_i2h_weight``, ...).
+
+    ``mode`` is "lstm", "gru", "rnn_tanh" or "rnn_relu"; sizes, layers, directions and the
+    projection are read from the arrays. ``cell_clip``: MXNet's symmetric lstm_state_clip.
+    """
+    num_layers = len({name.split("_")[0][1:] for name in named})
+    bidirectional = "r0_i2h_weight" in named
+    G = {"lstm": 4, "gru": 3}.get(mode, 1)
+    if "l0_i2h_weight" not in named:
+        raise ValueError("named: expected Gluon names such as 'l0_i2h_weight'")
+    hidden = np.shape(named["l0_i2h_weight"])[0] // G
+    proj = np.shape(named["l0_h2r_weight"])[0] if "l0_h2r_weight" in named else 0
+    spec = RNNSpec(mode, int(np.shape(named["l0_i2h_weight"])[1]), int(hidden), num_layers,
+                   bidirectional=bidirectional, proj_size=int(proj), cell_clip=cell_clip, batch_first=batch_first)
+    pieces = {}
+    for entry in build_layout_names(spec):
+        layer, direction, piece = entry
+        name = _gluon_name(layer, direction, piece)
+        if name not in named:
+            raise ValueError(f"named: missing {name}")
+        pieces[piece + suffix(layer, direction)] = np.asarray(named[name])
+    return build_module(spec, pieces, dtype)
+
+
+def from_mxnet_flat(flat: np.ndarray, mode: str, input_size: int, hidden_size: int, num_layers: int = 1, *,
+                    bidirectional: bool = False, proj_size: int = 0, cell_clip=None, batch_first: bool = False,
+                    dtype=None):
+    """Build an rnnkit module from the fused operator's flat parameter vector."""
+    spec = RNNSpec(mode, input_size, hidden_size, num_layers, bidirectional=bidirectional, proj_size=proj_size)
+    shapes = {}
+    for layer, direction, piece in build_layout_names(spec):
+        cell = spec.cell(layer)
+        gh = cell.gates * cell.hidden_size
+        shapes[_gluon_name(layer, direction, piece)] = {
+            "weight_ih": (gh, cell.input_size), "weight_hh": (gh, cell.output_size),
+            "weight_hr": (cell.proj_size, cell.hidden_size), "bias_ih": (gh,), "bias_hh": (gh,),
+        }[piece]
+    flat = np.asarray(flat).reshape(-1)
+    expected = sum(int(np.prod(shape)) for shape in shapes.values())
+    if flat.size != expected:
+        raise ValueError(f"flat: expected {expected} values for this configuration, got {flat.size}")
+    named, offset = {}, 0
+    for name in flat_order(spec):
+        size = int(np.prod(shapes[name]))
+        named[name] = flat[offset : offset + size].reshape(shapes[name])
+        offset += size
+    return from_gluon(named, mode, cell_clip=cell_clip, batch_first=batch_first, dtype=dtype)
+
+
+def build_layout_names(spec: RNNSpec):
+    """(layer, direction, piece) of every MXNet parameter of a double-bias module."""
+    return [(k, d, p) for k in range(spec.num_layers) for d in range(spec.num_directions)
+            for p in ("weight_ih", "weight_hh", "bias_ih", "bias_hh") + (("weight_hr",) if spec.proj_sizes[k] else ())]

@@ -1,0 +1,107 @@
+"""Flax linen (jax on CPU): parameter trees moved both ways give the same outputs and final states.
+
+Flax's output past a sequence's length is not defined to be zero, so with lengths only
+the valid steps are compared (and the final carries, which Flax takes at each length).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import linen as nn
+
+import rnnkit
+from rnnkit.interop import flax as rflax
+
+from helpers import assert_close
+
+B, T, I = 3, 5, 4
+
+CONFIGS = {
+    "lstm-2layer-bidir": (lambda: rnnkit.LSTM(I, 6, num_layers=2, bidirectional=True, batch_first=True),
+                          lambda h: nn.LSTMCell(h), "lstm"),
+    "optimized-lstm-single_input": (lambda: rnnkit.LSTM(I, 5, bias_mode="single_input", batch_first=True),
+                                    lambda h: nn.OptimizedLSTMCell(h), "lstm"),
+    "gru-bidir-sum": (lambda: rnnkit.GRU(I, 6, bidirectional=True, merge="sum", batch_first=True),
+                      lambda h: nn.GRUCell(h), "gru"),
+    "simplecell-relu-2layer": (lambda: rnnkit.RNN(I, 5, num_layers=2, nonlinearity="relu", batch_first=True),
+                               lambda h: nn.SimpleCell(h, activation_fn=nn.relu), "rnn_relu"),
+}
+
+
+def _flax_layer(make_cell, hidden, bidirectional, merge):
+    if not bidirectional:
+        return nn.RNN(make_cell(hidden), return_carry=True)
+    merge_fn = (lambda a, b: a + b) if merge == "sum" else (lambda a, b: jnp.concatenate([a, b], -1))
+    return nn.Bidirectional(nn.RNN(make_cell(hidden)), nn.RNN(make_cell(hidden), reverse=True, keep_order=True),
+                            merge_fn=merge_fn, return_carry=True)
+
+
+def _flax_stack(spec, make_cell):
+    """The stack in Flax as one jitted function (params, x, lengths) -> (y, last carry)."""
+
+    @jax.jit
+    def run(params, x, lengths):
+        out, carry = x, None
+        for k, tree in enumerate(params):
+            layer = _flax_layer(make_cell, spec.hidden_sizes[k], spec.bidirectional, spec.merge)
+            carry, out = layer.apply({"params": tree}, out, seq_lengths=lengths)
+        return out, carry
+
+    return lambda params, x, lengths: (lambda y, carry: (torch.from_numpy(np.array(y)), carry))(
+        *run(params, jnp.asarray(x), jnp.asarray(lengths)))
+
+
+def _random_flax_params(spec, make_cell):
+    """Random values in Flax's own parameter tree (its structure from ``init``, traced only)."""
+    params, features, rng = [], I, np.random.default_rng(0)
+    for k in range(spec.num_layers):
+        layer = _flax_layer(make_cell, spec.hidden_sizes[k], spec.bidirectional, spec.merge)
+        shapes = jax.eval_shape(layer.init, jax.random.key(k), jnp.zeros((1, 1, features)))["params"]
+        params.append(jax.tree_util.tree_map(lambda s: rng.uniform(-0.5, 0.5, s.shape).astype(np.float32), shapes))
+        features = spec.merged_size(k)
+    return params
+
+
+def _carry_to_torch(spec, carry):
+    """Flax's last-layer carry -> rnnkit's last-layer h (and c), shaped (D, B, ·)."""
+    directions = carry if spec.bidirectional else (carry,)
+    if spec.mode == "lstm":  # carry (c, h)
+        return [torch.from_numpy(np.stack([np.asarray(d[i]) for d in directions])) for i in (1, 0)]
+    return [torch.from_numpy(np.stack([np.asarray(d) for d in directions]))]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_both_directions(name):
+    make_module, make_cell, mode = CONFIGS[name]
+    module = make_module().eval()
+    spec = module.spec
+    x = torch.randn(B, T, I)
+    lengths = torch.tensor([T, 2, 4])
+    keep = (torch.arange(T)[None, :] < lengths[:, None])[:, :, None].float()
+    D = spec.num_directions
+
+    run_flax = _flax_stack(spec, make_cell)
+    y_flax, carry = run_flax(rflax.to_flax(module), x.numpy(), lengths.numpy())
+    with torch.no_grad():
+        y, hy = module(x, lengths=lengths)
+    states = list(hy) if isinstance(hy, tuple) else [hy]
+    assert_close(y_flax * keep, y, f"{name} y")
+    assert_close(_carry_to_torch(spec, carry), [s[-D:] for s in states], f"{name} carry")
+
+    params = _random_flax_params(spec, make_cell)
+    back = rflax.from_flax(params, mode, merge=spec.merge).eval()
+    y_flax2, _ = run_flax(params, x.numpy(), lengths.numpy())
+    with torch.no_grad():
+        y2, _ = back(x, lengths=lengths)
+    assert_close(y_flax2 * keep, y2, f"{name} y (imported)")
+
+
+@pytest.mark.parametrize("module, option", [
+    (lambda: rnnkit.GRU(I, 6, reset_after=False), "reset_after=False"),
+    (lambda: rnnkit.LSTM(I, 6, peephole=True), "peephole"),
+    (lambda: rnnkit.LSTM(I, 6, proj_size=2), "proj_size"),
+], ids=["reset_before", "peephole", "proj_size"])
+def test_refuses_what_flax_cannot_represent(module, option):
+    with pytest.raises(ValueError, match=option):
+        rflax.to_flax(module())

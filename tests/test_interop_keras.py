@@ -1,0 +1,144 @@
+"""Keras 3 (torch backend): weights moved both ways give the same outputs and final states.
+
+Keras is batch-first; masked steps (lengths) are compared on the valid steps only, since
+a unidirectional Keras layer repeats its last output there where rnnkit writes zeros.
+"""
+import os
+
+os.environ["KERAS_BACKEND"] = "torch"  # before keras is imported anywhere
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import rnnkit  # noqa: E402
+from rnnkit.interop import keras as rkeras  # noqa: E402
+
+from helpers import assert_close  # noqa: E402
+
+# Keras's torch backend converts with np.array(x, copy=False) internally (numpy 2 deprecation)
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+B, T, I = 3, 5, 4
+
+CONFIGS = {
+    "lstm": dict(mode="lstm", hidden=6),
+    "lstm-2layer-bidir": dict(mode="lstm", hidden=6, num_layers=2, bidirectional=True),
+    "lstm-no-bias": dict(mode="lstm", hidden=5, bias=False),
+    "lstm-per-layer-sizes": dict(mode="lstm", hidden=[6, 3], num_layers=2),
+    "gru-reset_after": dict(mode="gru", hidden=6, bidirectional=True, merge="sum"),
+    "gru-reset_before-2layer": dict(mode="gru", hidden=5, num_layers=2, reset_after=False),
+    "gru-single_recurrent": dict(mode="gru", hidden=5, bias_mode="single_recurrent"),
+    "simplernn-relu-bidir": dict(mode="rnn_relu", hidden=6, bidirectional=True),
+    "simplernn-tanh": dict(mode="rnn_tanh", hidden=6),
+}
+
+
+def _rnnkit_module(c):
+    kwargs = dict(num_layers=c.get("num_layers", 1), bidirectional=c.get("bidirectional", False),
+                  merge=c.get("merge", "concat"), batch_first=True, bias=c.get("bias", True))
+    if "bias_mode" in c:
+        kwargs["bias_mode"] = c["bias_mode"]
+    if c["mode"] == "lstm":
+        return rnnkit.LSTM(I, c["hidden"], **kwargs)
+    if c["mode"] == "gru":
+        return rnnkit.GRU(I, c["hidden"], reset_after=c.get("reset_after", True), **kwargs)
+    return rnnkit.RNN(I, c["hidden"], nonlinearity=c["mode"][4:], **kwargs)
+
+
+def _keras_layers(c):
+    layers, hidden = [], c["hidden"] if isinstance(c["hidden"], list) else [c["hidden"]] * c.get("num_layers", 1)
+    for units in hidden:
+        common = dict(units=units, return_sequences=True, return_state=True, use_bias=c.get("bias", True))
+        if c["mode"] == "lstm":
+            layer = keras.layers.LSTM(**common)
+        elif c["mode"] == "gru":
+            layer = keras.layers.GRU(reset_after=c.get("reset_after", True), **common)
+        else:
+            layer = keras.layers.SimpleRNN(activation=c["mode"][4:], **common)
+        if c.get("bidirectional"):
+            layer = keras.layers.Bidirectional(layer, merge_mode=c.get("merge", "concat"))
+        layers.append(layer)
+    return layers
+
+
+def _run_keras(layers, x, mask):
+    """-> (y, final states of the last layer) as torch tensors."""
+    out = x
+    for layer in layers:
+        result = layer(out, mask=mask)
+        out, states = result[0], result[1:]
+    to_torch = lambda t: torch.as_tensor(keras.ops.convert_to_numpy(t))  # noqa: E731
+    return to_torch(out), [to_torch(s) for s in states]
+
+
+def _last_layer_states(module, hy, c):
+    """rnnkit's final states of the last layer, in Keras's return_state order."""
+    spec = module.spec
+    if spec.mode == "lstm":
+        h, cs = hy
+        h, cs = (h[-1], cs[-1]) if spec.per_layer else (h[-spec.num_directions:], cs[-spec.num_directions:])
+        pairs = [(h[d], cs[d]) for d in range(spec.num_directions)]
+        return [t for pair in pairs for t in pair]
+    h = hy[-1] if spec.per_layer else hy[-spec.num_directions:]
+    return [h[d] for d in range(spec.num_directions)]
+
+
+@pytest.mark.parametrize("with_lengths", [False, True], ids=["full", "lengths"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_both_directions(name, with_lengths):
+    c = CONFIGS[name]
+    x = torch.randn(B, T, I)
+    lengths = torch.tensor([T, 2, 4]) if with_lengths else None
+    valid = (torch.arange(T)[None, :] < (lengths if with_lengths else torch.full((B,), T))[:, None])
+    mask = valid.numpy() if with_lengths else None
+
+    # rnnkit -> Keras
+    module = _rnnkit_module(c).eval()
+    layers = _keras_layers(c)
+    _run_keras(layers, x.numpy(), mask)  # builds the layers
+    rkeras.set_keras_weights(module, layers)
+    y_keras, states_keras = _run_keras(layers, x.numpy(), mask)
+    with torch.no_grad():
+        y, hy = module(x, lengths=lengths)
+    keep = valid[:, :, None].float()
+    assert_close(y_keras * keep, y, f"{name} y")
+    assert_close(states_keras, _last_layer_states(module, hy, c), f"{name} states")
+
+    # Keras -> rnnkit
+    layers2 = _keras_layers(c)
+    _run_keras(layers2, x.numpy(), mask)
+    back = rkeras.from_keras_layers(layers2).eval()
+    y_keras2, _ = _run_keras(layers2, x.numpy(), mask)
+    with torch.no_grad():
+        y2, _ = back(x, lengths=lengths)
+    assert_close(y_keras2 * keep, y2, f"{name} y (imported)")
+
+
+def test_weight_lists_round_trip_and_shapes():
+    module = rnnkit.GRU(I, 6, num_layers=2, bidirectional=True)
+    weights = rkeras.to_keras(module)
+    assert [w.shape for w in weights[1]] == [(12, 18), (6, 18), (2, 18)] * 2
+    back = rkeras.from_keras(weights, "gru", bidirectional=True)
+    assert_close(back.flat_weights.detach(), module.flat_weights.detach(), "flat")
+
+
+@pytest.mark.parametrize("module, option", [
+    (lambda: rnnkit.LSTM(I, 6, proj_size=3), "proj_size"),
+    (lambda: rnnkit.LSTM(I, 6, peephole=True), "peephole"),
+    (lambda: rnnkit.LSTM(I, 6, coupled_gates=True), "coupled_gates"),
+    (lambda: rnnkit.LSTM(I, 6, cell_clip=1.0), "cell_clip"),
+    (lambda: rnnkit.GRU(I, 6, layer_norm=True), "layer_norm"),
+], ids=["proj_size", "peephole", "coupled", "cell_clip", "layer_norm"])
+def test_refuses_what_keras_cannot_represent(module, option):
+    with pytest.raises(ValueError, match=option):
+        rkeras.to_keras(module())
+
+
+def test_layer_mismatch_is_named():
+    module = rnnkit.GRU(I, 6, reset_after=False)
+    layer = keras.layers.GRU(6, reset_after=True)
+    layer.build((None, T, I))
+    with pytest.raises(ValueError, match="reset_after"):
+        rkeras.set_keras_weights(module, [layer])
+    assert rkeras.to_keras(module)[0][2].shape == (18,)  # one bias: b_W + b_R
