@@ -8,6 +8,7 @@ variational dropout, ...) is not what these kernels compute and goes to another 
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -66,6 +67,13 @@ class NativeBackend:
         state = (hx, torch.stack(c0s)) if spec.mode == "lstm" else hx
         op = getattr(torch._VF, _OPS[spec.mode])
         args = (flat_weights, spec.bias_mode == "double", spec.num_layers, spec.dropout, training, spec.bidirectional)
+        with warnings.catch_warnings():
+            # torch says it runs LSTMP without oneDNN; true, and nothing the caller can act on
+            warnings.filterwarnings("ignore", message="LSTM with projections is not supported with oneDNN")
+            return self._run(op, spec, x, state, args, lengths)
+
+    @staticmethod
+    def _run(op, spec, x, state, args, lengths):
         if lengths is None:
             out = op(x, state, *args, False)
         else:
