@@ -1,4 +1,4 @@
-"""Rung one of truth: the reference stack against torch.nn.LSTM / GRU / RNN.
+"""Rung one of truth: the reference backend against torch.nn.LSTM / GRU / RNN.
 
 Outputs, final states, and the gradients of the input, the initial states and every
 weight (by torch.nn name), with random upstream gradients on the output AND the final
@@ -84,7 +84,7 @@ def _twins(variant: str, row: dict):
     torch_cls, kit_cls, kwargs = VARIANTS[variant]
     common = dict(num_layers=row["layers"], bidirectional=row["bidir"], batch_first=row["batch_first"], **kwargs)
     reference = torch_cls(I, H, **common).to(row["dtype"])
-    module = kit_cls(I, H, **common).to(row["dtype"])
+    module = kit_cls(I, H, backend="reference", **common).to(row["dtype"])
     module.load_state_dict(reference.state_dict(), strict=True)
     return reference, module
 
@@ -139,3 +139,234 @@ def test_matches_torch_nn(variant, row):
     assert set(kit_weight_grads) == set(names)
     for name, grad_ref in zip(names, grads_ref[n_data:]):
         assert_close(kit_weight_grads[name], grad_ref, f"d{name}")
+
+
+# ---- per-layer sizes: a stack is its layers run one by one --------------------------------
+
+PER_LAYER = {
+    "lstm-proj-concat": (rnnkit.LSTM, dict(hidden_size=[6, 5, 4], proj_size=[3, 0, 2], merge="concat")),
+    "lstm-proj-sum": (rnnkit.LSTM, dict(hidden_size=[6, 5, 4], proj_size=[3, 0, 2], merge="sum")),
+    "lstm-peephole-ln-sum": (rnnkit.LSTM, dict(hidden_size=[4, 6], proj_size=[2, 3], merge="sum", peephole=True,
+                                               layer_norm=True)),
+    "gru-concat": (rnnkit.GRU, dict(hidden_size=[6, 3], merge="concat")),
+    "gru-sum": (rnnkit.GRU, dict(hidden_size=[6, 3], merge="sum", reset_after=False)),
+    "rnn-concat": (rnnkit.RNN, dict(hidden_size=[3, 5, 2], merge="concat")),
+    "rnn-sum": (rnnkit.RNN, dict(hidden_size=[3, 5, 2], merge="sum")),
+}
+
+
+@pytest.mark.parametrize("variant", list(PER_LAYER))
+def test_per_layer_stack_equals_layers_one_by_one(variant):
+    cls, options = PER_LAYER[variant]
+    options = dict(options)
+    hidden, proj = options.pop("hidden_size"), options.pop("proj_size", None)
+    L, lstm = len(hidden), cls is rnnkit.LSTM
+    extra = {"proj_size": proj} if proj else {}
+    stack = cls(I, hidden, L, bidirectional=True, backend="reference", dtype=torch.float64, **extra, **options)
+    with torch.no_grad():
+        stack.flat_weights.normal_(0, 0.4)
+    spec = stack.spec
+    x = torch.randn(T, B, I, dtype=torch.float64, requires_grad=True)
+    hs = [torch.randn(2, B, spec.output_size(k), dtype=torch.float64) for k in range(L)]
+    cs = [torch.randn(2, B, spec.hidden_sizes[k], dtype=torch.float64) for k in range(L)]
+    y, hy = stack(x, (hs, cs) if lstm else hs)
+    upstream = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, upstream)
+
+    layer_input = x.detach().requires_grad_(True)
+    first_input = layer_input
+    state = stack.state_dict()
+    for k in range(L):
+        single_extra = {"proj_size": proj[k]} if proj else {}
+        single = cls(spec.layer_input_size(k), hidden[k], 1, bidirectional=True, backend="reference",
+                     dtype=torch.float64, **single_extra, **options)
+        suffix = f"_l{k}"
+        single.load_state_dict(
+            {n.replace(suffix, "_l0"): v for n, v in state.items() if n.endswith(suffix) or n.endswith(suffix + "_reverse")},
+            strict=True,
+        )
+        layer_input, hy_k = single(layer_input, (hs[k], cs[k]) if lstm else hs[k])
+        if lstm:
+            assert_close((hy[0][k], hy[1][k]), hy_k, f"layer {k} (h_n, c_n)")
+        else:
+            assert_close(hy[k], hy_k, f"layer {k} h_n")
+    assert_close(y, layer_input, "y")
+    (dx_single,) = torch.autograd.grad(layer_input, first_input, upstream)
+    assert_close(dx, dx_single, "dx")
+
+
+# ---- unbatched input, as torch.nn -----------------------------------------------------------
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("batch_first", [False, True], ids=["tf", "bf"])
+def test_unbatched_matches_torch_nn(variant, batch_first):
+    row = dict(layers=2, bidir=True, batch_first=batch_first, dtype=torch.float64)
+    reference, module = _twins(variant, row)
+    Hr = P if variant == "lstm-proj" else H
+    x = torch.randn(T, I, dtype=torch.float64)
+    hx = torch.randn(4, Hr, dtype=torch.float64)
+    if variant.startswith("lstm"):
+        hx = (hx, torch.randn(4, H, dtype=torch.float64))
+    with torch.no_grad():
+        y_ref, hy_ref = reference(x, hx)
+        y, hy = module(x, hx)
+    assert_close(y, y_ref, "y")
+    assert_close(hy, hy_ref, "final states")
+
+
+# ---- where torch.nn has no twin: SPEC.md's equations, written out independently -----------
+
+def _ln(v, gain, shift):
+    mean = v.mean(-1, keepdim=True)
+    var = ((v - mean) ** 2).mean(-1, keepdim=True)  # biased variance, eps 1e-5 (SPEC.md)
+    return (v - mean) / torch.sqrt(var + 1e-5) * gain + shift
+
+
+def _spec_step(mode, o, p, x, h, c):
+    """One step of SPEC.md's cell; ``o`` the options, ``p`` the module's named weights (suffix-free)."""
+    get = lambda name: p.get(name)  # noqa: E731
+    a_x, a_h = x @ p["weight_ih"].T, h @ p["weight_hh"].T
+    if o.get("layer_norm"):
+        a_x = _ln(a_x, p["layer_norm_ih_weight"], p["layer_norm_ih_bias"])
+        a_h = _ln(a_h, p["layer_norm_hh_weight"], p["layer_norm_hh_bias"])
+    b_W = get("bias_ih") if get("bias_ih") is not None else 0.0
+    b_R = get("bias_hh") if get("bias_hh") is not None else 0.0
+    if mode == "lstm":
+        a = a_x + b_W + a_h + b_R
+        peep = get("weight_peephole")
+        if o.get("coupled_gates"):
+            a_i, a_g, a_o = a.chunk(3, -1)
+            p_i, p_o = (peep[0], peep[1]) if peep is not None else (0.0, 0.0)
+            i = torch.sigmoid(a_i + p_i * c)
+            f = 1 - i
+        else:
+            a_i, a_f, a_g, a_o = a.chunk(4, -1)
+            p_i, p_f, p_o = (peep[0], peep[1], peep[2]) if peep is not None else (0.0, 0.0, 0.0)
+            i, f = torch.sigmoid(a_i + p_i * c), torch.sigmoid(a_f + p_f * c)
+        c = f * c + i * torch.tanh(a_g)
+        if o.get("cell_clip"):
+            c = torch.clamp(c, -o["cell_clip"], o["cell_clip"])
+        c_out = _ln(c, p["layer_norm_c_weight"], p["layer_norm_c_bias"]) if o.get("layer_norm") else c
+        h = torch.sigmoid(a_o + p_o * c) * torch.tanh(c_out)
+        if get("weight_hr") is not None:
+            h = h @ p["weight_hr"].T
+            if o.get("proj_clip"):
+                h = torch.clamp(h, -o["proj_clip"], o["proj_clip"])
+        return h, c
+    if mode == "gru":
+        Hh = h.shape[-1]
+        b_W = b_W if isinstance(b_W, torch.Tensor) else torch.zeros(3 * Hh, dtype=x.dtype)
+        b_R = b_R if isinstance(b_R, torch.Tensor) else torch.zeros(3 * Hh, dtype=x.dtype)
+        xr, xz, xn = (a_x + b_W).chunk(3, -1)
+        if o.get("reset_after", True):
+            hr, hz, hn = (a_h + b_R).chunk(3, -1)
+            r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+            n = torch.tanh(xn + r * hn)
+        else:
+            R = p["weight_hh"]
+            hr, hz = (h @ R[: 2 * Hh].T + b_R[: 2 * Hh]).chunk(2, -1)
+            r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+            n = torch.tanh(xn + (r * h) @ R[2 * Hh:].T + b_R[2 * Hh:])
+        return (1 - z) * n + z * h, None
+    act = torch.tanh if mode == "rnn_tanh" else torch.relu
+    return act(a_x + b_W + a_h + b_R), None
+
+
+SPEC_CASES = {
+    "lstm-peephole": ("lstm", dict(peephole=True)),
+    "lstm-coupled": ("lstm", dict(coupled_gates=True)),
+    "lstm-coupled-peephole": ("lstm", dict(coupled_gates=True, peephole=True)),
+    "lstm-layer_norm": ("lstm", dict(layer_norm=True)),
+    "lstm-layer_norm-proj-peephole": ("lstm", dict(layer_norm=True, proj_size=3, peephole=True)),
+    "lstm-cell_clip": ("lstm", dict(cell_clip=0.3)),
+    "lstm-proj_clip": ("lstm", dict(proj_size=3, proj_clip=0.05)),
+    "lstm-single_input": ("lstm", dict(bias_mode="single_input")),
+    "lstm-single_recurrent-coupled": ("lstm", dict(bias_mode="single_recurrent", coupled_gates=True)),
+    "gru-reset_before": ("gru", dict(reset_after=False)),
+    "gru-reset_before-single_input": ("gru", dict(reset_after=False, bias_mode="single_input")),
+    "gru-reset_before-single_recurrent": ("gru", dict(reset_after=False, bias_mode="single_recurrent")),
+    "gru-reset_before-none": ("gru", dict(reset_after=False, bias_mode="none")),
+    "gru-single_recurrent": ("gru", dict(bias_mode="single_recurrent")),
+    "gru-layer_norm": ("gru", dict(layer_norm=True)),
+    "rnn_tanh-layer_norm": ("rnn_tanh", dict(layer_norm=True)),
+    "rnn_relu-layer_norm-single_input": ("rnn_relu", dict(layer_norm=True, bias_mode="single_input")),
+}
+
+
+@pytest.mark.parametrize("case", list(SPEC_CASES))
+def test_options_follow_the_spec_equations(case):
+    mode, options = SPEC_CASES[case]
+    spec = rnnkit.RNNSpec(mode, I, H, bidirectional=True, **options)
+    layout = rnnkit.Layout(spec, suffixes=True)
+    w = layout.new_buffer(dtype=torch.float64) + 0.3 * torch.randn(layout.numel, dtype=torch.float64)
+    x = torch.randn(T, B, I, dtype=torch.float64)
+    Hr = spec.output_size(0)
+    h0, c0 = torch.randn(2, B, Hr, dtype=torch.float64), torch.randn(2, B, H, dtype=torch.float64)
+    lstm = mode == "lstm"
+    y, hy = rnnkit.rnn(spec, w, x, (h0, c0) if lstm else h0, backend="reference")
+    expected_y, finals = [], []
+    for direction, suffix in ((0, "_l0"), (1, "_l0_reverse")):
+        p = {e.piece: layout.view(w, e.name) for e in layout if e.name.endswith(suffix) and e.direction == direction}
+        h, c, ys = h0[direction], c0[direction], [None] * T
+        for t in (range(T) if direction == 0 else reversed(range(T))):
+            h, c = _spec_step(mode, options, p, x[t], h, c)
+            ys[t] = h
+        expected_y.append(torch.stack(ys))
+        finals.append((h, c))
+    assert_close(y, torch.cat(expected_y, -1), "y")
+    h_n = hy[0] if lstm else hy
+    assert_close(h_n, torch.stack([f[0] for f in finals]), "h_n")
+    if lstm:
+        assert_close(hy[1], torch.stack([f[1] for f in finals]), "c_n")
+    if "clip" in case:  # the clip must actually bite somewhere for the case to mean anything
+        limit = options.get("cell_clip") or options.get("proj_clip")
+        values = hy[1] if "cell_clip" in case else y
+        assert (values.abs() == limit).any()
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_merge_sum_is_the_sum_of_directions(mode):
+    concat = rnnkit.RNNSpec(mode, I, H, bidirectional=True)
+    summed = rnnkit.RNNSpec(mode, I, H, bidirectional=True, merge="sum")
+    w = rnnkit.Layout(concat).new_buffer(dtype=torch.float64)
+    assert rnnkit.Layout(summed).numel == w.numel()
+    x = torch.randn(T, B, I, dtype=torch.float64)
+    y_cat, hy_cat = rnnkit.rnn(concat, w, x, backend="reference", lengths=[5, 2, 3])
+    y_sum, hy_sum = rnnkit.rnn(summed, w, x, backend="reference", lengths=[5, 2, 3])
+    assert_close(y_sum, y_cat[..., :H] + y_cat[..., H:], "y")
+    assert_close(hy_sum, hy_cat, "final states")
+
+
+@pytest.mark.parametrize("variant", ["lstm-proj", "gru", "rnn-tanh"])
+def test_sorted_packed_sequence_matches_torch_nn(variant):
+    row = dict(layers=2, bidir=True, batch_first=False, dtype=torch.float64)
+    reference, module = _twins(variant, row)
+    x = torch.randn(T, B, I, dtype=torch.float64)
+    packed = pack_padded_sequence(x, [5, 4, 2], enforce_sorted=True)
+    with torch.no_grad():
+        y_ref, hy_ref = reference(packed)
+        y, hy = module(packed)
+    assert y.sorted_indices is None and torch.equal(y.batch_sizes, y_ref.batch_sizes)
+    assert_close(y.data, y_ref.data, "y")
+    assert_close(hy, hy_ref, "final states")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("steps,batch,hidden", [(1, 1, 37), (1, 4, 6), (9, 1, 5)], ids=["T1-B1-H37", "T1", "B1"])
+def test_awkward_shapes_match_torch_nn(variant, steps, batch, hidden):
+    torch_cls, kit_cls, kwargs = VARIANTS[variant]
+    reference = torch_cls(I, hidden, 2, bidirectional=True, **kwargs).double()
+    module = kit_cls(I, hidden, 2, bidirectional=True, backend="reference", **kwargs).double()
+    module.load_state_dict(reference.state_dict(), strict=True)
+    x = torch.randn(steps, batch, I, dtype=torch.float64, requires_grad=True)
+    y_ref, hy_ref = reference(x)
+    y, hy = module(x)
+    assert_close(y, y_ref, "y")
+    assert_close(hy, hy_ref, "final states")
+    upstream = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [x, module.flat_weights], upstream)
+    grads_ref = torch.autograd.grad(y_ref, [x] + list(reference.parameters()), upstream)
+    assert_close(grads[0], grads_ref[0], "dx")
+    views = module.layout.named_views(grads[1])
+    for (name, _), grad_ref in zip(reference.named_parameters(), grads_ref[1:]):
+        assert_close(views[name], grad_ref, f"d{name}")

@@ -8,6 +8,7 @@ direction, and merges their outputs. On top of it sit the cuDNN-style calls
 """
 from __future__ import annotations
 
+import numbers
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -73,9 +74,9 @@ def check_lengths(lengths, T: int, B: int, unbatched: bool) -> Optional[torch.Te
     if unbatched:
         raise ValueError("lengths: an unbatched input (T, input_size) has one sequence; pass no lengths")
     if isinstance(lengths, (list, tuple)):
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in lengths):
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in lengths):
             raise TypeError(f"lengths: expected integers, got {list(lengths)!r}")
-        lengths = torch.tensor(lengths, dtype=torch.int64)
+        lengths = torch.tensor([int(v) for v in lengths], dtype=torch.int64)
     if not isinstance(lengths, torch.Tensor):
         raise TypeError(f"lengths: expected a 1-D integer tensor or a list of ints, got {type(lengths).__name__}")
     if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:

@@ -63,6 +63,9 @@ class _PackedModule(nn.Module):
             )
         super().__setattr__(name, value)
 
+    def flatten_parameters(self) -> None:
+        """No-op, for code written for torch.nn: the parameters are always one flat buffer."""
+
     def named_weights(self):
         """{torch.nn name: view into flat_weights} for every piece, in buffer order."""
         return self.layout.named_views(self.flat_weights)
@@ -291,6 +294,8 @@ class _Cell(_PackedModule):
             raise TypeError(f"input: expected a tensor (B, input_size) or (input_size,), got {type(input).__name__}")
         if input.dim() not in (1, 2):
             raise ValueError(f"input: expected a 2-D tensor (B, input_size) or 1-D (input_size,), got shape {tuple(input.shape)}")
+        if input.shape[-1] != spec.input_size:  # checked here so the message shows the caller's shape
+            raise ValueError(f"input: expected feature size input_size={spec.input_size} in the last axis, got shape {tuple(input.shape)}")
         unbatched = input.dim() == 1
         B = 1 if unbatched else input.shape[0]
         cell = spec.cell(0)

@@ -1,0 +1,173 @@
+"""``rnnkit bench``: rnnkit's runners against torch.nn, measured as BENCH.md says.
+
+Registries (one entry each to add): shapes and variants in ``registry.py``, runners in
+``runners.py`` (rnnkit backends are discovered from :func:`rnnkit.backends`). The
+protocol is ``measure.py``; the JSON, markdown and PNG are ``report.py``.
+
+    rnnkit bench                                  # the CPU grid, every variant and runner
+    rnnkit bench --shapes medium --variants lstm lstm_peephole --modes training
+    rnnkit bench --quick                          # a smoke test on a tiny shape
+    python -m rnnkit.bench --device cuda          # the GPU grid
+
+The exit status is 1 when any runner failed its correctness check (it is then not timed).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, NamedTuple, Optional
+
+import torch
+
+from . import report
+from .measure import Case, measure_case, sgemm_gflops
+from .registry import CPU_GRID, DEFAULT_VARIANTS, GPU_GRID, QUICK_GRID, SHAPES, VARIANTS, lookup
+from .runners import DEFAULT_EXCLUDED, MODES, RUNNERS, available_names, make, register, unregister
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+__all__ = ["add_arguments", "run", "main", "SHAPES", "VARIANTS", "RUNNERS", "register", "unregister"]
+
+
+def _names(values: Optional[List[str]]) -> Optional[List[str]]:
+    """--flag a b,c -> [a, b, c]."""
+    if values is None:
+        return None
+    return [name for value in values for name in value.split(",") if name]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bench flags, for ``rnnkit bench`` and ``python -m rnnkit.bench``."""
+    parser.add_argument("--shapes", nargs="+", metavar="NAME",
+                        help=f"shapes (default: the CPU grid {', '.join(CPU_GRID)}; with --device cuda the GPU grid); "
+                             f"choices: {', '.join(SHAPES)}")
+    parser.add_argument("--variants", nargs="+", metavar="NAME", help=f"variants (default all): {', '.join(VARIANTS)}")
+    parser.add_argument("--runners", nargs="+", metavar="NAME",
+                        help="runners (default all but 'auto'; torch.nn, the baseline, is always run): "
+                             + ", ".join(available_names()))
+    parser.add_argument("--modes", nargs="+", metavar="MODE", help=f"default both: {', '.join(MODES)}")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per runner, median reported (default 5)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls per runner first (default 1)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for every runner (default: all cores)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--out", default="bench-results", metavar="DIR", help="where bench.json, bench.md, bench.png go")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, 1 repeat: a smoke test, not a measurement")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--list", action="store_true", help="print the shapes, variants and runners, and exit")
+
+
+def _print_registries() -> None:
+    print("shapes:")
+    for s in SHAPES.values():
+        print(f"  {s.name:20s} T={s.T} B={s.B} I={s.I} H={s.H} L={s.L}  {s.why}")
+    print("variants:")
+    for v in VARIANTS.values():
+        print(f"  {v.name:20s} {v.title}" + ("" if v.torch_nn else f"  (torch.nn baseline: plain {v.plain})"))
+    print("runners:")
+    for name in available_names():
+        runner = make(name)
+        reason = runner.unavailable_reason()
+        print(f"  {name:20s} {runner.title}" + (f"  [unavailable: {reason}]" if reason else ""))
+
+
+class Plan(NamedTuple):
+    """The run the flags describe, validated."""
+
+    shapes: list
+    variants: list
+    modes: List[str]
+    runner_names: List[str]
+    runners: list
+    repeats: int
+    warmup: int
+    threads: int
+    device: str
+    dtype: torch.dtype
+    sgemm_n: int
+    seed: int
+    out: str
+
+
+def _plan(args: argparse.Namespace) -> Plan:
+    """-> the validated plan, or ValueError naming the flag."""
+    default_shapes = QUICK_GRID if args.quick else (GPU_GRID if args.device == "cuda" else CPU_GRID)
+    modes = _names(args.modes) or list(MODES)
+    lookup("modes", {m: m for m in MODES}, modes)
+    runner_names = _names(args.runners) or [n for n in available_names() if n not in DEFAULT_EXCLUDED]
+    runner_names = ["torch.nn"] + [n for n in dict.fromkeys(runner_names) if n != "torch.nn"]
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 5)
+    warmup = args.warmup if args.warmup is not None else 1
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {repeats} and {warmup}")
+    return Plan(
+        shapes=lookup("shapes", SHAPES, _names(args.shapes) or default_shapes),
+        variants=lookup("variants", VARIANTS, _names(args.variants) or DEFAULT_VARIANTS),
+        modes=modes,
+        runner_names=runner_names,
+        runners=[make(name) for name in runner_names],
+        repeats=repeats,
+        warmup=warmup,
+        threads=args.threads or os.cpu_count() or 1,
+        device=args.device,
+        dtype=DTYPES[args.dtype],
+        sgemm_n=256 if args.quick else (8192 if args.device == "cuda" else 2048),
+        seed=args.seed,
+        out=args.out,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark the parsed flags describe; write JSON, markdown and PNG; -> exit status."""
+    if args.list:
+        _print_registries()
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("rnnkit bench: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
+    try:
+        plan = _plan(args)
+    except ValueError as error:
+        print(f"rnnkit bench: {error}", file=sys.stderr)
+        return 2
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(plan.threads)  # the same for every runner
+    try:
+        sgemm = sgemm_gflops(plan.device, plan.sgemm_n)
+        env = report.environment(plan.device, plan.dtype, plan.threads, plan.repeats, plan.warmup, sgemm, plan.sgemm_n)
+        records = []
+        for shape in plan.shapes:
+            for variant in plan.variants:
+                case = Case(shape, variant, plan.device, plan.dtype, plan.seed)
+                for mode in plan.modes:
+                    print(f"rnnkit bench: {shape.name} / {variant.name} / {mode}", file=sys.stderr, flush=True)
+                    records += measure_case(case, mode, plan.runners, plan.repeats, plan.warmup, sgemm)
+                    table = _write(plan, env, records)  # after every case: a long run stopped early keeps its results
+    finally:
+        torch.set_num_threads(previous_threads)
+    print(table)
+    _plot(plan, records)
+    return 1 if any(r["status"] == "failed" for r in records) else 0
+
+
+def _write(plan: Plan, env: dict, records: List[dict]) -> str:
+    os.makedirs(plan.out, exist_ok=True)
+    report.write_json(os.path.join(plan.out, "bench.json"), env, records)
+    table = report.markdown(env, records, plan.runner_names)
+    with open(os.path.join(plan.out, "bench.md"), "w") as f:
+        f.write(table)
+    return table
+
+
+def _plot(plan: Plan, records: List[dict]) -> None:
+    skipped = report.plot(os.path.join(plan.out, "bench.png"), records, plan.runner_names)
+    if skipped:
+        print(f"rnnkit bench: {skipped}", file=sys.stderr)
+    print(f"rnnkit bench: wrote {plan.out}/bench.json, bench.md" + ("" if skipped else ", bench.png"), file=sys.stderr)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="rnnkit bench", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,244 @@
+"""How it is measured (BENCH.md's protocol): check first, then time interleaved, then memory.
+
+One :class:`Case` is one shape x variant on one device and dtype: the shared inputs, the
+rnnkit reference modules whose weights every runner loads, and the reference results the
+runners are checked against. :func:`measure_case` runs the protocol for one mode.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from .registry import VARIANTS, Shape, Variant
+from .runners import Model, RnnkitModel, Runner, Unsupported, rnnkit_module
+
+# relative RMS error allowed, by dtype: the test suite's tolerances (tests/helpers.py)
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64 (the absolute norm when expected is zero)."""
+    a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
+    denom = e.norm().item()
+    diff = (a - e).norm().item()
+    return diff if denom == 0 else diff / denom
+
+
+def synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+class CheckFailed(Exception):
+    """A runner's results differ from the reference beyond the dtype's tolerance."""
+
+
+class Case:
+    """One shape x variant: inputs, reference modules and reference results, built once."""
+
+    def __init__(self, shape: Shape, variant: Variant, device: str, dtype: torch.dtype, seed: int = 0):
+        self.shape, self.variant, self.device, self.dtype, self.seed = shape, variant, device, dtype, seed
+        generator = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(shape.T, shape.B, shape.I, generator=generator).to(device, dtype)
+        self._references: Dict[str, torch.nn.Module] = {}
+        self._expected: Dict[tuple, dict] = {}
+
+    def reference(self, variant_name: str) -> torch.nn.Module:
+        """The rnnkit module (backend="reference") of a variant on this shape; its weights are the case's."""
+        if variant_name not in self._references:
+            torch.manual_seed(self.seed)
+            module = rnnkit_module(VARIANTS[variant_name], self.shape, "reference", self.device, self.dtype)
+            self._references[variant_name] = module
+        return self._references[variant_name]
+
+    def expected(self, variant_name: str, mode: str) -> dict:
+        """Reference outputs (and gradients in training) of a variant, with the upstream gradients used."""
+        key = (variant_name, mode)
+        if key not in self._expected:
+            module = self.reference(variant_name)
+            model = RnnkitModel(variant_name, [module])
+            upstream = None
+            if mode == "training":
+                with torch.no_grad():
+                    shapes = [o.shape for o in self.forward(model, mode)]
+                generator = torch.Generator().manual_seed(self.seed + 2)
+                upstream = [torch.randn(s, generator=generator).to(self.device, self.dtype) for s in shapes]
+            outputs, grads = self.run(model, mode, upstream)
+            self._expected[key] = {"outputs": outputs, "grads": grads, "upstream": upstream}
+        return self._expected[key]
+
+    def forward(self, model: Model, mode: str, x: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+        """The model's forward on the case's input, with the case's mask seed; grad mode is the caller's."""
+        model.train(mode == "training")
+        if mode == "training" and self.reference(self.variant.name).spec.uses_dropout_masks:
+            torch.manual_seed(self.seed + 1)  # zoneout / dropout masks: the same draw for every runner
+        return model.forward(self.x if x is None else x)
+
+    def run(self, model: Model, mode: str, upstream=None):
+        """One call as timed: -> (outputs, grads); grads is {"input": dx, name: dW, ...} in training."""
+        if mode == "inference":
+            with torch.no_grad():
+                return self.forward(model, mode), None
+        x = self.x.detach().requires_grad_(True)
+        outputs = self.forward(model, mode, x)
+        if len(outputs) != len(upstream):
+            raise CheckFailed(f"{len(outputs)} outputs, the reference has {len(upstream)}")
+        params = model.parameters()
+        grads = torch.autograd.grad(outputs, [x] + params, upstream)
+        named = {"input": grads[0], **model.named_grads(grads[1:])}
+        return [o.detach() for o in outputs], named
+
+
+def check(case: Case, model: Model, mode: str) -> float:
+    """Compare a model with the reference of its timed variant; -> worst relative RMS error, or raise CheckFailed."""
+    expected = case.expected(model.timed_variant, mode)
+    outputs, grads = case.run(model, mode, expected["upstream"])
+    if len(outputs) != len(expected["outputs"]):
+        raise CheckFailed(f"{len(outputs)} outputs, the reference has {len(expected['outputs'])}")
+    pairs = [(f"output[{k}]", a, e) for k, (a, e) in enumerate(zip(outputs, expected["outputs"]))]
+    if grads is not None:
+        missing = sorted(set(expected["grads"]) - set(grads))
+        if missing:
+            raise CheckFailed(f"no gradient for {', '.join(missing)}")
+        pairs += [(f"grad {name}", grads[name], e) for name, e in expected["grads"].items()]
+    limit = TOLERANCE[case.dtype]
+    worst = 0.0
+    for name, actual, want in pairs:
+        if tuple(actual.shape) != tuple(want.shape):
+            raise CheckFailed(f"{name}: shape {tuple(actual.shape)}, the reference's is {tuple(want.shape)}")
+        error = rel_rms(actual, want)
+        if not error <= limit:  # NaN fails too
+            raise CheckFailed(f"{name}: relative RMS error {error:.3e} > {limit:.0e}")
+        worst = max(worst, error)
+    return worst
+
+
+def time_call(case: Case, model: Model, mode: str, upstream) -> float:
+    synchronize(case.device)
+    start = time.perf_counter()
+    case.run(model, mode, upstream)
+    synchronize(case.device)
+    return time.perf_counter() - start
+
+
+def saved_activation_bytes(case: Case, model: Model) -> int:
+    """Bytes autograd saves for backward in one training forward, weights and input excluded."""
+    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()} | {case.x.untyped_storage().data_ptr()}
+    storages: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = case.x.detach().requires_grad_(True)
+    exclude.add(x.untyped_storage().data_ptr())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outputs = case.forward(model, "training", x)
+    del outputs
+    return sum(storages.values())
+
+
+def peak_bytes(case: Case, model: Model, mode: str, upstream) -> Optional[int]:
+    """Peak device memory of one call above what was allocated before it (CUDA only; None on CPU)."""
+    if torch.device(case.device).type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    case.run(model, mode, upstream)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def flops(case: Case, timed_variant: str, mode: str) -> int:
+    """GEMM FLOPs of one call: 2·G·H·(I_k + Hr)·B·T per layer-direction (+ projection), x3 in training."""
+    spec = case.reference(timed_variant).spec
+    T, B = case.shape.T, case.shape.B
+    total = 0
+    for layer in range(spec.num_layers):
+        cell = spec.cell(layer)
+        per_step = cell.gates * cell.hidden_size * (spec.layer_input_size(layer) + cell.output_size)
+        if cell.proj_size:
+            per_step += cell.output_size * cell.hidden_size
+        total += 2 * per_step * B * T * spec.num_directions
+    return total * (3 if mode == "training" else 1)
+
+
+def sgemm_gflops(device: str, n: int, repeats: int = 3) -> float:
+    """The machine's fp32 GEMM rate: torch.mm on n x n matrices, median of ``repeats`` after a warm-up."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    torch.mm(a, b)
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def measure_case(case: Case, mode: str, runners: List[Runner], repeats: int, warmup: int, sgemm: float) -> List[dict]:
+    """BENCH.md's protocol for one case and mode: build, check, warm up, time interleaved, memory.
+
+    Returns one record per runner. Only runners whose check passed are timed.
+    """
+    records, timed = [], []
+    for runner in runners:
+        record = {"runner": runner.name, "runner_title": runner.title, "shape": case.shape.name,
+                  "variant": case.variant.name, "mode": mode, "timed_variant": case.variant.name}
+        records.append(record)
+        reason = runner.unavailable_reason()
+        if reason is not None:
+            record.update(status="unavailable", reason=reason)
+            continue
+        if mode not in runner.modes:
+            record.update(status="unsupported", reason=f"runs {', '.join(runner.modes)} only")
+            continue
+        try:
+            model = runner.build(case)
+            record["timed_variant"] = model.timed_variant
+            record.update(model.info)
+            record["max_rel_rms_error"] = check(case, model, mode)
+            record["tolerance"] = TOLERANCE[case.dtype]
+        except Unsupported as error:
+            record.update(status="unsupported", reason=str(error))
+            continue
+        except CheckFailed as error:
+            record.update(status="failed", reason=f"check against the reference: {error}")
+            continue
+        except Exception as error:  # a runner that crashes is reported, and the others still run
+            record.update(status="failed", reason=f"{type(error).__name__}: {error}")
+            continue
+        record["status"] = "ok"
+        timed.append((record, model, case.expected(model.timed_variant, mode)["upstream"]))
+
+    for _ in range(warmup):
+        for _, model, upstream in timed:
+            case.run(model, mode, upstream)
+    times: Dict[int, List[float]] = {id(r): [] for r, _, _ in timed}
+    for _ in range(repeats):
+        for record, model, upstream in timed:  # interleaved: A, B, A, B, ...
+            times[id(record)].append(time_call(case, model, mode, upstream))
+
+    baseline = next((statistics.median(times[id(r)]) for r, _, _ in timed if r["runner"] == "torch.nn"), None)
+    for record, model, upstream in timed:
+        seconds = statistics.median(times[id(record)])
+        work = flops(case, model.timed_variant, mode)
+        record.update(
+            median_ms=seconds * 1e3,
+            times_ms=[t * 1e3 for t in times[id(record)]],
+            speedup_vs_torch_nn=None if baseline is None else baseline / seconds,
+            gflop=work / 1e9,
+            gflops_per_s=work / seconds / 1e9,
+            fraction_of_sgemm=work / seconds / 1e9 / sgemm,
+            peak_memory_bytes=peak_bytes(case, model, mode, upstream),
+            saved_activation_bytes=saved_activation_bytes(case, model) if mode == "training" else 0,
+        )
+    return records

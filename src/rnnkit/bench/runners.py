@@ -1,0 +1,235 @@
+"""Who is measured: torch.nn, rnnkit's backends, onnxruntime — a registry of runners.
+
+A runner builds a :class:`Model` on the case's shared weights (the rnnkit reference
+module's state_dict). Every model answers the same calls, so the protocol (measure.py)
+checks and times them all alike:
+
+    model.forward(x)       -> [y, *final states]  (flattened: h leaves, then c leaves)
+    model.parameters()     -> the tensors training differentiates
+    model.named_grads(gs)  -> {torch.nn name: gradient}, comparable across runners
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+import rnnkit
+from rnnkit import backend as backends_
+
+from .registry import VARIANTS, Variant
+
+MODES = ("inference", "training")
+RNNKIT_MODULES = {"lstm": rnnkit.LSTM, "gru": rnnkit.GRU, "rnn_tanh": rnnkit.RNN}
+TORCH_MODULES = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn_tanh": torch.nn.RNN}
+
+
+class Unsupported(Exception):
+    """The runner cannot run this variant / mode; the message says why (not a failure)."""
+
+
+def leaves(tree) -> List[torch.Tensor]:
+    """Tensors of a nested tuple / list, depth first: (h, c) -> [h, c]; ([h0, h1], [c0, c1]) -> [h0, h1, c0, c1]."""
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in leaves(item)]
+    return [tree]
+
+
+def rnnkit_module(variant: Variant, shape, backend: str, device, dtype) -> torch.nn.Module:
+    return RNNKIT_MODULES[variant.mode](**variant.module_kwargs(shape), backend=backend, device=device, dtype=dtype)
+
+
+class Model:
+    """One runner's network, with the weights of the case.
+
+    ``timed_variant`` is the variant that actually runs: the case's, or for torch.nn the
+    plain stand-in when torch.nn lacks the case's variant.
+    """
+
+    def __init__(self, timed_variant: str, modules: List[torch.nn.Module], info: Optional[dict] = None):
+        self.timed_variant = timed_variant
+        self.modules = modules
+        self.info = info or {}
+
+    def train(self, mode: bool) -> None:
+        for m in self.modules:
+            m.train(mode)
+
+    def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
+        y, hy = self.modules[0](x)
+        return [y] + leaves(hy)
+
+    def parameters(self) -> List[torch.Tensor]:
+        return [p for m in self.modules for p in m.parameters()]
+
+    def named_grads(self, grads) -> Dict[str, torch.Tensor]:
+        return {name: g for (name, _), g in zip(self.modules[0].named_parameters(), grads)}
+
+
+class RnnkitModel(Model):
+    def named_grads(self, grads) -> Dict[str, torch.Tensor]:
+        return self.modules[0].layout.named_views(grads[0])
+
+
+class ChainModel(Model):
+    """Per-layer sizes in torch.nn: one one-layer module per layer, output of one into the next."""
+
+    def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
+        hs, cs = [], []
+        for m in self.modules:
+            x, (h, c) = m(x)
+            hs.append(h)
+            cs.append(c)
+        return [x] + hs + cs
+
+    def named_grads(self, grads) -> Dict[str, torch.Tensor]:
+        names = [
+            re.sub(r"_l0\b", f"_l{k}", name) for k, m in enumerate(self.modules) for name, _ in m.named_parameters()
+        ]
+        return dict(zip(names, grads))
+
+
+class Runner:
+    """A registry entry: ``name`` (the --runners key), ``title`` (for tables), the modes it runs."""
+
+    name: str
+    title: str
+    modes = MODES
+
+    def unavailable_reason(self) -> Optional[str]:
+        return None
+
+    def build(self, case) -> Model:
+        """A model on ``case``'s weights; raises :class:`Unsupported` when it cannot run the case."""
+        raise NotImplementedError
+
+
+class TorchNN(Runner):
+    """torch.nn.LSTM / GRU / RNN: oneDNN on CPU, cuDNN on GPU. The baseline every speedup refers to."""
+
+    name = "torch.nn"
+    title = "torch.nn"
+
+    def build(self, case) -> Model:
+        variant = case.variant if case.variant.torch_nn else VARIANTS[case.variant.plain]
+        reference = case.reference(variant.name)
+        state = reference.state_dict()
+        kwargs = variant.module_kwargs(case.shape)
+        info = {} if variant is case.variant else {"stand_in": f"torch.nn lacks {case.variant.name}; timed plain {variant.name}"}
+        if isinstance(kwargs["hidden_size"], list):
+            spec = reference.spec
+            modules = []
+            for k in range(spec.num_layers):
+                m = TORCH_MODULES[variant.mode](spec.layer_input_size(k), spec.hidden_sizes[k], device=case.device, dtype=case.dtype)
+                m.load_state_dict({re.sub(rf"_l{k}\b", "_l0", n): v for n, v in state.items() if re.search(rf"_l{k}\b", n)})
+                modules.append(m)
+            return ChainModel(variant.name, modules, info)
+        module = TORCH_MODULES[variant.mode](**kwargs, device=case.device, dtype=case.dtype)
+        module.load_state_dict(state)
+        return Model(variant.name, [module], info)
+
+
+class RnnkitBackend(Runner):
+    """An rnnkit backend by name; "reference" is the plain PyTorch loop over cell ops with autograd."""
+
+    def __init__(self, backend: str):
+        self.name = backend
+        self.title = "autograd loop (rnnkit reference)" if backend == "reference" else f"rnnkit {backend}"
+
+    def unavailable_reason(self) -> Optional[str]:
+        if self.name == "auto":
+            return None
+        report = rnnkit.backends().get(self.name)
+        return "not registered" if report is None else report["reason"]
+
+    def build(self, case) -> Model:
+        module = rnnkit_module(case.variant, case.shape, self.name, case.device, case.dtype)
+        try:
+            chosen = backends_.select(self.name, module.spec, torch.device(case.device), case.dtype)
+        except backends_.BackendUnavailableError as error:
+            raise Unsupported(str(error)) from None
+        module.load_state_dict(case.reference(case.variant.name).state_dict())
+        return RnnkitModel(case.variant.name, [module], {"backend": chosen.name})
+
+
+class OnnxRuntime(Runner):
+    """The case exported with rnnkit.interop.onnx.export and run by onnxruntime (inference only, CPU)."""
+
+    name = "onnxruntime"
+    title = "onnxruntime"
+    modes = ("inference",)
+
+    def unavailable_reason(self) -> Optional[str]:
+        try:
+            import onnxruntime  # noqa: F401
+            from rnnkit.interop.onnx import export  # noqa: F401
+        except (ImportError, AttributeError) as error:
+            return f"{type(error).__name__}: {error}"
+        return None
+
+    def build(self, case) -> Model:
+        import onnxruntime
+        from rnnkit.interop.onnx import export
+
+        if str(case.device) != "cpu":
+            raise Unsupported("runs on CPU only")
+        module = rnnkit_module(case.variant, case.shape, "reference", case.device, case.dtype)
+        module.load_state_dict(case.reference(case.variant.name).state_dict())
+        module.eval()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "model.onnx")
+            try:
+                export(module, path)
+            except (ValueError, TypeError, NotImplementedError) as error:
+                raise Unsupported(f"export: {error}") from None
+            options = onnxruntime.SessionOptions()
+            options.intra_op_num_threads = torch.get_num_threads()
+            session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        return OnnxModel(case.variant.name, session)
+
+
+class OnnxModel(Model):
+    def __init__(self, timed_variant: str, session):
+        super().__init__(timed_variant, [])
+        self.session = session
+        self.input_name = session.get_inputs()[0].name
+
+    def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
+        # the exported outputs are the module's: output, then h_n (per layer), then c_n
+        return [torch.from_numpy(o) for o in self.session.run(None, {self.input_name: x.numpy()})]
+
+
+RUNNERS: Dict[str, Callable[[], Runner]] = {
+    "torch.nn": TorchNN,
+    "onnxruntime": OnnxRuntime,
+}
+
+
+def register(name: str, factory: Callable[[], Runner]) -> None:
+    """Add a runner (tests inject a wrong one to see the check catch it)."""
+    RUNNERS[name] = factory
+
+
+def unregister(name: str) -> None:
+    RUNNERS.pop(name, None)
+
+
+def available_names() -> List[str]:
+    """Every runner: torch.nn, each registered rnnkit backend (discovered now), auto, then the extras."""
+    backends = list(rnnkit.backends())
+    ordered = ["torch.nn"] + [b for b in backends if b != "reference"] + ["reference", "auto"]
+    return ordered + [n for n in RUNNERS if n not in ordered]
+
+
+DEFAULT_EXCLUDED = ("auto",)  # it times one of the others again
+
+
+def make(name: str) -> Runner:
+    if name in RUNNERS:
+        return RUNNERS[name]()
+    if name in backends_.names():
+        return RnnkitBackend(name)
+    raise ValueError(f"runners: unknown name {name!r}; expected one of {', '.join(available_names())}")

@@ -1,0 +1,81 @@
+"""Compiling the fused CPU kernels: once, on first use, into a per-torch-version cache.
+
+``import rnnkit`` compiles nothing; the first call that needs the fused backend does, and
+says so in one line on stderr. A failed build is remembered with its reason, said once, and
+reported by ``FusedCPUBackend.unavailable_reason()`` so that ``backend="auto"`` falls back
+and ``backend="fused"`` raises with it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+_SOURCES = ("module.cpp", "lstm.cpp", "gru.cpp", "rnn.cpp")
+_NAME = "rnnkit_fused_cpu"
+_lock = threading.Lock()
+_extension = None
+_failure: Optional[str] = None
+
+
+def cache_dir() -> Path:
+    """Where the build lives: $TORCH_EXTENSIONS_DIR/rnnkit_fused_cpu or ~/.cache/rnnkit/<torch>/."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root) / _NAME
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "rnnkit" / torch.__version__.replace("+", "_") / _NAME
+
+
+def _compile():
+    from torch.utils import cpp_extension
+
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    if not any(folder.glob(f"{_NAME}*.so")):
+        print(f"rnnkit: compiling the fused CPU kernels once into {folder} (about a minute)", file=sys.stderr)
+    csrc = Path(__file__).with_name("csrc")
+    return cpp_extension.load(
+        name=_NAME,
+        sources=[str(csrc / s) for s in _SOURCES],
+        build_directory=str(folder),
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+def extension():
+    """The compiled module; raises RuntimeError with the build failure's reason."""
+    global _extension, _failure
+    with _lock:
+        if _extension is None and _failure is None:
+            try:
+                _extension = _compile()
+                _extension.set_poison(os.environ.get("RNNKIT_POISON", "0") == "1")
+            except Exception as error:  # a missing compiler, ninja, headers, ...: all mean "unavailable"
+                lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+                first_error = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "")
+                _failure = f"the C++ build failed ({type(error).__name__}: {first_error})"
+                print(f"rnnkit: fused CPU backend unavailable: {_failure}", file=sys.stderr)
+        if _extension is None:
+            raise RuntimeError(_failure)
+        return _extension
+
+
+def failure() -> Optional[str]:
+    """None when the kernels are built (building them now if needed), else why they can't be."""
+    try:
+        extension()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def set_poison(on: bool) -> None:
+    """Fill every buffer the kernels allocate with NaN (tests: unwritten memory shows up)."""
+    extension().set_poison(bool(on))

@@ -1,0 +1,169 @@
+// Pieces every fused CPU pass shares: the argument pack, buffers, BLAS, layer norm, threading.
+//
+// Layout of every pass (SPEC.md): x [T, B, I], h [B, Hr], c [B, H], gates stacked along the
+// feature axis in SPEC.md's order. All matrices are row-major and contiguous.
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/native_layer_norm.h>
+#include <ATen/ops/native_layer_norm_backward.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+
+#include <cmath>
+#include <optional>
+#include <vector>
+
+namespace rnnkit {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+constexpr double kLayerNormEps = 1e-5;
+
+// Tests set this to fill every buffer the kernels allocate with NaN, so a value that is read
+// before it is written shows up as a NaN in the outputs or gradients.
+bool& poison_flag();
+
+// A buffer that is always fully written before it is read (NaN-filled under poison_flag()).
+Tensor new_buffer(at::IntArrayRef sizes, const Tensor& like);
+// A buffer that must start at zero (accumulators).
+Tensor zero_buffer(at::IntArrayRef sizes, const Tensor& like);
+
+// Row-major C[M, N] = alpha * op(A)[M, K] · op(B)[K, N] + beta * C, straight to BLAS: the
+// per-step GEMMs skip the dispatcher and never allocate.
+template <typename scalar_t>
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, scalar_t alpha,
+          const scalar_t* A, int64_t lda, const scalar_t* B, int64_t ldb, scalar_t beta,
+          scalar_t* C, int64_t ldc);
+
+// Pointwise work over the batch rows [0, B); threads only when a step has enough work.
+template <typename F>
+inline void for_rows(int64_t B, int64_t work_per_row, const F& fn) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, work_per_row));
+  if (B <= grain) {
+    fn(0, B);
+  } else {
+    at::parallel_for(0, B, grain, fn);
+  }
+}
+
+template <typename scalar_t>
+inline scalar_t sigmoid(scalar_t v) {
+  return scalar_t(1) / (scalar_t(1) + std::exp(-v));
+}
+
+// Mean and 1/sqrt(var + eps) of one row (biased variance): two passes, double sums, so
+// float32 rows of thousands of values keep float32 accuracy.
+template <typename scalar_t, typename F>
+inline void row_stats_of(int64_t n, const F& value, scalar_t& mean, scalar_t& rstd) {
+  double sum = 0;
+  for (int64_t j = 0; j < n; ++j) sum += double(value(j));
+  const double m = sum / double(n);
+  double sq = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const double d = double(value(j)) - m;
+    sq += d * d;
+  }
+  mean = scalar_t(m);
+  rstd = scalar_t(1.0 / std::sqrt(sq / double(n) + kLayerNormEps));
+}
+
+template <typename scalar_t>
+inline void row_stats(const scalar_t* v, int64_t n, scalar_t& mean, scalar_t& rstd) {
+  row_stats_of(n, [v](int64_t j) { return v[j]; }, mean, rstd);
+}
+
+// LN backward of one row: given dout (grad of γ·x̂ + β) and the raw input v, writes dv and
+// accumulates dγ, dβ. dout and dv may alias.
+template <typename scalar_t>
+inline void row_layer_norm_backward(const scalar_t* dout, const scalar_t* v, int64_t n, scalar_t mean,
+                                    scalar_t rstd, const scalar_t* gain, scalar_t* dv, scalar_t* dgain,
+                                    scalar_t* dshift) {
+  double sum_dxh = 0, sum_dxh_xh = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const scalar_t xh = (v[j] - mean) * rstd;
+    const scalar_t dxh = dout[j] * gain[j];
+    sum_dxh += double(dxh);
+    sum_dxh_xh += double(dxh) * double(xh);
+    dgain[j] += dout[j] * xh;
+    dshift[j] += dout[j];
+  }
+  const scalar_t mean_dxh = scalar_t(sum_dxh / double(n)), mean_dxh_xh = scalar_t(sum_dxh_xh / double(n));
+  for (int64_t j = 0; j < n; ++j) {
+    const scalar_t xh = (v[j] - mean) * rstd;
+    dv[j] = rstd * (dout[j] * gain[j] - mean_dxh - xh * mean_dxh_xh);
+  }
+}
+
+// Zoneout keep-old coefficient d at (t, b): the training indicators [T, B, n], the
+// evaluation probability p, or 0 when off.
+template <typename scalar_t>
+struct Zoneout {
+  const scalar_t* d = nullptr;  // [T, B, n] or null
+  scalar_t p = 0;
+  int64_t B = 0, n = 0;
+  bool on() const { return d != nullptr || p != 0; }
+  // Row pointer, or null when the coefficient is the constant p.
+  const scalar_t* row(int64_t t, int64_t b) const { return d ? d + (t * B + b) * n : nullptr; }
+};
+
+// Everything one layer-direction pass receives, unpacked once (see launcher.py for the order).
+struct PassArgs {
+  Tensor x, h0, c0, W, R, b_W, b_R, W_hr, peephole;
+  Tensor ln_x_gain, ln_x_shift, ln_h_gain, ln_h_shift, ln_c_gain, ln_c_shift;
+  Tensor step_mask, recurrent_mask, zoneout_h, zoneout_c;
+  double cell_clip = 0, proj_clip = 0, zoneout_h_p = 0, zoneout_c_p = 0;
+  bool reverse = false, coupled = false, reset_after = true, relu = false;
+  int64_t T = 0, B = 0, I = 0, H = 0, Hr = 0, GH = 0;
+
+  PassArgs(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars);
+  bool layer_norm() const { return ln_h_gain.defined(); }
+  // Step t of row b runs (not past the sequence's length).
+  const bool* mask_ptr() const { return step_mask.defined() ? step_mask.data_ptr<bool>() : nullptr; }
+  template <typename scalar_t>
+  Zoneout<scalar_t> zone_h() const {
+    return make_zone<scalar_t>(zoneout_h, zoneout_h_p, Hr);
+  }
+  template <typename scalar_t>
+  Zoneout<scalar_t> zone_c() const {
+    return make_zone<scalar_t>(zoneout_c, zoneout_c_p, H);
+  }
+
+ private:
+  template <typename scalar_t>
+  Zoneout<scalar_t> make_zone(const Tensor& d, double p, int64_t n) const {
+    Zoneout<scalar_t> z;
+    z.d = d.defined() ? d.data_ptr<scalar_t>() : nullptr;
+    z.p = scalar_t(p);
+    z.B = B;
+    z.n = n;
+    return z;
+  }
+};
+
+// The hoisted input projection LN_x(W x) + bias for all steps: [T·B, G·H]. With layer norm
+// and training it keeps (raw W x, mean, rstd) for the backward.
+Tensor input_projection(const PassArgs& a, const Tensor& bias, bool training, Tensor& raw, Tensor& mean,
+                        Tensor& rstd);
+
+// Backward of input_projection from dA [T·B, G·H] (the gradient of its output):
+// returns dx (undefined unless need_dx), dW, d ln_x gain, d ln_x shift (undefined without LN).
+std::vector<Tensor> input_projection_backward(const PassArgs& a, const Tensor& dA, const Tensor& raw,
+                                              const Tensor& mean, const Tensor& rstd, bool need_dx);
+
+// The sum of optional bias pieces (undefined when none): folded into the input projection.
+Tensor sum_biases(const Tensor& first, const Tensor& second);
+
+inline Tensor or_undefined(bool keep, const Tensor& t) { return keep ? t : Tensor(); }
+
+}  // namespace rnnkit

@@ -1,0 +1,324 @@
+// Fused GRU pass (SPEC.md "Cells": gates r z n), both reset conventions, with layer norm
+// (reset_after only) and zoneout. The reference is ref/gru.py.
+//
+// reset_after=True: one GEMM R h per step; n = tanh(x_n + r ∘ (LN_h(R h)_n + b_Rn)).
+// reset_after=False: R_rz h, then R_n (r ∘ h): the second GEMM needs r, so two per step.
+#include "passes.h"
+
+namespace rnnkit {
+namespace {
+
+template <typename scalar_t>
+struct Gru {
+  const PassArgs& a;
+  int64_t T, B, H, GH;
+  bool ln, after;
+  const scalar_t *R, *rm, *b_Rn, *ln_h_gain, *ln_h_shift;
+  const bool* mask;
+  Zoneout<scalar_t> zh;
+  // Saved gate row: r z n, and with reset_after the recurrent n term hn = LN_h(R h)_n + b_Rn.
+  int64_t GS;
+
+  explicit Gru(const PassArgs& args) : a(args) {
+    T = a.T, B = a.B, H = a.H, GH = a.GH;
+    ln = a.layer_norm(), after = a.reset_after;
+    R = a.R.data_ptr<scalar_t>();
+    rm = a.recurrent_mask.defined() ? a.recurrent_mask.data_ptr<scalar_t>() : nullptr;
+    b_Rn = (after && a.b_R.defined()) ? a.b_R.data_ptr<scalar_t>() + 2 * H : nullptr;
+    ln_h_gain = ln ? a.ln_h_gain.data_ptr<scalar_t>() : nullptr;
+    ln_h_shift = ln ? a.ln_h_shift.data_ptr<scalar_t>() : nullptr;
+    mask = a.mask_ptr();
+    zh = a.zone_h<scalar_t>();
+    GS = after ? 4 * H : 3 * H;
+  }
+
+  int64_t step_time(int64_t s) const { return a.reverse ? T - 1 - s : s; }
+  bool valid(int64_t t, int64_t b) const { return mask == nullptr || mask[t * B + b]; }
+
+  // Biases folded into the input projection: all of them, except b_Rn with reset_after.
+  Tensor folded_bias() const {
+    if (!after || !a.b_R.defined()) return sum_biases(a.b_W, a.b_R);
+    Tensor rz = at::cat({a.b_R.narrow(0, 0, 2 * H), at::zeros({H}, a.b_R.options())});
+    return sum_biases(a.b_W, rz);
+  }
+
+  std::vector<Tensor> forward(bool training) {
+    std::vector<Tensor> saved = saved_slots();
+    const Tensor& like = a.x;
+    Tensor gx = input_projection(a, folded_bias(), training, saved[kInputRaw], saved[kInputMean],
+                                 saved[kInputRstd]);  // [T·B, 3H]
+    Tensor y = new_buffer({T, B, H}, like);
+    Tensor h = a.h0.clone();
+    Tensor h_in = rm ? h * a.recurrent_mask : h;
+    const int64_t keep = training ? T : 1;
+    Tensor gates = new_buffer({keep, B, GS}, like);
+    Tensor gh = after ? new_buffer({ln ? keep : 1, B, GH}, like) : Tensor();  // R h
+    Tensor rh = after ? Tensor() : new_buffer({keep, B, H}, like);             // r ∘ h_in
+    Tensor stats = ln ? new_buffer({2, keep, B}, like) : Tensor();
+    Tensor hidden_prev = training ? new_buffer({T, B, H}, like) : Tensor();
+
+    scalar_t *gx_p = gx.data_ptr<scalar_t>(), *y_p = y.data_ptr<scalar_t>(), *h_p = h.data_ptr<scalar_t>();
+    scalar_t *hin_p = h_in.data_ptr<scalar_t>(), *gates_p = gates.data_ptr<scalar_t>();
+    scalar_t* gh_p = after ? gh.data_ptr<scalar_t>() : nullptr;
+    scalar_t* rh_p = after ? nullptr : rh.data_ptr<scalar_t>();
+    scalar_t* st_p = ln ? stats.data_ptr<scalar_t>() : nullptr;
+    scalar_t* hp_p = training ? hidden_prev.data_ptr<scalar_t>() : nullptr;
+
+    // h̃ = (1 − z) ∘ n + z ∘ h -> zoneout -> state, y, next R input. Gate row holds r z n.
+    auto finish_h = [&](int64_t t, int64_t k, int64_t b) {
+      scalar_t* hb = h_p + b * H;
+      scalar_t* yb = y_p + (t * B + b) * H;
+      if (training) std::copy(hb, hb + H, hp_p + (t * B + b) * H);
+      if (!valid(t, b)) {
+        std::fill(yb, yb + H, scalar_t(0));
+        return;
+      }
+      const scalar_t* gate = gates_p + (k * B + b) * GS;
+      const scalar_t* d = zh.row(t, b);
+      for (int64_t j = 0; j < H; ++j) {
+        const scalar_t z = gate[H + j], n = gate[2 * H + j];
+        const scalar_t ht = (scalar_t(1) - z) * n + z * hb[j];
+        const scalar_t zo = d ? d[j] : zh.p;
+        const scalar_t hn = zo * hb[j] + (scalar_t(1) - zo) * ht;
+        hb[j] = hn;
+        yb[j] = hn;
+        if (rm) hin_p[b * H + j] = hn * rm[b * H + j];
+      }
+    };
+
+    for (int64_t s = 0; s < T; ++s) {
+      const int64_t t = step_time(s), k = training ? t : 0;
+      scalar_t* gx_t = gx_p + t * B * GH;
+      if (after) {
+        scalar_t* gh_t = gh_p + (ln ? k : 0) * B * GH;
+        gemm<scalar_t>(false, true, B, GH, H, 1, hin_p, H, R, H, 0, gh_t, GH);  // R h [B, 3H]
+        for_rows(B, GH * 8, [&](int64_t b0, int64_t b1) {
+          for (int64_t b = b0; b < b1; ++b) {
+            if (valid(t, b)) {
+              const scalar_t* ax = gx_t + b * GH;
+              const scalar_t* ghb = gh_t + b * GH;
+              scalar_t* gate = gates_p + (k * B + b) * GS;
+              scalar_t mh = 0, rh_ = 0;
+              if (ln) {
+                row_stats(ghb, GH, mh, rh_);
+                st_p[k * B + b] = mh, st_p[keep * B + k * B + b] = rh_;
+              }
+              auto rec = [&](int64_t q) {  // LN_h(R h) at gate column q
+                return ln ? (ghb[q] - mh) * rh_ * ln_h_gain[q] + ln_h_shift[q] : ghb[q];
+              };
+              for (int64_t j = 0; j < H; ++j) {
+                const scalar_t r = sigmoid(ax[j] + rec(j));
+                const scalar_t z = sigmoid(ax[H + j] + rec(H + j));
+                const scalar_t hn = rec(2 * H + j) + (b_Rn ? b_Rn[j] : scalar_t(0));
+                gate[j] = r, gate[H + j] = z, gate[2 * H + j] = std::tanh(ax[2 * H + j] + r * hn);
+                gate[3 * H + j] = hn;
+              }
+            }
+            finish_h(t, k, b);
+          }
+        });
+      } else {
+        gemm<scalar_t>(false, true, B, 2 * H, H, 1, hin_p, H, R, H, 1, gx_t, GH);  // += R_rz h
+        scalar_t* rh_t = rh_p + k * B * H;
+        for_rows(B, H * 8, [&](int64_t b0, int64_t b1) {
+          for (int64_t b = b0; b < b1; ++b) {
+            scalar_t* rhb = rh_t + b * H;
+            if (!valid(t, b)) {
+              std::fill(rhb, rhb + H, scalar_t(0));
+              continue;
+            }
+            const scalar_t* ax = gx_t + b * GH;
+            scalar_t* gate = gates_p + (k * B + b) * GS;
+            for (int64_t j = 0; j < H; ++j) {
+              const scalar_t r = sigmoid(ax[j]);
+              gate[j] = r, gate[H + j] = sigmoid(ax[H + j]);
+              rhb[j] = r * hin_p[b * H + j];
+            }
+          }
+        });
+        gemm<scalar_t>(false, true, B, H, H, 1, rh_t, H, R + 2 * H * H, H, 1, gx_t + 2 * H, GH);  // += R_n (r∘h)
+        for_rows(B, H * 8, [&](int64_t b0, int64_t b1) {
+          for (int64_t b = b0; b < b1; ++b) {
+            if (valid(t, b)) {
+              const scalar_t* ax = gx_t + b * GH;
+              scalar_t* gate = gates_p + (k * B + b) * GS;
+              for (int64_t j = 0; j < H; ++j) gate[2 * H + j] = std::tanh(ax[2 * H + j]);
+            }
+            finish_h(t, k, b);
+          }
+        });
+      }
+    }
+
+    std::vector<Tensor> out = {y, h, Tensor()};
+    if (training) {
+      saved[kGates] = gates, saved[kHiddenPrev] = hidden_prev;
+      if (ln) saved[kRecurrentRaw] = gh, saved[kRecurrentMean] = stats[0], saved[kRecurrentRstd] = stats[1];
+      if (!after) saved[kProjIn] = rh;
+      out.insert(out.end(), saved.begin(), saved.end());
+    }
+    return out;
+  }
+
+  std::vector<Tensor> backward(const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads,
+                               bool need_dx) {
+    const Tensor& like = a.x;
+    const Tensor dy = grads[0].contiguous();
+    Tensor dh_dir = grads[1].contiguous().clone();
+    Tensor dh_rec = zero_buffer({B, H}, like);
+    Tensor dA = new_buffer({T, B, GH}, like);                       // dL/d input-side pre-activations
+    Tensor dAh = after ? new_buffer({T, B, GH}, like) : Tensor();  // dL/d LN_h(R h) + b_R
+    Tensor dgh = (after && ln) ? new_buffer({T, B, GH}, like) : dAh;  // dL/d(R h)
+    Tensor drh = after ? Tensor() : new_buffer({B, H}, like);
+    Tensor acc_ln_h = ln ? zero_buffer({2, B, GH}, like) : Tensor();
+
+    const Tensor gates = slot(saved, kGates), hidden_prev = slot(saved, kHiddenPrev);
+    const scalar_t *dy_p = dy.data_ptr<scalar_t>(), *gates_p = gates.data_ptr<scalar_t>();
+    const scalar_t* hp_p = hidden_prev.data_ptr<scalar_t>();
+    const scalar_t* gh_p = ln ? slot(saved, kRecurrentRaw).data_ptr<scalar_t>() : nullptr;
+    const scalar_t* mh_p = ln ? slot(saved, kRecurrentMean).data_ptr<scalar_t>() : nullptr;
+    const scalar_t* rh_p = ln ? slot(saved, kRecurrentRstd).data_ptr<scalar_t>() : nullptr;
+    scalar_t *dhd_p = dh_dir.data_ptr<scalar_t>(), *dhr_p = dh_rec.data_ptr<scalar_t>();
+    scalar_t* dA_p = dA.data_ptr<scalar_t>();
+    scalar_t* dAh_p = after ? dAh.data_ptr<scalar_t>() : nullptr;
+    scalar_t* dgh_p = after ? dgh.data_ptr<scalar_t>() : nullptr;
+    scalar_t* drh_p = after ? nullptr : drh.data_ptr<scalar_t>();
+    scalar_t* alh_p = ln ? acc_ln_h.data_ptr<scalar_t>() : nullptr;
+
+    // dL/dh_t -> zoneout -> h̃ = (1 − z) n + z h: the z and n pre-activation grads, and the
+    // direct part of dL/dh_{t-1}. Returns false for a masked row (state passes through).
+    auto backward_h = [&](int64_t t, int64_t b) {
+      scalar_t* dhd = dhd_p + b * H;
+      const scalar_t* dhr = dhr_p + b * H;
+      scalar_t* dAb = dA_p + (t * B + b) * GH;
+      if (!valid(t, b)) {
+        for (int64_t j = 0; j < H; ++j) dhd[j] += rm ? rm[b * H + j] * dhr[j] : dhr[j];
+        std::fill(dAb, dAb + GH, scalar_t(0));
+        return false;
+      }
+      const scalar_t* gate = gates_p + (t * B + b) * GS;
+      const scalar_t* hp = hp_p + (t * B + b) * H;
+      const scalar_t* d = zh.row(t, b);
+      const scalar_t* dyb = dy_p + (t * B + b) * H;
+      for (int64_t j = 0; j < H; ++j) {
+        const scalar_t dtot = dhd[j] + (rm ? rm[b * H + j] * dhr[j] : dhr[j]) + dyb[j];
+        const scalar_t zo = d ? d[j] : zh.p;
+        const scalar_t dht = (scalar_t(1) - zo) * dtot;
+        const scalar_t z = gate[H + j], n = gate[2 * H + j];
+        dhd[j] = zo * dtot + dht * z;
+        dAb[H + j] = dht * (hp[j] - n) * z * (scalar_t(1) - z);
+        dAb[2 * H + j] = dht * (scalar_t(1) - z) * (scalar_t(1) - n * n);
+      }
+      return true;
+    };
+
+    for (int64_t s = T - 1; s >= 0; --s) {
+      const int64_t t = step_time(s);
+      if (after) {
+        for_rows(B, GH * 6, [&](int64_t b0, int64_t b1) {
+          for (int64_t b = b0; b < b1; ++b) {
+            const int64_t row = t * B + b;
+            scalar_t* dAb = dA_p + row * GH;
+            scalar_t* dAhb = dAh_p + row * GH;
+            if (!backward_h(t, b)) {
+              std::fill(dAhb, dAhb + GH, scalar_t(0));
+              if (ln) std::fill(dgh_p + row * GH, dgh_p + (row + 1) * GH, scalar_t(0));
+              continue;
+            }
+            const scalar_t* gate = gates_p + row * GS;
+            for (int64_t j = 0; j < H; ++j) {
+              const scalar_t r = gate[j], hn = gate[3 * H + j], dan = dAb[2 * H + j];
+              dAb[j] = dan * hn * r * (scalar_t(1) - r);
+              dAhb[j] = dAb[j], dAhb[H + j] = dAb[H + j], dAhb[2 * H + j] = dan * r;
+            }
+            if (ln) {
+              row_layer_norm_backward(dAhb, gh_p + row * GH, GH, mh_p[row], rh_p[row], ln_h_gain,
+                                      dgh_p + row * GH, alh_p + b * GH, alh_p + (B + b) * GH);
+            }
+          }
+        });
+        gemm<scalar_t>(false, false, B, H, GH, 1, dgh_p + t * B * GH, GH, R, H, 0, dhr_p, H);  // dgh R
+      } else {
+        scalar_t* dA_t = dA_p + t * B * GH;
+        for_rows(B, H * 6, [&](int64_t b0, int64_t b1) {
+          for (int64_t b = b0; b < b1; ++b) backward_h(t, b);
+        });
+        gemm<scalar_t>(false, false, B, H, H, 1, dA_t + 2 * H, GH, R + 2 * H * H, H, 0, drh_p, H);  // d(r∘h)
+        for_rows(B, H * 6, [&](int64_t b0, int64_t b1) {
+          for (int64_t b = b0; b < b1; ++b) {
+            scalar_t* dhr = dhr_p + b * H;
+            if (!valid(t, b)) {
+              std::fill(dhr, dhr + H, scalar_t(0));
+              continue;
+            }
+            const scalar_t* gate = gates_p + (t * B + b) * GS;
+            const scalar_t* hp = hp_p + (t * B + b) * H;
+            const scalar_t* drhb = drh_p + b * H;
+            scalar_t* dAb = dA_t + b * GH;
+            for (int64_t j = 0; j < H; ++j) {
+              const scalar_t r = gate[j], h_in = rm ? hp[j] * rm[b * H + j] : hp[j];
+              dAb[j] = drhb[j] * h_in * r * (scalar_t(1) - r);
+              dhr[j] = drhb[j] * r;
+            }
+          }
+        });
+        gemm<scalar_t>(false, false, B, H, 2 * H, 1, dA_t, GH, R, H, 1, dhr_p, H);  // += dA_rz R_rz
+      }
+    }
+
+    const int64_t TB = T * B;
+    Tensor dh0 = dh_dir + (rm ? dh_rec * a.recurrent_mask : dh_rec);
+    Tensor h_in = (rm ? hidden_prev * a.recurrent_mask : hidden_prev).view({TB, H});
+    Tensor dA2 = dA.view({TB, GH});
+    Tensor dR, db_R;
+    if (after) {
+      dR = at::mm(dgh.view({TB, GH}).t(), h_in);
+      db_R = at::sum(dAh.view({TB, GH}), 0);
+    } else {
+      dR = at::cat({at::mm(dA2.narrow(1, 0, 2 * H).t(), h_in),
+                    at::mm(dA2.narrow(1, 2 * H, H).t(), slot(saved, kProjIn).view({TB, H}))});
+      db_R = at::sum(dA2, 0);
+    }
+    auto inp = input_projection_backward(a, dA2, slot(saved, kInputRaw), slot(saved, kInputMean),
+                                         slot(saved, kInputRstd), need_dx);
+    Tensor d_ln_h = ln ? acc_ln_h.sum(1) : Tensor();
+    return {inp[0],
+            dh0,
+            Tensor(),
+            inp[1],
+            dR,
+            or_undefined(a.b_W.defined(), at::sum(dA2, 0)),
+            or_undefined(a.b_R.defined(), db_R),
+            Tensor(),
+            Tensor(),
+            inp[2],
+            inp[3],
+            ln ? d_ln_h[0] : Tensor(),
+            ln ? d_ln_h[1] : Tensor(),
+            Tensor(),
+            Tensor()};
+  }
+};
+
+}  // namespace
+
+std::vector<Tensor> gru_forward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
+                                bool training) {
+  PassArgs a(tensors, scalars);
+  std::vector<Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES(a.x.scalar_type(), "rnnkit_gru_forward",
+                             [&] { out = Gru<scalar_t>(a).forward(training); });
+  return out;
+}
+
+std::vector<Tensor> gru_backward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
+                                 const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads,
+                                 bool need_dx) {
+  PassArgs a(tensors, scalars);
+  std::vector<Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES(a.x.scalar_type(), "rnnkit_gru_backward",
+                             [&] { out = Gru<scalar_t>(a).backward(saved, grads, need_dx); });
+  return out;
+}
+
+}  // namespace rnnkit

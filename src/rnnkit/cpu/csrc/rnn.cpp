@@ -1,0 +1,207 @@
+// Fused Elman RNN pass (SPEC.md "Cells": h = act(W x + b_W + R h + b_R), tanh or relu), with
+// layer norm and zoneout. The reference is ref/rnn.py.
+#include "passes.h"
+
+namespace rnnkit {
+namespace {
+
+template <typename scalar_t>
+struct Rnn {
+  const PassArgs& a;
+  int64_t T, B, H;
+  bool ln, relu;
+  const scalar_t *R, *rm, *ln_h_gain, *ln_h_shift;
+  const bool* mask;
+  Zoneout<scalar_t> zh;
+
+  explicit Rnn(const PassArgs& args) : a(args) {
+    T = a.T, B = a.B, H = a.H;
+    ln = a.layer_norm(), relu = a.relu;
+    R = a.R.data_ptr<scalar_t>();
+    rm = a.recurrent_mask.defined() ? a.recurrent_mask.data_ptr<scalar_t>() : nullptr;
+    ln_h_gain = ln ? a.ln_h_gain.data_ptr<scalar_t>() : nullptr;
+    ln_h_shift = ln ? a.ln_h_shift.data_ptr<scalar_t>() : nullptr;
+    mask = a.mask_ptr();
+    zh = a.zone_h<scalar_t>();
+  }
+
+  int64_t step_time(int64_t s) const { return a.reverse ? T - 1 - s : s; }
+  bool valid(int64_t t, int64_t b) const { return mask == nullptr || mask[t * B + b]; }
+
+  std::vector<Tensor> forward(bool training) {
+    std::vector<Tensor> saved = saved_slots();
+    const Tensor& like = a.x;
+    Tensor gx = input_projection(a, sum_biases(a.b_W, a.b_R), training, saved[kInputRaw], saved[kInputMean],
+                                 saved[kInputRstd]);  // [T·B, H]
+    Tensor y = new_buffer({T, B, H}, like);
+    Tensor h = a.h0.clone();
+    Tensor h_in = rm ? h * a.recurrent_mask : h;
+    const int64_t keep = training ? T : 1;
+    Tensor h_tilde = training ? new_buffer({T, B, H}, like) : Tensor();  // act(a), before zoneout
+    Tensor gh = ln ? new_buffer({keep, B, H}, like) : Tensor();
+    Tensor stats = ln ? new_buffer({2, keep, B}, like) : Tensor();
+    Tensor hidden_prev = training ? new_buffer({T, B, H}, like) : Tensor();
+
+    scalar_t *gx_p = gx.data_ptr<scalar_t>(), *y_p = y.data_ptr<scalar_t>(), *h_p = h.data_ptr<scalar_t>();
+    scalar_t* hin_p = h_in.data_ptr<scalar_t>();
+    scalar_t* ht_p = training ? h_tilde.data_ptr<scalar_t>() : nullptr;
+    scalar_t* gh_p = ln ? gh.data_ptr<scalar_t>() : nullptr;
+    scalar_t* st_p = ln ? stats.data_ptr<scalar_t>() : nullptr;
+    scalar_t* hp_p = training ? hidden_prev.data_ptr<scalar_t>() : nullptr;
+
+    for (int64_t s = 0; s < T; ++s) {
+      const int64_t t = step_time(s), k = training ? t : 0;
+      scalar_t* gx_t = gx_p + t * B * H;
+      scalar_t* gh_t = ln ? gh_p + k * B * H : nullptr;
+      if (ln) {
+        gemm<scalar_t>(false, true, B, H, H, 1, hin_p, H, R, H, 0, gh_t, H);  // R h
+      } else {
+        gemm<scalar_t>(false, true, B, H, H, 1, hin_p, H, R, H, 1, gx_t, H);  // W x + b + R h
+      }
+      for_rows(B, H * 4, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+          scalar_t* hb = h_p + b * H;
+          scalar_t* yb = y_p + (t * B + b) * H;
+          if (training) std::copy(hb, hb + H, hp_p + (t * B + b) * H);
+          if (!valid(t, b)) {
+            std::fill(yb, yb + H, scalar_t(0));
+            continue;
+          }
+          const scalar_t* ax = gx_t + b * H;
+          const scalar_t* ghb = ln ? gh_t + b * H : nullptr;
+          scalar_t mh = 0, rh = 0;
+          if (ln) {
+            row_stats(ghb, H, mh, rh);
+            st_p[k * B + b] = mh, st_p[keep * B + k * B + b] = rh;
+          }
+          const scalar_t* d = zh.row(t, b);
+          for (int64_t j = 0; j < H; ++j) {
+            const scalar_t pre = ln ? ax[j] + (ghb[j] - mh) * rh * ln_h_gain[j] + ln_h_shift[j] : ax[j];
+            const scalar_t ht = relu ? std::max(pre, scalar_t(0)) : std::tanh(pre);
+            if (training) ht_p[(t * B + b) * H + j] = ht;
+            const scalar_t zo = d ? d[j] : zh.p;
+            const scalar_t hn = zo * hb[j] + (scalar_t(1) - zo) * ht;
+            hb[j] = hn;
+            yb[j] = hn;
+            if (rm) hin_p[b * H + j] = hn * rm[b * H + j];
+          }
+        }
+      });
+    }
+
+    std::vector<Tensor> out = {y, h, Tensor()};
+    if (training) {
+      saved[kGates] = h_tilde, saved[kHiddenPrev] = hidden_prev;
+      if (ln) saved[kRecurrentRaw] = gh, saved[kRecurrentMean] = stats[0], saved[kRecurrentRstd] = stats[1];
+      out.insert(out.end(), saved.begin(), saved.end());
+    }
+    return out;
+  }
+
+  std::vector<Tensor> backward(const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads,
+                               bool need_dx) {
+    const Tensor& like = a.x;
+    const Tensor dy = grads[0].contiguous();
+    Tensor dh_dir = grads[1].contiguous().clone();
+    Tensor dh_rec = zero_buffer({B, H}, like);
+    Tensor dA = new_buffer({T, B, H}, like);
+    Tensor dgh = ln ? new_buffer({T, B, H}, like) : dA;
+    Tensor acc_ln_h = ln ? zero_buffer({2, B, H}, like) : Tensor();
+
+    const Tensor h_tilde = slot(saved, kGates), hidden_prev = slot(saved, kHiddenPrev);
+    const scalar_t *dy_p = dy.data_ptr<scalar_t>(), *ht_p = h_tilde.data_ptr<scalar_t>();
+    const scalar_t* gh_p = ln ? slot(saved, kRecurrentRaw).data_ptr<scalar_t>() : nullptr;
+    const scalar_t* mh_p = ln ? slot(saved, kRecurrentMean).data_ptr<scalar_t>() : nullptr;
+    const scalar_t* rh_p = ln ? slot(saved, kRecurrentRstd).data_ptr<scalar_t>() : nullptr;
+    scalar_t *dhd_p = dh_dir.data_ptr<scalar_t>(), *dhr_p = dh_rec.data_ptr<scalar_t>();
+    scalar_t *dA_p = dA.data_ptr<scalar_t>(), *dgh_p = dgh.data_ptr<scalar_t>();
+    scalar_t* alh_p = ln ? acc_ln_h.data_ptr<scalar_t>() : nullptr;
+
+    for (int64_t s = T - 1; s >= 0; --s) {
+      const int64_t t = step_time(s);
+      for_rows(B, H * 4, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t row = t * B + b;
+          scalar_t* dhd = dhd_p + b * H;
+          const scalar_t* dhr = dhr_p + b * H;
+          scalar_t* dAb = dA_p + row * H;
+          const bool ok = valid(t, b);
+          const scalar_t* d = zh.row(t, b);
+          const scalar_t* dyb = dy_p + row * H;
+          const scalar_t* htb = ht_p + row * H;
+          for (int64_t j = 0; j < H; ++j) {
+            const scalar_t dstate = dhd[j] + (rm ? rm[b * H + j] * dhr[j] : dhr[j]);
+            if (!ok) {
+              dhd[j] = dstate;
+              dAb[j] = 0;
+              continue;
+            }
+            const scalar_t dtot = dstate + dyb[j];
+            const scalar_t zo = d ? d[j] : zh.p;
+            const scalar_t dht = (scalar_t(1) - zo) * dtot;
+            dhd[j] = zo * dtot;
+            const scalar_t ht = htb[j];
+            dAb[j] = relu ? (ht > 0 ? dht : scalar_t(0)) : dht * (scalar_t(1) - ht * ht);
+          }
+          if (ln) {
+            if (ok) {
+              row_layer_norm_backward(dAb, gh_p + row * H, H, mh_p[row], rh_p[row], ln_h_gain, dgh_p + row * H,
+                                      alh_p + b * H, alh_p + (B + b) * H);
+            } else {
+              std::fill(dgh_p + row * H, dgh_p + (row + 1) * H, scalar_t(0));
+            }
+          }
+        }
+      });
+      gemm<scalar_t>(false, false, B, H, H, 1, dgh_p + t * B * H, H, R, H, 0, dhr_p, H);  // dgh R
+    }
+
+    const int64_t TB = T * B;
+    Tensor dh0 = dh_dir + (rm ? dh_rec * a.recurrent_mask : dh_rec);
+    Tensor h_in = rm ? hidden_prev * a.recurrent_mask : hidden_prev;
+    Tensor dR = at::mm(dgh.view({TB, H}).t(), h_in.view({TB, H}));
+    Tensor dA2 = dA.view({TB, H});
+    Tensor db = at::sum(dA2, 0);
+    auto inp = input_projection_backward(a, dA2, slot(saved, kInputRaw), slot(saved, kInputMean),
+                                         slot(saved, kInputRstd), need_dx);
+    Tensor d_ln_h = ln ? acc_ln_h.sum(1) : Tensor();
+    return {inp[0],
+            dh0,
+            Tensor(),
+            inp[1],
+            dR,
+            or_undefined(a.b_W.defined(), db),
+            or_undefined(a.b_R.defined(), db),
+            Tensor(),
+            Tensor(),
+            inp[2],
+            inp[3],
+            ln ? d_ln_h[0] : Tensor(),
+            ln ? d_ln_h[1] : Tensor(),
+            Tensor(),
+            Tensor()};
+  }
+};
+
+}  // namespace
+
+std::vector<Tensor> rnn_forward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
+                                bool training) {
+  PassArgs a(tensors, scalars);
+  std::vector<Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES(a.x.scalar_type(), "rnnkit_rnn_forward",
+                             [&] { out = Rnn<scalar_t>(a).forward(training); });
+  return out;
+}
+
+std::vector<Tensor> rnn_backward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
+                                 const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads,
+                                 bool need_dx) {
+  PassArgs a(tensors, scalars);
+  std::vector<Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES(a.x.scalar_type(), "rnnkit_rnn_backward",
+                             [&] { out = Rnn<scalar_t>(a).backward(saved, grads, need_dx); });
+  return out;
+}
+
+}  // namespace rnnkit

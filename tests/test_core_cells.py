@@ -1,0 +1,157 @@
+"""One-step cells: equal torch.nn's cells (shared state_dict), unbatched inputs, options equal
+the one-layer module for one step, and T steps of a cell equal the module over T steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rnnkit
+from helpers import assert_close
+
+T, B, I, H = 5, 3, 4, 6
+REF = "reference"
+
+TWINS = {
+    "lstm": (torch.nn.LSTMCell, rnnkit.LSTMCell, {}),
+    "lstm-nobias": (torch.nn.LSTMCell, rnnkit.LSTMCell, {"bias": False}),
+    "gru": (torch.nn.GRUCell, rnnkit.GRUCell, {}),
+    "rnn-tanh": (torch.nn.RNNCell, rnnkit.RNNCell, {"nonlinearity": "tanh"}),
+    "rnn-relu": (torch.nn.RNNCell, rnnkit.RNNCell, {"nonlinearity": "relu"}),
+}
+
+
+def _as_list(out):
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("kind", list(TWINS))
+def test_cell_matches_torch_nn(kind, dtype):
+    torch_cls, kit_cls, kwargs = TWINS[kind]
+    reference = torch_cls(I, H, **kwargs).to(dtype)
+    cell = kit_cls(I, H, backend=REF, **kwargs).to(dtype)
+    cell.load_state_dict(reference.state_dict(), strict=True)
+    lstm = kind.startswith("lstm")
+    x = torch.randn(B, I, dtype=dtype, requires_grad=True)
+    states = [torch.randn(B, H, dtype=dtype, requires_grad=True) for _ in range(2 if lstm else 1)]
+    hx = tuple(states) if lstm else states[0]
+    out_ref, out = _as_list(reference(x, hx)), _as_list(cell(x, hx))
+    assert_close(out, out_ref, "h', c'")
+    upstream = [torch.randn_like(o) for o in out_ref]
+    names = [n for n, _ in reference.named_parameters()]
+    grads_ref = torch.autograd.grad(out_ref, [x] + states + list(reference.parameters()), upstream)
+    grads = torch.autograd.grad(out, [x] + states + [cell.flat_weights], upstream)
+    n = 1 + len(states)
+    assert_close(grads[:n], grads_ref[:n], "d(x, h, c)")
+    views = cell.layout.named_views(grads[-1])
+    assert set(views) == set(names)
+    for name, grad_ref in zip(names, grads_ref[n:]):
+        assert_close(views[name], grad_ref, f"d{name}")
+    # no state: zeros, as torch.nn
+    assert_close(_as_list(cell(x)), _as_list(reference(x)), "hx=None")
+
+
+@pytest.mark.parametrize("kind", list(TWINS))
+def test_unbatched_cell(kind):
+    torch_cls, kit_cls, kwargs = TWINS[kind]
+    reference = torch_cls(I, H, **kwargs)
+    cell = kit_cls(I, H, backend=REF, **kwargs)
+    cell.load_state_dict(reference.state_dict())
+    lstm = kind.startswith("lstm")
+    x = torch.randn(I)
+    hx = (torch.randn(H), torch.randn(H)) if lstm else torch.randn(H)
+    with torch.no_grad():
+        out, out_ref = _as_list(cell(x, hx)), _as_list(reference(x, hx))
+        batched = _as_list(cell(x[None], tuple(t[None] for t in hx) if lstm else hx[None]))
+        no_state = _as_list(cell(x))
+    assert [o.shape for o in out] == [(H,)] * len(out)
+    assert_close(out, out_ref, "unbatched")
+    assert_close(out, [b[0] for b in batched], "unbatched vs batch of one")
+    assert_close(no_state, _as_list(reference(x)), "unbatched, hx=None")
+
+
+OPTIONS = {  # id -> (cell class, module class, options)
+    "lstm-peephole": (rnnkit.LSTMCell, rnnkit.LSTM, dict(peephole=True)),
+    "lstm-layer_norm": (rnnkit.LSTMCell, rnnkit.LSTM, dict(layer_norm=True)),
+    "lstm-coupled-peephole-clip": (rnnkit.LSTMCell, rnnkit.LSTM, dict(coupled_gates=True, peephole=True,
+                                                                      cell_clip=0.8)),
+    "lstm-proj-clip": (rnnkit.LSTMCell, rnnkit.LSTM, dict(proj_size=3, proj_clip=0.4)),
+    "lstm-zoneout-pair": (rnnkit.LSTMCell, rnnkit.LSTM, dict(zoneout=(0.3, 0.4))),
+    "lstm-everything": (rnnkit.LSTMCell, rnnkit.LSTM, dict(peephole=True, layer_norm=True, zoneout=0.2,
+                                                          bias_mode="single_input")),
+    "gru-layer_norm-zoneout": (rnnkit.GRUCell, rnnkit.GRU, dict(layer_norm=True, zoneout=0.3)),
+    "gru-reset_before": (rnnkit.GRUCell, rnnkit.GRU, dict(reset_after=False, bias_mode="single_recurrent")),
+    "rnn-layer_norm-zoneout": (rnnkit.RNNCell, rnnkit.RNN, dict(layer_norm=True, zoneout=0.5)),
+    "rnn-relu": (rnnkit.RNNCell, rnnkit.RNN, dict(nonlinearity="relu", bias_mode="none")),
+}
+
+
+def _pair(kind):
+    cell_cls, module_cls, options = OPTIONS[kind]
+    bias = options.get("bias_mode") != "none"
+    cell = cell_cls(I, H, bias=bias, backend=REF, dtype=torch.float64, **options)
+    module = module_cls(I, H, bias=bias, backend=REF, dtype=torch.float64, **options)
+    with torch.no_grad():
+        cell.flat_weights.normal_(0, 0.5)
+    module.load_state_dict({f"{name}_l0": value for name, value in cell.state_dict().items()}, strict=True)
+    return cell, module
+
+
+def _states(cell, batch_shape):
+    spec = cell.spec
+    h = torch.randn(*batch_shape, spec.output_size(0), dtype=torch.float64)
+    if spec.mode == "lstm":
+        return h, torch.randn(*batch_shape, spec.hidden_sizes[0], dtype=torch.float64)
+    return h
+
+
+def _stack(hx):
+    """A cell state (h or (h, c)) -> the module's, with a leading L·D = 1 axis."""
+    return tuple(t[None] for t in hx) if isinstance(hx, tuple) else hx[None]
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("kind", list(OPTIONS))
+def test_cell_with_options_equals_the_module_for_one_step(kind, training):
+    cell, module = _pair(kind)
+    cell.train(training)
+    module.train(training)
+    x, hx = torch.randn(B, I, dtype=torch.float64), _states(cell, (B,))
+    torch.manual_seed(3)  # the same masks in training: one step draws the same zoneout masks
+    out = cell(x, hx)
+    torch.manual_seed(3)
+    _, hy = module(x[None], _stack(hx))
+    expected = tuple(t[0] for t in hy) if isinstance(hy, tuple) else hy[0]
+    assert_close(out, expected, "one step")
+
+
+@pytest.mark.parametrize("kind", list(OPTIONS))
+def test_stepping_the_cell_equals_the_module(kind):
+    cell, module = _pair(kind)
+    cell.eval()
+    module.eval()
+    x, hx = torch.randn(T, B, I, dtype=torch.float64), _states(cell, (B,))
+    with torch.no_grad():
+        y, hy = module(x, _stack(hx))
+        state, outputs = hx, []
+        for t in range(T):
+            state = cell(x[t], state)
+            outputs.append(state[0] if isinstance(state, tuple) else state)
+    assert_close(torch.stack(outputs), y, "outputs")
+    expected = tuple(t[0] for t in hy) if isinstance(hy, tuple) else hy[0]
+    assert_close(state, expected, "final state")
+
+
+def test_stepping_an_unbatched_cell():
+    cell, module = _pair("lstm-everything")
+    cell.eval()
+    module.eval()
+    x, hx = torch.randn(T, I, dtype=torch.float64), _states(cell, ())
+    with torch.no_grad():
+        y, (h_n, c_n) = module(x, _stack(hx))  # unbatched module: x (T, I), states (L·D, ·)
+        state, outputs = hx, []
+        for t in range(T):
+            state = cell(x[t], state)
+            outputs.append(state[0])
+    assert_close(torch.stack(outputs), y, "outputs")
+    assert_close(state, (h_n[0], c_n[0]), "final state")

@@ -1,0 +1,247 @@
+"""The bad-input catalogue: every mistake raises ValueError or TypeError with a message that
+names the argument and, where there is one, the expected and the actual value. Also:
+nothing the user passes in is modified."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import rnnkit
+
+T, B, I, H = 5, 3, 4, 6
+REF = "reference"
+
+
+def lstm(**kw):
+    return rnnkit.LSTM(I, H, 2, backend=REF, **kw)
+
+
+def gru(**kw):
+    return rnnkit.GRU(I, H, 2, backend=REF, **kw)
+
+
+def x(*shape, dtype=torch.float32):
+    return torch.randn(*(shape or (T, B, I))).to(dtype)
+
+
+def packed():
+    return pack_padded_sequence(x(), [5, 3, 2])
+
+
+def run_functional_with_wrong_weights():
+    spec = rnnkit.RNNSpec("gru", I, H)
+    rnnkit.rnn(spec, torch.randn(10), x())
+
+
+def backward_data_dcy_on_gru():
+    spec = rnnkit.RNNSpec("gru", I, H)
+    w = rnnkit.Layout(spec).new_buffer()
+    y, hy, reserve = rnnkit.forward_training(spec, w, x())
+    rnnkit.backward_data(reserve, torch.randn_like(y), dcy=torch.randn_like(hy))
+
+
+def backward_data_wrong_dy():
+    spec = rnnkit.RNNSpec("gru", I, H)
+    w = rnnkit.Layout(spec).new_buffer()
+    y, hy, reserve = rnnkit.forward_training(spec, w, x())
+    rnnkit.backward_data(reserve, torch.randn(T, B, H + 1))
+
+
+# (id, call, substrings the message must contain: the argument's name first, then expected / actual)
+CASES = [
+    # ---- the input
+    ("input-rank-4", lambda: lstm()(x(T, B, I, 1)), ["input", "3-D", "(5, 3, 4, 1)"]),
+    ("input-rank-1", lambda: lstm()(x(I)), ["input", "2-D", "(4,)"]),
+    ("input-feature-size", lambda: lstm()(x(T, B, 7)), ["input", "input_size=4", "(5, 3, 7)"]),
+    ("input-float64-into-float32", lambda: lstm()(x(dtype=torch.float64)), ["input", "torch.float32", "torch.float64"]),
+    ("input-integer", lambda: gru()(torch.ones(T, B, I, dtype=torch.int64)), ["input", "torch.float32", "torch.int64"]),
+    ("input-not-a-tensor", lambda: gru()(x().tolist()), ["input", "tensor", "list"]),
+    ("input-T0", lambda: gru()(x(0, B, I)), ["input", "at least one time step", "(0, 3, 4)"]),
+    ("input-T0-batch_first", lambda: gru(batch_first=True)(x(B, 0, I)), ["input", "at least one time step", "(3, 0, 4)"]),
+    # ---- initial states
+    ("h0-batch-mismatch", lambda: gru()(x(), torch.randn(2, B - 1, H)), ["hx", "(2, 3, 6)", "(2, 2, 6)"]),
+    ("h0-wrong-layers", lambda: gru()(x(), torch.randn(1, B, H)), ["hx", "(2, 3, 6)", "(1, 3, 6)"]),
+    ("h0-wrong-dtype", lambda: gru()(x(), torch.randn(2, B, H, dtype=torch.float64)),
+     ["hx", "torch.float32", "torch.float64"]),
+    ("h0-not-a-tensor", lambda: gru()(x(), [[0.0]]), ["hx", "tensor", "list"]),
+    ("lstm-h0-shape", lambda: lstm()(x(), (torch.randn(2, B, H - 1), torch.randn(2, B, H))),
+     ["h_0", "(2, 3, 6)", "(2, 3, 5)"]),
+    ("lstm-c0-shape", lambda: lstm()(x(), (torch.randn(2, B, H), torch.randn(2, B + 1, H))),
+     ["c_0", "(2, 3, 6)", "(2, 4, 6)"]),
+    ("lstm-c0-proj", lambda: lstm(proj_size=3)(x(), (torch.randn(2, B, 3), torch.randn(2, B, 3))),
+     ["c_0", "(2, 3, 6)", "(2, 3, 3)"]),
+    ("lstm-hx-not-a-pair", lambda: lstm()(x(), torch.randn(2, B, H)), ["hx", "pair", "Tensor"]),
+    ("lstm-hx-triple", lambda: lstm()(x(), (torch.randn(2, B, H),) * 3), ["hx", "pair", "tuple"]),
+    ("per-layer-list-wrong-length", lambda: rnnkit.GRU(I, [H, 5], 2, backend=REF)(x(), [torch.randn(1, B, H)]),
+     ["hx", "2 tensors", "length 1"]),
+    ("per-layer-entry-wrong-shape",
+     lambda: rnnkit.GRU(I, [H, 5], 2, backend=REF)(x(), [torch.randn(1, B, H), torch.randn(1, B, H)]),
+     ["hx[1]", "(1, 3, 5)", "(1, 3, 6)"]),
+    ("per-layer-given-one-tensor", lambda: rnnkit.GRU(I, [H, 5], 2, backend=REF)(x(), torch.randn(2, B, H)),
+     ["hx", "list of 2", "Tensor"]),
+    ("unbatched-h0-batched", lambda: gru()(x(T, I), torch.randn(2, 1, H)), ["hx", "(2, 6)", "(2, 1, 6)"]),
+    # ---- lengths
+    ("lengths-longer-than-T", lambda: gru()(x(), lengths=[6, 2, 3]), ["lengths", "T=5", "max 6"]),
+    ("lengths-zero", lambda: gru()(x(), lengths=[0, 2, 3]), ["lengths", "[1, T=5]", "min 0"]),
+    ("lengths-negative", lambda: gru()(x(), lengths=torch.tensor([-1, 2, 3])), ["lengths", "[1, T=5]", "min -1"]),
+    ("lengths-float-tensor", lambda: gru()(x(), lengths=torch.tensor([1.0, 2.0, 3.0])),
+     ["lengths", "integer", "torch.float32"]),
+    ("lengths-float-list", lambda: gru()(x(), lengths=[1.0, 2, 3]), ["lengths", "integers", "1.0"]),
+    ("lengths-bool", lambda: gru()(x(), lengths=torch.tensor([True, True, True])), ["lengths", "torch.bool"]),
+    ("lengths-wrong-count", lambda: gru()(x(), lengths=[1, 2]), ["lengths", "(3,)", "(2,)"]),
+    ("lengths-2d", lambda: gru()(x(), lengths=torch.ones(3, 1, dtype=torch.int64)), ["lengths", "(3,)", "(3, 1)"]),
+    ("lengths-not-a-sequence", lambda: gru()(x(), lengths="123"), ["lengths", "str"]),
+    ("lengths-with-packed-sequence", lambda: gru()(packed(), lengths=[5, 3, 2]), ["lengths", "PackedSequence"]),
+    ("lengths-with-unbatched-input", lambda: gru()(x(T, I), lengths=[3]), ["lengths", "unbatched"]),
+    # ---- constructor options
+    ("proj_size-equal-hidden", lambda: rnnkit.LSTM(I, H, proj_size=H, backend=REF), ["proj_size", "6", "smaller"]),
+    ("proj_size-larger-per-layer", lambda: rnnkit.LSTM(I, [6, 4], 2, proj_size=[3, 5], backend=REF),
+     ["proj_size[1]", "4", "5"]),
+    ("peephole-on-gru", lambda: rnnkit.GRU(I, H, peephole=True, backend=REF), ["peephole", "gru"]),
+    ("proj-on-gru", lambda: rnnkit.GRU(I, H, proj_size=3, backend=REF), ["proj_size", "gru"]),
+    ("cell_clip-on-rnn", lambda: rnnkit.RNN(I, H, cell_clip=1.0, backend=REF), ["cell_clip", "rnn_tanh"]),
+    ("proj_clip-without-proj", lambda: rnnkit.LSTM(I, H, proj_clip=1.0, backend=REF), ["proj_clip", "proj_size=0"]),
+    ("cell_clip-negative", lambda: rnnkit.LSTM(I, H, cell_clip=-1.0, backend=REF), ["cell_clip", "-1.0"]),
+    ("dropout-one", lambda: rnnkit.LSTM(I, H, 2, dropout=1.0, backend=REF), ["dropout", "[0, 1)", "1.0"]),
+    ("zoneout-negative", lambda: rnnkit.GRU(I, H, zoneout=-0.1, backend=REF), ["zoneout", "[0, 1)", "-0.1"]),
+    ("recurrent_dropout-above-one", lambda: rnnkit.RNN(I, H, recurrent_dropout=1.5, backend=REF),
+     ["recurrent_dropout", "[0, 1)", "1.5"]),
+    ("zoneout-pair-c-one", lambda: rnnkit.LSTM(I, H, zoneout=(0.1, 1.0), backend=REF), ["zoneout[1]", "1.0"]),
+    ("dropconnect-string", lambda: rnnkit.LSTM(I, H, dropconnect="0.1", backend=REF), ["dropconnect", "str"]),
+    ("hidden-list-length", lambda: rnnkit.LSTM(I, [6, 5], 3, backend=REF), ["hidden_size", "3", "2 entries"]),
+    ("hidden-zero", lambda: rnnkit.GRU(I, 0, backend=REF), ["hidden_size", "positive", "0"]),
+    ("num_layers-zero", lambda: rnnkit.GRU(I, H, 0, backend=REF), ["num_layers", "positive", "0"]),
+    ("input_size-float", lambda: rnnkit.GRU(4.0, H, backend=REF), ["input_size", "float"]),
+    ("bias_mode-unknown", lambda: rnnkit.LSTM(I, H, bias_mode="triple", backend=REF), ["bias_mode", "double", "'triple'"]),
+    ("merge-unknown", lambda: rnnkit.LSTM(I, H, bidirectional=True, merge="mean", backend=REF),
+     ["merge", "concat", "'mean'"]),
+    ("backend-unknown", lambda: rnnkit.LSTM(I, H, backend="nope"), ["backend", "reference", "'nope'"]),
+    ("layer_norm-reset_before", lambda: rnnkit.GRU(I, H, layer_norm=True, reset_after=False, backend=REF),
+     ["layer_norm", "reset_after"]),
+    ("reset_after-on-lstm", lambda: rnnkit.LSTM(I, H, reset_after=False, backend=REF), ["reset_after", "lstm"]),
+    ("zoneout-pair-on-gru", lambda: rnnkit.GRU(I, H, zoneout=(0.1, 0.2), backend=REF), ["zoneout", "lstm", "gru"]),
+    ("bias-false-with-double", lambda: rnnkit.LSTM(I, H, bias=False, bias_mode="double", backend=REF),
+     ["bias_mode", "'none'", "'double'"]),
+    ("bidirectional-not-bool", lambda: rnnkit.LSTM(I, H, bidirectional=1, backend=REF), ["bidirectional", "bool", "int"]),
+    ("nonlinearity-unknown", lambda: rnnkit.RNN(I, H, nonlinearity="sigmoid", backend=REF),
+     ["nonlinearity", "tanh", "'sigmoid'"]),
+    ("forget_bias-on-gru", lambda: rnnkit.GRU(I, H, forget_bias=1.0, backend=REF), ["forget_bias", "gru"]),
+    # ---- cells
+    ("lstmcell-recurrent_dropout", lambda: rnnkit.LSTMCell(I, H, recurrent_dropout=0.1, backend=REF),
+     ["recurrent_dropout", "per-sequence"]),
+    ("grucell-dropconnect", lambda: rnnkit.GRUCell(I, H, dropconnect=0.1, backend=REF), ["dropconnect"]),
+    ("rnncell-input_dropout", lambda: rnnkit.RNNCell(I, H, input_dropout=0.1, backend=REF), ["input_dropout"]),
+    ("cell-input-rank-3", lambda: rnnkit.GRUCell(I, H, backend=REF)(x()), ["input", "2-D", "(5, 3, 4)"]),
+    ("cell-input-feature-size", lambda: rnnkit.GRUCell(I, H, backend=REF)(x(B, 7)), ["input", "input_size=4", "(3, 7)"]),
+    ("cell-hx-shape", lambda: rnnkit.GRUCell(I, H, backend=REF)(x(B, I), torch.randn(B + 1, H)),
+     ["hx", "(3, 6)", "(4, 6)"]),
+    ("lstmcell-hx-not-a-pair", lambda: rnnkit.LSTMCell(I, H, backend=REF)(x(B, I), torch.randn(B, H)),
+     ["hx", "pair", "Tensor"]),
+    ("lstmcell-c-shape", lambda: rnnkit.LSTMCell(I, H, backend=REF)(x(B, I), (torch.randn(B, H), torch.randn(B, 2))),
+     ["hx (c)", "(3, 6)", "(3, 2)"]),
+    # ---- the functional API
+    ("functional-weights-size", run_functional_with_wrong_weights, ["weights", "1-D", "(10,)"]),
+    ("backward_data-dcy-on-gru", backward_data_dcy_on_gru, ["dcy", "LSTM", "gru"]),
+    ("backward_data-dy-shape", backward_data_wrong_dy, ["dy", "(5, 3, 6)", "(5, 3, 7)"]),
+]
+
+
+def test_catalogue_is_large_and_ids_are_unique():
+    ids = [case[0] for case in CASES]
+    assert len(ids) >= 25 and len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("call,needles", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_input_raises_a_clear_error(call, needles):
+    with pytest.raises((ValueError, TypeError)) as info:
+        call()
+    message = str(info.value)
+    assert message.startswith(needles[0]) or needles[0] in message.split(":")[0], (
+        f"the message must name the argument {needles[0]!r} first: {message}"
+    )
+    for needle in needles[1:]:
+        assert needle in message, f"{needle!r} missing from: {message}"
+
+
+def test_device_mismatch_names_both_devices():
+    """A second device is not available on this machine; the 'meta' device stands in for one."""
+    module = gru()
+    with pytest.raises(ValueError) as info:
+        module(x().to("meta"))
+    message = str(info.value)
+    assert message.startswith("input") and "cpu" in message and "meta" in message
+    with pytest.raises(ValueError) as info:
+        module(x(), torch.randn(2, B, H, device="meta"))
+    message = str(info.value)
+    assert message.startswith("hx") and "cpu" in message and "meta" in message
+
+
+def test_unavailable_backend_by_name_is_refused_with_the_reason(monkeypatch):
+    from rnnkit import backend as backends
+
+    reference = backends.get("reference")
+    monkeypatch.setattr(reference, "unavailable_reason", lambda: "switched off for this test")
+    with pytest.raises(rnnkit.BackendUnavailableError, match="switched off for this test"):
+        rnnkit.LSTM(I, H, backend="reference")
+
+
+# ---- nothing the user passes in is modified --------------------------------------------------
+
+def _snapshot(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if hasattr(value, "_fields"):  # PackedSequence and other named tuples
+        return value._make(_snapshot(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_snapshot(v) for v in value)
+    return value
+
+
+def _same(a, b):
+    if isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(u, v) for u, v in zip(a, b))
+    return a == b
+
+
+def _sum_outputs(out):
+    if isinstance(out, torch.Tensor):
+        return (out * torch.randn_like(out)).sum()
+    if hasattr(out, "data") and not isinstance(out, torch.Tensor):  # PackedSequence
+        return _sum_outputs(out.data)
+    return sum(_sum_outputs(o) for o in out)
+
+
+@pytest.mark.parametrize(
+    "make,make_args",
+    [
+        (lambda: rnnkit.LSTM(I, H, 2, proj_size=3, bidirectional=True, backend=REF),
+         lambda: (x(), (torch.randn(4, B, 3), torch.randn(4, B, H)), torch.tensor([5, 1, 3]))),
+        (lambda: rnnkit.LSTM(I, [H, 5], 2, zoneout=(0.1, 0.2), recurrent_dropout=0.2, dropout=0.3, backend=REF),
+         lambda: (x(), ([torch.randn(1, B, H), torch.randn(1, B, 5)], [torch.randn(1, B, H), torch.randn(1, B, 5)]),
+                  [2, 5, 4])),
+        (lambda: rnnkit.GRU(I, H, bidirectional=True, batch_first=True, input_dropout=0.3, backend=REF),
+         lambda: (x(B, T, I), torch.randn(2, B, H), None)),
+        (lambda: rnnkit.RNN(I, H, layer_norm=True, backend=REF), lambda: (x(T, I), torch.randn(1, H), None)),
+        (lambda: rnnkit.GRU(I, H, backend=REF), lambda: (packed(), torch.randn(1, B, H), None)),
+        (lambda: rnnkit.LSTMCell(I, H, peephole=True, zoneout=0.2, backend=REF),
+         lambda: (x(B, I), (torch.randn(B, H), torch.randn(B, H)))),
+    ],
+    ids=["lstm-proj-bi-lengths", "lstm-per_layer-dropouts-list-lengths", "gru-batch_first", "rnn-unbatched",
+         "gru-packed", "lstmcell"],
+)
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_inputs_are_not_modified(make, make_args, training):
+    module = make().train(training)
+    args = make_args()
+    for a in args[:2]:
+        for t in (a if isinstance(a, (list, tuple)) and not hasattr(a, "_fields") else [a]):
+            for leaf in (t if isinstance(t, list) else [t]):
+                if isinstance(leaf, torch.Tensor):
+                    leaf.requires_grad_(True)
+    before = _snapshot(args)
+    out = module(*args)
+    _sum_outputs(out).backward()
+    assert _same(args, before)

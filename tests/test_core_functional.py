@@ -1,0 +1,198 @@
+"""The cuDNN-style calls: forward_training + backward_data + backward_weights equal autograd
+through the module; accumulate semantics; reserve lifecycle; forward_inference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rnnkit
+from helpers import assert_close
+
+T, B, I, H = 5, 3, 4, 6
+DT = torch.float64
+REF = "reference"
+
+
+def _states(module, batch=B, unbatched=False):
+    spec = module.spec
+    L, D = spec.num_layers, spec.num_directions
+    shape = (lambda *s: s[:1] + s[2:]) if unbatched else (lambda *s: s)
+    if spec.per_layer:
+        hs = [torch.randn(*shape(D, batch, spec.output_size(k)), dtype=DT) for k in range(L)]
+        cs = [torch.randn(*shape(D, batch, spec.hidden_sizes[k]), dtype=DT) for k in range(L)]
+        return (hs, cs) if spec.mode == "lstm" else hs
+    h = torch.randn(*shape(L * D, batch, spec.output_size(0)), dtype=DT)
+    c = torch.randn(*shape(L * D, batch, spec.hidden_sizes[0]), dtype=DT)
+    return (h, c) if spec.mode == "lstm" else h
+
+
+def _leaves(tree):
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    return [leaf for item in tree for leaf in _leaves(item)]
+
+
+def _map(tree, fn):
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    return type(tree)(_map(t, fn) for t in tree)
+
+
+CASES = {
+    "lstm-proj-bi-L2-hx": (lambda: rnnkit.LSTM(I, H, 2, proj_size=3, bidirectional=True, backend=REF, dtype=DT),
+                           dict(hx=True)),
+    "lstm-peephole-ln-no-hx": (lambda: rnnkit.LSTM(I, H, peephole=True, layer_norm=True, backend=REF, dtype=DT),
+                               dict(hx=False)),
+    "lstm-per_layer-sum-lengths": (lambda: rnnkit.LSTM(I, [H, 5], 2, proj_size=[3, 2], bidirectional=True,
+                                                       merge="sum", backend=REF, dtype=DT),
+                                   dict(hx=True, lengths=[5, 2, 4])),
+    "gru-batch_first-lengths": (lambda: rnnkit.GRU(I, H, 2, batch_first=True, backend=REF, dtype=DT),
+                                dict(hx=True, lengths=[3, 5, 1])),
+    "gru-reset_before-per_layer": (lambda: rnnkit.GRU(I, [H, 4], 2, reset_after=False, backend=REF, dtype=DT),
+                                   dict(hx=True)),
+    "rnn-relu-unbatched": (lambda: rnnkit.RNN(I, H, nonlinearity="relu", backend=REF, dtype=DT),
+                           dict(hx=True, unbatched=True)),
+    "rnn-tanh-no-hx": (lambda: rnnkit.RNN(I, H, 2, bidirectional=True, backend=REF, dtype=DT), dict(hx=False)),
+    "lstm-stochastic": (lambda: rnnkit.LSTM(I, H, 2, zoneout=(0.2, 0.3), recurrent_dropout=0.3, input_dropout=0.2,
+                                            dropconnect=0.3, dropout=0.4, backend=REF, dtype=DT),
+                        dict(hx=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cudnn_calls_equal_autograd_through_the_module(case):
+    make, opts = CASES[case]
+    module = make().train()
+    with torch.no_grad():
+        module.flat_weights.normal_(0, 0.4)
+    spec, lstm = module.spec, module.spec.mode == "lstm"
+    unbatched = opts.get("unbatched", False)
+    shape = (T, I) if unbatched else ((B, T, I) if spec.batch_first else (T, B, I))
+    x = torch.randn(*shape, dtype=DT)
+    hx = _states(module, unbatched=unbatched) if opts["hx"] else None
+    lengths = opts.get("lengths")
+
+    torch.manual_seed(11)
+    y, hy, reserve = rnnkit.forward_training(spec, module.flat_weights, x, hx, lengths, backend=REF)
+    assert not y.requires_grad and not any(t.requires_grad for t in _leaves(hy))
+
+    # the module, under the same seed (the same masks), with autograd
+    x_leaf = x.clone().requires_grad_(True)
+    hx_leaf = _map(hx, lambda t: t.clone().requires_grad_(True)) if hx is not None else None
+    torch.manual_seed(11)
+    y_ref, hy_ref = module(x_leaf, hx_leaf, lengths)
+    assert_close(y, y_ref, "y")
+    assert_close(hy, hy_ref, "hy")
+
+    dy = torch.randn_like(y)
+    h_n = hy[0] if lstm else hy
+    dhy = _map(h_n, torch.randn_like)
+    dcy = _map(hy[1], torch.randn_like) if lstm else None
+    outputs = [y_ref] + _leaves(hy_ref[0] if lstm else hy_ref) + (_leaves(hy_ref[1]) if lstm else [])
+    upstream = [dy] + _leaves(dhy) + (_leaves(dcy) if lstm else [])
+    inputs = [x_leaf] + (_leaves(hx_leaf) if hx is not None else []) + [module.flat_weights]
+    grads = torch.autograd.grad(outputs, inputs, upstream)
+
+    dx, dhx, dcx = rnnkit.backward_data(reserve, dy, dhy, dcy)
+    dw = rnnkit.backward_weights(reserve)
+    assert_close(dx, grads[0], "dx")
+    assert_close(dw, grads[-1], "dw")
+    if hx is not None:
+        state_grads = _leaves(dhx) + (_leaves(dcx) if lstm else [])
+        assert_close(state_grads, list(grads[1:-1]), "dhx, dcx")
+    else:  # zero initial states: still returned, shaped like them
+        zero = _states(module)
+        assert [t.shape for t in _leaves(dhx)] == [t.shape for t in _leaves(zero[0] if lstm else zero)]
+    assert (dcx is None) == (not lstm)
+
+
+def _gru_call():
+    module = rnnkit.GRU(I, H, 2, backend=REF, dtype=DT)
+    x = torch.randn(T, B, I, dtype=DT)
+    y, hy, reserve = rnnkit.forward_training(module.spec, module.flat_weights, x, backend=REF)
+    return module, x, y, hy, reserve
+
+
+def test_missing_upstream_gradients_are_zeros():
+    module, x, y, hy, reserve = _gru_call()
+    dy = torch.randn_like(y)
+    dx, dhx, _ = rnnkit.backward_data(reserve, dy)
+    x_leaf = x.clone().requires_grad_(True)
+    y_ref, _ = module.train()(x_leaf)
+    assert_close(dx, torch.autograd.grad(y_ref, x_leaf, dy)[0], "dx")
+
+
+def test_backward_weights_accumulate_adds_and_set_overwrites():
+    _, _, y, hy, reserve = _gru_call()
+    rnnkit.backward_data(reserve, torch.randn_like(y), torch.randn_like(hy))
+    dw = rnnkit.backward_weights(reserve)
+    start = torch.randn_like(dw)
+
+    into = start.clone()
+    out = rnnkit.backward_weights(reserve, into, accumulate=True)
+    assert out is into
+    assert_close(into, start + dw, "accumulate=True")
+
+    into = start.clone()
+    out = rnnkit.backward_weights(reserve, into, accumulate=False)
+    assert out is into
+    assert torch.equal(into, dw)
+
+    out = rnnkit.backward_weights(reserve, into, accumulate=True)  # twice into the same buffer: 2 dw
+    assert_close(out, 2 * dw, "accumulate twice")
+    fresh = rnnkit.backward_weights(reserve)
+    assert torch.equal(fresh, dw) and fresh is not dw  # a new tensor each time, not the reserve's own
+
+
+def test_backward_weights_before_backward_data_raises():
+    _, _, _, _, reserve = _gru_call()
+    with pytest.raises(RuntimeError, match="backward_data"):
+        rnnkit.backward_weights(reserve)
+
+
+def test_a_consumed_reserve_raises():
+    _, _, y, _, reserve = _gru_call()
+    rnnkit.backward_data(reserve, torch.randn_like(y))
+    with pytest.raises(RuntimeError, match="reserve"):
+        rnnkit.backward_data(reserve, torch.randn_like(y))
+
+
+def test_reserve_must_be_a_reserve():
+    with pytest.raises(TypeError, match="reserve"):
+        rnnkit.backward_data(object(), torch.randn(T, B, H))
+    with pytest.raises(TypeError, match="reserve"):
+        rnnkit.backward_weights(None)
+
+
+def test_dweights_of_the_wrong_shape_raises():
+    _, _, y, _, reserve = _gru_call()
+    rnnkit.backward_data(reserve, torch.randn_like(y))
+    with pytest.raises(ValueError, match="dweights"):
+        rnnkit.backward_weights(reserve, torch.zeros(3, dtype=DT))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: rnnkit.LSTM(I, H, 2, proj_size=3, bidirectional=True, zoneout=(0.3, 0.1), dropout=0.5,
+                            recurrent_dropout=0.3, backend=REF, dtype=DT),
+        lambda: rnnkit.GRU(I, [H, 4], 2, input_dropout=0.3, dropconnect=0.5, zoneout=0.2, backend=REF, dtype=DT),
+        lambda: rnnkit.RNN(I, H, layer_norm=True, bidirectional=True, merge="sum", backend=REF, dtype=DT),
+    ],
+    ids=["lstm", "gru-per_layer", "rnn"],
+)
+def test_forward_inference_equals_eval_and_keeps_no_graph(make):
+    module = make()
+    assert module.flat_weights.requires_grad
+    x = torch.randn(T, B, I, dtype=DT)
+    hx = _states(module)
+    lengths = [5, 1, 3]
+    y, hy = rnnkit.forward_inference(module.spec, module.flat_weights, x, hx, lengths, backend=REF)
+    assert not y.requires_grad and y.grad_fn is None
+    assert not any(t.requires_grad for t in _leaves(hy))
+    with torch.no_grad():
+        y_ref, hy_ref = module.eval()(x, hx, lengths)
+    assert torch.equal(y, y_ref)
+    assert_close(hy, hy_ref, "hy")
+    y2, _ = rnnkit.forward_inference(module.spec, module.flat_weights, x, hx, lengths, backend=REF)
+    assert torch.equal(y, y2)  # no masks: deterministic

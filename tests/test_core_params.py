@@ -1,0 +1,300 @@
+"""The packed buffer: torch.nn state_dicts both ways, views that stay views, one gradient
+buffer, DistributedDataParallel, and initialization."""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+import rnnkit
+from helpers import assert_close
+
+I, H, P = 4, 6, 3
+REF = "reference"  # the core under test; other backends are tested against it elsewhere
+
+STACKS = {  # id -> (torch.nn factory, rnnkit factory)
+    "lstm-proj-bi-L2": (
+        lambda: torch.nn.LSTM(I, H, 2, proj_size=P, bidirectional=True),
+        lambda: rnnkit.LSTM(I, H, 2, proj_size=P, bidirectional=True, backend=REF),
+    ),
+    "lstm-bi-L2": (
+        lambda: torch.nn.LSTM(I, H, 2, bidirectional=True),
+        lambda: rnnkit.LSTM(I, H, 2, bidirectional=True, backend=REF),
+    ),
+    "gru-L2": (lambda: torch.nn.GRU(I, H, 2), lambda: rnnkit.GRU(I, H, 2, backend=REF)),
+    "gru-bi": (lambda: torch.nn.GRU(I, H, bidirectional=True), lambda: rnnkit.GRU(I, H, bidirectional=True, backend=REF)),
+    "rnn-relu-L2": (
+        lambda: torch.nn.RNN(I, H, 2, nonlinearity="relu"),
+        lambda: rnnkit.RNN(I, H, 2, nonlinearity="relu", backend=REF),
+    ),
+    "lstm-nobias": (lambda: torch.nn.LSTM(I, H, 2, bias=False), lambda: rnnkit.LSTM(I, H, 2, bias=False, backend=REF)),
+    "gru-nobias-bi": (
+        lambda: torch.nn.GRU(I, H, bias=False, bidirectional=True),
+        lambda: rnnkit.GRU(I, H, bias=False, bidirectional=True, backend=REF),
+    ),
+    "rnn-nobias": (lambda: torch.nn.RNN(I, H, bias=False), lambda: rnnkit.RNN(I, H, bias=False, backend=REF)),
+    "lstm-cell": (lambda: torch.nn.LSTMCell(I, H), lambda: rnnkit.LSTMCell(I, H, backend=REF)),
+    "gru-cell": (lambda: torch.nn.GRUCell(I, H), lambda: rnnkit.GRUCell(I, H, backend=REF)),
+    "rnn-cell-relu": (
+        lambda: torch.nn.RNNCell(I, H, nonlinearity="relu"),
+        lambda: rnnkit.RNNCell(I, H, nonlinearity="relu", backend=REF),
+    ),
+    "lstm-cell-nobias": (lambda: torch.nn.LSTMCell(I, H, bias=False), lambda: rnnkit.LSTMCell(I, H, bias=False, backend=REF)),
+}
+
+
+def _assert_same_state(actual: dict, expected: dict):
+    assert list(actual) == list(expected)
+    for key in expected:
+        assert actual[key].shape == expected[key].shape, key
+        assert torch.equal(actual[key], expected[key]), key
+
+
+def _run(module, x):
+    """Run a stack or a cell and return its outputs as a flat list of tensors."""
+    if isinstance(module, (torch.nn.LSTMCell, torch.nn.GRUCell, torch.nn.RNNCell, rnnkit.nn._Cell)):
+        out = module(x[0])
+    else:
+        out = module(x)
+    flat = []
+    stack = [out]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, (tuple, list)):
+            stack = list(item) + stack
+        else:
+            flat.append(item)
+    return flat
+
+
+@pytest.mark.parametrize("kind", list(STACKS))
+def test_state_dict_torch_to_rnnkit(kind):
+    make_torch, make_kit = STACKS[kind]
+    reference, module = make_torch(), make_kit()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_()
+    result = module.load_state_dict(reference.state_dict(), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    _assert_same_state(module.state_dict(), reference.state_dict())
+    x = torch.randn(5, 3, I)
+    with torch.no_grad():
+        assert_close(_run(module, x), _run(reference, x), "outputs")
+
+
+@pytest.mark.parametrize("kind", list(STACKS))
+def test_state_dict_rnnkit_to_torch(kind):
+    make_torch, make_kit = STACKS[kind]
+    reference, module = make_torch(), make_kit()
+    with torch.no_grad():
+        module.flat_weights.normal_()
+    reference.load_state_dict(module.state_dict(), strict=True)
+    _assert_same_state(reference.state_dict(), module.state_dict())
+    x = torch.randn(5, 3, I)
+    with torch.no_grad():
+        assert_close(_run(module, x), _run(reference, x), "outputs")
+
+
+def test_strict_load_reports_missing_and_unexpected_keys():
+    module = rnnkit.LSTM(I, H, backend=REF)
+    state = torch.nn.LSTM(I, H, proj_size=P).state_dict()  # has weight_hr_l0, wrong weight_hh shape
+    with pytest.raises(RuntimeError, match="weight_hr_l0"):
+        module.load_state_dict(state, strict=True)
+    state = torch.nn.LSTM(I, H).state_dict()
+    del state["bias_hh_l0"]
+    with pytest.raises(RuntimeError, match="bias_hh_l0"):
+        module.load_state_dict(state, strict=True)
+
+
+def _assert_views_alias(module):
+    """A view reads and writes the packed buffer: writing through flat_weights shows in weight_ih_l0."""
+    name = "weight_ih_l0" if hasattr(module, "weight_ih_l0") else "weight_ih"
+    entry = module.layout.index[name]
+    with torch.no_grad():
+        module.flat_weights[entry.offset] = 1234.5
+    view = getattr(module, name)
+    assert view.flatten()[0].item() == 1234.5
+    assert view.data_ptr() == module.flat_weights.data_ptr() + entry.offset * module.flat_weights.element_size()
+    assert view.dtype == module.flat_weights.dtype
+    with torch.no_grad():
+        view.mul_(0).add_(7)
+    assert torch.all(module.flat_weights[entry.offset : entry.offset + entry.numel] == 7)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        pytest.param(lambda m: m.to(torch.float64), id="to-float64"),
+        pytest.param(lambda m: m.double(), id="double"),
+        pytest.param(lambda m: copy.deepcopy(m), id="deepcopy"),
+        pytest.param(lambda m: pickle.loads(pickle.dumps(m)), id="pickle"),
+        pytest.param(lambda m: (m.load_state_dict(torch.nn.LSTM(I, H, 2, proj_size=P).state_dict()), m)[1],
+                     id="load_state_dict"),
+    ],
+)
+def test_views_stay_views(transform):
+    module = rnnkit.LSTM(I, H, 2, proj_size=P, backend=REF)
+    out = transform(module)
+    _assert_views_alias(out)
+    assert len(list(out.parameters())) == 1
+    y, (h, c) = out(torch.randn(5, 2, I, dtype=out.flat_weights.dtype))
+    assert y.shape == (5, 2, P) and y.dtype == out.flat_weights.dtype
+
+
+def test_views_after_copy_keep_values():
+    module = rnnkit.GRU(I, H, bidirectional=True, backend=REF)
+    for clone in (copy.deepcopy(module), pickle.loads(pickle.dumps(module)), module.double()):
+        for name, value in module.state_dict().items():
+            assert torch.equal(getattr(clone, name), value), name
+        assert clone.flat_weights.data_ptr() != 0
+
+
+def test_cell_views_alias():
+    for cell in (rnnkit.LSTMCell(I, H, backend=REF), rnnkit.GRUCell(I, H, backend=REF), rnnkit.RNNCell(I, H, backend=REF)):
+        _assert_views_alias(cell)
+        _assert_views_alias(copy.deepcopy(cell).double())
+
+
+def test_gradients_land_in_the_one_buffer():
+    module = rnnkit.LSTM(I, H, 2, proj_size=P, bidirectional=True, peephole=True, layer_norm=True, backend=REF)
+    params = list(module.parameters())
+    assert len(params) == 1 and params[0] is module.flat_weights
+    assert [n for n, _ in module.named_parameters()] == ["flat_weights"]
+    y, (h, c) = module(torch.randn(5, 3, I))
+    (y * torch.randn_like(y)).sum().add((h * torch.randn_like(h)).sum()).backward()
+    grad = module.flat_weights.grad
+    assert grad is not None and grad.shape == module.flat_weights.shape
+    for name, view in module.named_weights().items():
+        assert not view.is_leaf  # a view of the buffer: its gradient is in flat_weights.grad
+        assert module.layout.view(grad, name).abs().sum() > 0, name
+
+
+def test_views_cannot_be_rebound():
+    module = rnnkit.LSTM(I, H, backend=REF)
+    with pytest.raises(AttributeError, match="weight_ih_l0"):
+        module.weight_ih_l0 = torch.nn.Parameter(torch.zeros(4 * H, I))
+
+
+def test_distributed_data_parallel_single_process(tmp_path):
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not built into this torch")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        module = rnnkit.LSTM(I, H, 2, bidirectional=True, backend=REF)
+        twin = copy.deepcopy(module)
+        wrapped = torch.nn.parallel.DistributedDataParallel(module)
+        x = torch.randn(5, 3, I)
+        upstream = torch.randn(5, 3, 2 * H)
+        y, (h, c) = wrapped(x)
+        (y * upstream).sum().add(h.sum()).backward()
+        y_ref, (h_ref, _) = twin(x)
+        (y_ref * upstream).sum().add(h_ref.sum()).backward()
+        assert_close(y, y_ref, "y")
+        assert_close(module.flat_weights.grad, twin.flat_weights.grad, "dW")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "kind", ["lstm-proj-bi-L2", "lstm-bi-L2", "gru-L2", "gru-bi", "rnn-relu-L2", "lstm-nobias", "lstm-cell", "gru-cell",
+             "rnn-cell-relu"]
+)
+def test_init_matches_torch_nn_under_the_same_seed(kind):
+    make_torch, make_kit = STACKS[kind]
+    torch.manual_seed(123)
+    reference = make_torch()
+    torch.manual_seed(123)
+    module = make_kit()
+    _assert_same_state(module.state_dict(), reference.state_dict())
+
+
+def test_init_of_extras():
+    module = rnnkit.LSTM(I, H, 2, peephole=True, layer_norm=True, backend=REF)
+    bound = 1 / H**0.5
+    for name, view in module.named_weights().items():
+        if name.startswith("layer_norm_") and "_weight" in name:
+            assert torch.all(view == 1), name
+        elif name.startswith("layer_norm_"):
+            assert torch.all(view == 0), name
+        else:
+            assert view.abs().max() <= bound and view.std() > 0, name
+
+
+@pytest.mark.parametrize("bias_mode", ["double", "single_input", "single_recurrent"])
+def test_forget_bias_sets_the_forget_slice(bias_mode):
+    module = rnnkit.LSTM(I, H, 2, bidirectional=True, bias_mode=bias_mode, forget_bias=1.5, backend=REF)
+    for layer in range(2):
+        for suffix in ("", "_reverse"):
+            total = sum(
+                getattr(module, f"{piece}_l{layer}{suffix}").detach()
+                for piece in ("bias_ih", "bias_hh")
+                if f"{piece}_l{layer}{suffix}" in module.layout.index
+            )
+            assert torch.all(total[H : 2 * H] == 1.5)
+            other = torch.cat([total[:H], total[2 * H :]])
+            assert other.abs().max() <= 2 / H**0.5 and other.std() > 0
+
+
+def test_forget_bias_refused_without_forget_gate():
+    with pytest.raises(ValueError, match="forget_bias"):
+        rnnkit.GRU(I, H, forget_bias=1.0, backend=REF)
+    with pytest.raises(ValueError, match="forget_bias"):
+        rnnkit.LSTM(I, H, coupled_gates=True, forget_bias=1.0, backend=REF)
+    with pytest.raises(ValueError, match="forget_bias"):
+        rnnkit.LSTM(I, H, bias=False, forget_bias=1.0, backend=REF)
+
+
+def test_layout_order_follows_spec():
+    """SPEC.md: per layer, per direction (forward first), torch.nn's order, then the extras."""
+    module = rnnkit.LSTM(I, H, 2, proj_size=P, bidirectional=True, peephole=True, layer_norm=True, backend=REF)
+    names = [e.name for e in module.layout]
+    expected = []
+    for layer in range(2):
+        for suffix in ("", "_reverse"):
+            for piece in ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr", "weight_peephole",
+                          "layer_norm_ih_weight", "layer_norm_ih_bias", "layer_norm_hh_weight", "layer_norm_hh_bias",
+                          "layer_norm_c_weight", "layer_norm_c_bias"):
+                expected.append(f"{piece}_l{layer}{suffix}")
+    assert names == expected
+    offsets = [e.offset for e in module.layout]
+    sizes = [e.numel for e in module.layout]
+    assert offsets == [sum(sizes[:k]) for k in range(len(sizes))]
+    assert module.layout.numel == module.flat_weights.numel() == sum(sizes)
+
+
+@pytest.mark.parametrize(
+    "make_torch,make_kit",
+    [
+        (lambda: torch.nn.LSTM(I, H, 2, bidirectional=True),
+         lambda: rnnkit.LSTM(I, H, 2, bidirectional=True, peephole=True, layer_norm=True, backend=REF)),
+        (lambda: torch.nn.GRU(I, H, 2), lambda: rnnkit.GRU(I, H, 2, layer_norm=True, zoneout=0.1, backend=REF)),
+        (lambda: torch.nn.LSTMCell(I, H), lambda: rnnkit.LSTMCell(I, H, peephole=True, backend=REF)),
+    ],
+    ids=["lstm-peephole-ln", "gru-ln", "lstmcell-peephole"],
+)
+def test_extras_do_not_shift_the_torch_nn_pieces_of_the_init(make_torch, make_kit):
+    torch.manual_seed(321)
+    expected = make_torch().state_dict()
+    torch.manual_seed(321)
+    actual = make_kit().state_dict()
+    for name, value in expected.items():
+        assert torch.equal(actual[name], value), name
+
+
+def test_nested_module_state_dict_round_trip():
+    """Prefixes: an rnnkit stack inside a container loads a torch.nn container's checkpoint."""
+    reference = torch.nn.ModuleDict({"rnn": torch.nn.LSTM(I, H, 2, proj_size=P), "head": torch.nn.Linear(P, 2)})
+    model = torch.nn.ModuleDict({"rnn": rnnkit.LSTM(I, H, 2, proj_size=P, backend=REF), "head": torch.nn.Linear(P, 2)})
+    result = model.load_state_dict(reference.state_dict(), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    _assert_same_state(model.state_dict(), reference.state_dict())
+    reference.load_state_dict(model.state_dict(), strict=True)
+    state = reference.state_dict()
+    state["rnn.weight_xx_l0"] = torch.zeros(1)
+    with pytest.raises(RuntimeError, match="rnn.weight_xx_l0"):
+        model.load_state_dict(state, strict=True)
