@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import os
@@ -86,11 +87,11 @@ TRAIN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 # ---- corpus and vocabulary -----------------------------------------------------------
 
-def stdlib_corpus(chars: int = DEFAULT_CORPUS_CHARS) -> Tuple[str, str]:
+def stdlib_corpus(chars: int = DEFAULT_CORPUS_CHARS) -> str:
     """The default corpus: Python's own standard library, which every installation has.
 
     The top-level ``*.py`` files of ``sysconfig.get_paths()["stdlib"]`` in sorted order,
-    concatenated and cut to ``chars`` characters. -> (text, description).
+    concatenated and cut to ``chars`` characters.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
     parts, total = [], 0
@@ -106,7 +107,7 @@ def stdlib_corpus(chars: int = DEFAULT_CORPUS_CHARS) -> Tuple[str, str]:
     text = "".join(parts)[:chars]
     if not text:
         raise UserError(f"no readable .py files in the standard library at {root}; pass --text FILE")
-    return text, f"stdlib:{root}"
+    return text
 
 
 def read_corpus(path: str) -> str:
@@ -157,10 +158,19 @@ class Vocabulary:
         return "".join(self.chars[int(k)] for k in ids)
 
 
-def split(text: str, valid_fraction: float = VALID_FRACTION) -> Tuple[str, str]:
-    """-> (train, validation): the validation text is the corpus' tail."""
-    cut = len(text) - max(2, int(len(text) * valid_fraction))
-    return text[:cut], text[cut:]
+def split(text: str, valid_fraction: float = VALID_FRACTION, block: int = 50_000) -> Tuple[str, str]:
+    """-> (train, validation): the tail ``valid_fraction`` of every ``block`` characters is held out.
+
+    Holding out a slice of each block, rather than the corpus' last file, keeps the
+    validation text like the training text (the stdlib corpus is sorted by file name).
+    """
+    train, valid = [], []
+    for start in range(0, len(text), block):
+        piece = text[start : start + block]
+        cut = len(piece) - max(2, int(len(piece) * valid_fraction))
+        train.append(piece[:cut])
+        valid.append(piece[cut:])
+    return "".join(train), "".join(valid)
 
 
 # ---- the model -----------------------------------------------------------------------
@@ -336,7 +346,7 @@ def read_json(path: Path, what: str):
         raise UserError(f"{path}: unreadable {what} ({type(error).__name__}: {error})".splitlines()[0]) from None
 
 
-def _safetensors():
+def require_safetensors():
     try:
         import safetensors.torch
     except ImportError:
@@ -358,7 +368,7 @@ class Progress:
 
 def save_checkpoint(directory: Path, model: nn.Module, optimizer, state, progress: Progress) -> None:
     """Weights (torch.nn names), optimizer state, carried state, RNG state and progress, atomically."""
-    st = _safetensors()
+    st = require_safetensors()
     # clone: state_dict entries are views of one packed buffer, and safetensors refuses shared storage
     tensors = {f"model.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     saved = optimizer.state_dict()
@@ -381,7 +391,7 @@ def save_checkpoint(directory: Path, model: nn.Module, optimizer, state, progres
 def read_checkpoint(directory: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
     """-> (tensors, metadata) of a checkpoint file, or a one-line UserError if it is damaged."""
     path = Path(directory) / CHECKPOINT_FILE
-    st = _safetensors()
+    st = require_safetensors()
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -484,8 +494,6 @@ def plot_curve(directory: Path) -> Optional[str]:
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    import io
-
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100)
     plt.close(figure)
@@ -510,8 +518,12 @@ class Run:
 
 
 def prepare(directory: Path, model_config: ModelConfig, train_config: TrainConfig, vocabulary: Vocabulary,
-            train_text: str, valid_text: str, corpus: dict, backend: str = "auto", resume: bool = False) -> Run:
-    """Build the model and data; restore the checkpoint when resuming, else write config and vocabulary."""
+            train_text: str, valid_text: str, corpus: dict, backend: str = "auto", resume: bool = False,
+            settings: Optional[dict] = None) -> Run:
+    """Build the model and data; restore the checkpoint when resuming, else write config and vocabulary.
+
+    ``settings`` (e.g. the evaluation interval) go into config.json, for a resumed run to reuse.
+    """
     directory = Path(directory)
     torch.manual_seed(train_config.seed)
     model = build_model(model_config, backend)
@@ -532,6 +544,7 @@ def prepare(directory: Path, model_config: ModelConfig, train_config: TrainConfi
             "model": dataclasses.asdict(model_config),
             "training": dataclasses.asdict(train_config),
             "corpus": corpus,
+            "settings": settings or {},
             "rnnkit": rnnkit.__version__,
             "torch": torch.__version__,
         })
@@ -598,7 +611,10 @@ def sample(model: CharLM, vocabulary: Vocabulary, prime: str, length: int, tempe
     """
     if not prime:
         raise UserError("--prime: needs at least one character")
-    ids = vocabulary.encode(prime)
+    try:
+        ids = vocabulary.encode(prime)
+    except UserError as error:
+        raise UserError(f"--prime: {error}") from None
     generator = torch.Generator().manual_seed(seed)
     model.eval()
     out = []

@@ -22,11 +22,21 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+import torch
+
+from . import charlm
+from .charlm import UserError
+
 EXIT_USAGE, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
 EXTRAS = ("tqdm", "matplotlib", "safetensors", "ninja", "onnx", "onnxruntime")
 
 # defaults of `rnnkit train` that are not part of a run's identity
-DEFAULT_STEPS, DEFAULT_EVAL_EVERY, DEFAULT_EVAL_CHARS, DEFAULT_OUT = 1000, 100, 20_000, "rnnkit-run"
+DEFAULT_STEPS, DEFAULT_OUT = 2000, "rnnkit-run"
+# One thread by default: a recurrent step is a small matrix product that gains little from
+# more threads and loses much when the cores are shared (2-core machine, other jobs running:
+# 0.08 s per default training step with 1 thread, 0.24 s with 2).
+DEFAULT_THREADS = 1
+DEFAULT_SETTINGS = {"eval_every": 100, "eval_chars": 50_000}  # saved in config.json; a resumed run reuses them
 
 
 class Parser(argparse.ArgumentParser):
@@ -64,13 +74,12 @@ non_negative_float = _number(float, lambda v: math.isfinite(v) and v >= 0, "a no
 def build_parser(with_bench: bool = False) -> Parser:
     """The command's parser; ``with_bench`` imports rnnkit.bench to describe its flags."""
     from . import __version__, backend as backends_
-    from .charlm import CELLS, MODEL_DEFAULTS, TRAIN_DEFAULTS
 
     parser = Parser(prog="rnnkit", description="Recurrent layers for PyTorch: train, sample, benchmark, diagnose.")
     parser.add_argument("--version", action="version", version=f"rnnkit {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    model, training = MODEL_DEFAULTS, TRAIN_DEFAULTS
+    model, training = charlm.MODEL_DEFAULTS, charlm.TRAIN_DEFAULTS
     train = commands.add_parser(
         "train", help="train a character language model",
         description="Train a character language model (embedding -> rnnkit stack -> linear) with truncated "
@@ -83,7 +92,7 @@ def build_parser(with_bench: bool = False) -> Parser:
                       help=f"checkpoint, config, vocabulary, log and plot go here (default: {DEFAULT_OUT})")
     data.add_argument("--resume", action="store_true", help="continue the run saved in --out from its last step")
     net = train.add_argument_group("model")
-    net.add_argument("--cell", choices=CELLS, help=f"(default: {model['cell']})")
+    net.add_argument("--cell", choices=charlm.CELLS, help=f"(default: {model['cell']})")
     net.add_argument("--hidden", type=positive_int, metavar="N", help=f"hidden size (default: {model['hidden']})")
     net.add_argument("--layers", type=positive_int, metavar="N", help=f"stacked layers (default: {model['layers']})")
     net.add_argument("--embedding", type=positive_int, metavar="N",
@@ -105,10 +114,12 @@ def build_parser(with_bench: bool = False) -> Parser:
     opt.add_argument("--lr", type=positive_float, metavar="LR", help=f"Adam learning rate (default: {training['lr']})")
     opt.add_argument("--clip", type=non_negative_float, metavar="NORM",
                      help=f"gradient-norm clipping, 0 for none (default: {training['clip']})")
-    opt.add_argument("--eval-every", type=positive_int, metavar="N", default=DEFAULT_EVAL_EVERY,
-                     help=f"validate and checkpoint every N steps (default: {DEFAULT_EVAL_EVERY})")
-    opt.add_argument("--eval-chars", type=positive_int, metavar="N", default=DEFAULT_EVAL_CHARS,
-                     help=f"validation characters scored at each evaluation (default: {DEFAULT_EVAL_CHARS})")
+    opt.add_argument("--eval-every", type=positive_int, metavar="N",
+                     help=f"validate and checkpoint every N steps (default: {DEFAULT_SETTINGS['eval_every']})")
+    opt.add_argument("--eval-chars", type=positive_int, metavar="N",
+                     help=f"validation characters scored at each evaluation (default: {DEFAULT_SETTINGS['eval_chars']})")
+    opt.add_argument("--threads", type=positive_int, metavar="N", default=DEFAULT_THREADS,
+                     help=f"torch intra-op threads (default: {DEFAULT_THREADS}; more help large models on idle cores)")
     opt.add_argument("--backend", choices=backends_.names(), default="auto",
                      help="rnnkit backend (default: auto, the fastest available)")
     train.set_defaults(handler=_train)
@@ -123,6 +134,8 @@ def build_parser(with_bench: bool = False) -> Parser:
                         help="softmax temperature; 0 is greedy (default: 0.8)")
     sample.add_argument("--seed", type=non_negative_int, default=0, metavar="S", help="(default: 0)")
     sample.add_argument("--backend", choices=backends_.names(), default="auto", help="(default: auto)")
+    sample.add_argument("--threads", type=positive_int, metavar="N", default=DEFAULT_THREADS,
+                        help=f"torch intra-op threads (default: {DEFAULT_THREADS})")
     sample.set_defaults(handler=_sample)
 
     doctor = commands.add_parser("doctor", help="versions, backends and why not, threads, extras",
@@ -144,11 +157,7 @@ def _bench_module():
     except ModuleNotFoundError as error:
         if error.name != "rnnkit.bench":
             raise
-        raise _Failure("rnnkit bench is not available in this installation (no rnnkit.bench module)") from None
-
-
-class _Failure(Exception):
-    """Raised by the handlers for a one-line message and a non-zero exit."""
+        raise UserError("rnnkit bench is not available in this installation (no rnnkit.bench module)") from None
 
 
 # ---- train -------------------------------------------------------------------------------
@@ -157,62 +166,64 @@ def _tqdm():
     try:
         from tqdm import tqdm
     except ImportError:
-        raise _Failure("rnnkit train shows its progress with tqdm, which is not installed: pip install 'rnnkit[cli]'") from None
+        raise UserError("rnnkit train shows its progress with tqdm, which is not installed: pip install 'rnnkit[cli]'") from None
     return tqdm
 
 
-def _resolve(args, charlm):
-    """-> (model config, train config, vocabulary, train text, valid text, corpus record) for this run."""
+def _resolve(args):
+    """-> (model config, train config, vocabulary, train text, valid text, corpus record, settings)."""
     out = Path(args.out)
     given_model = {k: getattr(args, k) for k in charlm.MODEL_DEFAULTS if getattr(args, k) is not None}
     given_train = {k: getattr(args, k) for k in charlm.TRAIN_DEFAULTS if getattr(args, k) is not None}
     checkpoint = out / charlm.CHECKPOINT_FILE
     if args.resume:
         if not checkpoint.exists():
-            raise _Failure(f"--resume: no checkpoint in {out} ({charlm.CHECKPOINT_FILE} is missing)")
+            raise UserError(f"--resume: no checkpoint in {out} ({charlm.CHECKPOINT_FILE} is missing)")
         model_config, saved, vocabulary = charlm.model_config_from(out)
         for section, given in (("model", given_model), ("training", given_train)):
             for key, value in given.items():
                 if saved.get(section, {}).get(key) != value:
                     flag = "--" + key.replace("_", "-")
-                    raise _Failure(
+                    raise UserError(
                         f"--resume: {flag} {value} differs from the checkpoint's {saved[section].get(key)} in "
                         f"{out / charlm.CONFIG_FILE}; leave the flag out to continue that run, or choose another --out"
                     )
         corpus = saved.get("corpus", {})
         source = args.text or corpus.get("source", "stdlib")
-        text = _corpus_text(source, charlm)
+        text = _corpus_text(source)
         if charlm.fingerprint(text) != corpus.get("sha256"):
-            raise _Failure(f"--resume: the corpus ({source}) is not the one the checkpoint in {out} was trained on")
+            raise UserError(f"--resume: the corpus ({source}) is not the one the checkpoint in {out} was trained on")
         train_config = charlm.TrainConfig(**saved["training"])
+        settings = {**DEFAULT_SETTINGS, **saved.get("settings", {})}
     else:
         if checkpoint.exists():
-            raise _Failure(f"{out} already holds a checkpoint; pass --resume to continue it, or choose another --out")
+            raise UserError(f"{out} already holds a checkpoint; pass --resume to continue it, or choose another --out")
         source = str(Path(args.text).resolve()) if args.text else "stdlib"
-        text = _corpus_text(args.text or "stdlib", charlm)
+        text = _corpus_text(args.text or "stdlib")
         vocabulary = charlm.Vocabulary.of(text)
         model_config = charlm.ModelConfig(vocab_size=len(vocabulary), **{**charlm.MODEL_DEFAULTS, **given_model})
         train_config = charlm.TrainConfig(**{**charlm.TRAIN_DEFAULTS, **given_train})
         corpus = {"source": source, "sha256": charlm.fingerprint(text), "chars": len(text)}
+        settings = dict(DEFAULT_SETTINGS)
+    settings.update({k: getattr(args, k) for k in DEFAULT_SETTINGS if getattr(args, k) is not None})
     train_text, valid_text = charlm.split(text)
     corpus.update(train_chars=len(train_text), valid_chars=len(valid_text))
-    return model_config, train_config, vocabulary, train_text, valid_text, corpus
+    return model_config, train_config, vocabulary, train_text, valid_text, corpus, settings
 
 
-def _corpus_text(source: str, charlm) -> str:
+def _corpus_text(source: str) -> str:
     if source == "stdlib":
-        return charlm.stdlib_corpus()[0]
+        return charlm.stdlib_corpus()
     return charlm.read_corpus(source)
 
 
 def _train(args) -> int:
-    from . import charlm
-
     tqdm = _tqdm()
-    charlm._safetensors()  # fail before training, not at the first checkpoint
-    model_config, train_config, vocabulary, train_text, valid_text, corpus = _resolve(args, charlm)
+    charlm.require_safetensors()  # fail before training, not at the first checkpoint
+    torch.set_num_threads(args.threads)
+    model_config, train_config, vocabulary, train_text, valid_text, corpus, settings = _resolve(args)
     run = charlm.prepare(Path(args.out), model_config, train_config, vocabulary, train_text, valid_text, corpus,
-                         backend=args.backend, resume=args.resume)
+                         backend=args.backend, resume=args.resume, settings=settings)
     start = run.progress.step
     if start >= args.steps:
         print(f"rnnkit: {args.out} is already at step {start} (--steps {args.steps}); nothing to do", file=sys.stderr)
@@ -249,7 +260,7 @@ def _train(args) -> int:
             bar.write(f"rnnkit: {note}", file=sys.stderr)
 
     try:
-        charlm.train(run, args.steps, args.eval_every, args.eval_chars, on_step, on_eval)
+        charlm.train(run, args.steps, settings["eval_every"], settings["eval_chars"], on_step, on_eval)
     finally:
         bar.close()
     final = charlm.read_log(run.directory)[-1]
@@ -264,11 +275,11 @@ def _train(args) -> int:
 # ---- sample ------------------------------------------------------------------------------
 
 def _sample(args) -> int:
-    from . import charlm
+    torch.set_num_threads(args.threads)
 
     directory = Path(args.directory)
     if not directory.is_dir():
-        raise _Failure(f"{directory}: no such directory (the --out of rnnkit train)")
+        raise UserError(f"{directory}: no such directory (the --out of rnnkit train)")
     model_config, _, vocabulary = charlm.model_config_from(directory)
     model = charlm.build_model(model_config, args.backend)
     charlm.load_checkpoint(directory, model)
@@ -281,7 +292,6 @@ def _sample(args) -> int:
 
 def _doctor(args) -> int:
     import numpy
-    import torch
 
     import rnnkit
 
@@ -316,17 +326,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         args = build_parser(with_bench=bool(argv) and argv[0] == "bench").parse_args(argv)
         return int(args.handler(args) or 0)
-    except _Failure as failure:
-        message = str(failure)
+    except UserError as error:
+        message = str(error)
+    except OSError as error:  # e.g. an --out that cannot be written
+        message = f"{error.filename}: {error.strerror}" if error.filename and error.strerror else str(error)
     except KeyboardInterrupt:
         print("rnnkit: interrupted; files already saved are kept", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Exception as error:
-        from .charlm import UserError
-
-        if not isinstance(error, UserError):
-            raise
-        message = str(error)
     print(f"rnnkit: error: {message}", file=sys.stderr)
     return EXIT_FAILURE
 
