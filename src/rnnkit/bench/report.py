@@ -108,7 +108,8 @@ def plot(path: str, records: List[dict], runners: List[str]) -> Optional[str]:
         return "matplotlib is not installed (pip install matplotlib); skipped the plot"
     modes = [m for m in ("inference", "training") if any(r["mode"] == m for r in records)]
     others = [n for n in runners if n != "torch.nn"]
-    fig, axes = plt.subplots(len(modes), 1, figsize=(max(8, 0.5 * len(records) / max(1, len(modes))), 4 * len(modes)), squeeze=False)
+    cases = len({(r["shape"], r["variant"]) for r in records})
+    fig, axes = plt.subplots(len(modes), 1, figsize=(max(8, 0.3 * cases * max(1, len(others))), 4 * len(modes)), squeeze=False)
     for ax, mode in zip(axes[:, 0], modes):
         keys = list(dict.fromkeys((r["shape"], r["variant"]) for r in records if r["mode"] == mode))
         width = 0.8 / max(1, len(others))

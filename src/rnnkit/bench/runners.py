@@ -10,6 +10,7 @@ checks and times them all alike:
 """
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import tempfile
@@ -164,8 +165,8 @@ class OnnxRuntime(Runner):
 
     def unavailable_reason(self) -> Optional[str]:
         try:
-            import onnxruntime  # noqa: F401
-            from rnnkit.interop.onnx import export  # noqa: F401
+            importlib.import_module("onnxruntime")
+            getattr(importlib.import_module("rnnkit.interop.onnx"), "export")
         except (ImportError, AttributeError) as error:
             return f"{type(error).__name__}: {error}"
         return None
