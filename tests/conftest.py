@@ -1,7 +1,13 @@
 """Suite-wide fixtures. Uninitialised memory is poisoned with NaN (fla's habit), so a kernel
 that leaves padding or tails unwritten fails loudly instead of passing by luck."""
-import pytest
-import torch
+import os
+
+# CI has no GPU: Triton kernels run under Triton's interpreter. It must be chosen before
+# anything imports triton (keras imports torch._dynamo, which imports triton).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 _empty, _empty_like, _new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
 

@@ -6,8 +6,8 @@ configuration) and either ``run_pass(cell, x, h0, c0, weights, step_mask, revers
 (one layer in one direction; functional.run_stack loops over layers and directions) or
 ``run_stack(spec, layout, weights, x, h0s, c0s, lengths, training)`` (the whole stack).
 Both must be differentiable. ``"auto"`` tries backends by descending priority:
-native (torch's own oneDNN / cuDNN ops, plain configurations) 30, fused kernels 20,
-reference 0.
+native (torch's own oneDNN / cuDNN ops, plain configurations) 30, triton (fused GPU
+kernels, CUDA) 25, fused (compiled CPU kernels) 20, reference 0.
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from typing import Dict, List
 
 import torch
 
+from .cpu import FusedCPUBackend
+from .cuda import TritonBackend  # imports triton only on its first pass
 from .native import NativeBackend
 from .ref import ReferenceBackend
 from .spec import RNNSpec
@@ -82,3 +84,5 @@ def backends() -> Dict[str, Dict[str, object]]:
 
 register(ReferenceBackend(), priority=0)
 register(NativeBackend(), priority=30)
+register(FusedCPUBackend(), priority=20)
+register(TritonBackend(), priority=25)

@@ -1,0 +1,169 @@
+"""What one Triton pass knows: its static configuration and its tensors in the compute dtype.
+
+State buffers hold T + 1 states, indexed so that step t reads ``io(cfg, t)[0]`` and writes
+``io(cfg, t)[1]``: forward t -> t + 1, reverse t + 1 -> t. So the initial state sits at 0
+(forward) or T (reverse), and the states entering the steps are one contiguous slice,
+which is what the weight-gradient GEMM over all steps reads.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from ..masks import PassMasks
+from ..params import PassWeights
+from ..spec import CellSpec
+
+LN_EPS = 1e-5
+
+Pair = Optional[Tuple[torch.Tensor, torch.Tensor]]
+
+
+class PassConfig(NamedTuple):
+    """Static description of a pass; hashable, so it keys the CUDA-graph cache."""
+
+    mode: str
+    T: int
+    B: int
+    I: int
+    H: int
+    HR: int  # size of h: P with a projection, else H
+    G: int  # gate blocks: 4 (LSTM), 3 (coupled LSTM, GRU), 1 (RNN)
+    reverse: bool
+    save: bool  # keep per-step activations for backward (else one step's worth of scratch)
+    has_b_x: bool
+    has_b_h: bool
+    peephole: bool
+    layer_norm: bool
+    cell_clip: bool
+    proj: bool
+    proj_clip: bool
+    rmask: bool  # variational mask on the h that enters R
+    zone_h: int  # 0 off, 1 per-step 0/1 draws (training), 2 probability (evaluation)
+    zone_c: int
+    coupled: bool
+    reset_after: bool
+    relu: bool
+    block: int  # lanes for H
+    block_r: int  # lanes for HR
+
+
+class PassTensors(NamedTuple):
+    """One pass's tensors, contiguous, in the compute dtype (float32, or float64)."""
+
+    x: torch.Tensor  # [T, B, I]
+    h0: torch.Tensor  # [B, HR]
+    c0: Optional[torch.Tensor]  # [B, H]
+    W: torch.Tensor  # [G·H, I]
+    R: torch.Tensor  # [G·H, HR]
+    b_W: Optional[torch.Tensor]  # [G·H]
+    b_R: Optional[torch.Tensor]  # [G·H]
+    W_hr: Optional[torch.Tensor]  # [P, H]
+    peephole: Optional[torch.Tensor]  # [G - 1, H]
+    ln_x: Pair  # ([G·H], [G·H])
+    ln_h: Pair
+    ln_c: Pair  # ([H], [H])
+    keep: torch.Tensor  # [T, B] 1.0 where t < length
+    recurrent: Optional[torch.Tensor]  # [B, HR]
+    zone_h: Optional[torch.Tensor]  # [T, B, HR] 0/1 draws (training)
+    zone_c: Optional[torch.Tensor]  # [T, B, H]
+    scalars: torch.Tensor  # [5] p_h, p_c, cell_clip, proj_clip, eps (common.py)
+    dummy: torch.Tensor  # [1] passed for absent pointers
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; float32 / bfloat16 / float16 compute and carry state in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _zone_mode(z) -> int:
+    if z is None:
+        return 0
+    return 1 if isinstance(z, torch.Tensor) else 2
+
+
+def make_config(cell: CellSpec, x: torch.Tensor, w: PassWeights, reverse: bool, masks: PassMasks, save: bool,
+                block_size) -> PassConfig:
+    T, B, I = x.shape
+    H, HR = cell.hidden_size, cell.output_size
+    return PassConfig(
+        mode=cell.mode, T=T, B=B, I=I, H=H, HR=HR, G=cell.gates, reverse=bool(reverse), save=save,
+        has_b_x=w.b_W is not None, has_b_h=w.b_R is not None, peephole=w.peephole is not None,
+        layer_norm=cell.layer_norm, cell_clip=cell.cell_clip is not None, proj=w.W_hr is not None,
+        proj_clip=cell.proj_clip is not None, rmask=masks.recurrent is not None,
+        zone_h=_zone_mode(masks.zoneout_h), zone_c=_zone_mode(masks.zoneout_c),
+        coupled=cell.coupled_gates, reset_after=cell.reset_after, relu=cell.mode == "rnn_relu",
+        block=block_size(H), block_r=block_size(HR),
+    )
+
+
+def make_tensors(cell: CellSpec, x, h0, c0, w: PassWeights, step_mask, masks: PassMasks) -> PassTensors:
+    """Cast and make contiguous once per pass (no-ops for contiguous float32 / float64 inputs)."""
+    dtype = compute_dtype(x.dtype)
+    cast = lambda t: None if t is None else t.detach().to(dtype).contiguous()  # noqa: E731
+    pair = lambda ln: None if ln is None else (cast(ln[0]), cast(ln[1]))  # noqa: E731
+    T, B = x.shape[:2]
+    keep = torch.ones(T, B, dtype=dtype, device=x.device) if step_mask is None else cast(step_mask)
+    zone = lambda z: cast(z) if isinstance(z, torch.Tensor) else None  # noqa: E731
+    probability = lambda z: 0.0 if isinstance(z, torch.Tensor) or z is None else float(z)  # noqa: E731
+    scalars = torch.tensor(
+        [probability(masks.zoneout_h), probability(masks.zoneout_c), cell.cell_clip or 0.0,
+         cell.proj_clip or 0.0, LN_EPS],
+        dtype=dtype, device=x.device,
+    )
+    return PassTensors(
+        x=cast(x), h0=cast(h0), c0=cast(c0), W=cast(w.W), R=cast(w.R), b_W=cast(w.b_W), b_R=cast(w.b_R),
+        W_hr=cast(w.W_hr), peephole=cast(w.peephole), ln_x=pair(w.ln_x), ln_h=pair(w.ln_h), ln_c=pair(w.ln_c),
+        keep=keep, recurrent=cast(masks.recurrent), zone_h=zone(masks.zoneout_h), zone_c=zone(masks.zoneout_c),
+        scalars=scalars, dummy=torch.zeros(1, dtype=dtype, device=x.device),
+    )
+
+
+def time_steps(cfg: PassConfig) -> range:
+    return range(cfg.T - 1, -1, -1) if cfg.reverse else range(cfg.T)
+
+
+def io(cfg: PassConfig, t: int) -> Tuple[int, int]:
+    """(index of the state step t reads, index of the state it writes) in a [T + 1] buffer."""
+    return (t + 1, t) if cfg.reverse else (t, t + 1)
+
+
+def first_last(cfg: PassConfig) -> Tuple[int, int]:
+    """Indices of the initial and the final state in a [T + 1] buffer."""
+    return (cfg.T, 0) if cfg.reverse else (0, cfg.T)
+
+
+def entering(cfg: PassConfig, states: torch.Tensor) -> torch.Tensor:
+    """The T states entering the steps, in time order: [T, B, ·]."""
+    return states[1:] if cfg.reverse else states[:-1]
+
+
+def slot(cfg: PassConfig, t: int) -> int:
+    """Index of step t in a per-step buffer ([T] when saving for backward, else [1] scratch)."""
+    return t if cfg.save else 0
+
+
+def state_buffers(cfg: PassConfig, p: PassTensors, initial: torch.Tensor, mask: Optional[torch.Tensor]):
+    """(states [T + 1, B, ·] holding the initial state, the masked h that enters R)."""
+    states = initial.new_empty((cfg.T + 1,) + tuple(initial.shape))
+    first = first_last(cfg)[0]
+    states[first] = initial
+    if mask is None:
+        return states, states
+    masked = torch.empty_like(states)
+    masked[first] = initial * mask
+    return states, masked
+
+
+def or_dummy(p: PassTensors, t: Optional[torch.Tensor]) -> torch.Tensor:
+    return p.dummy if t is None else t
+
+
+def absent(p: PassTensors, n: int) -> torch.Tensor:
+    """Stands in for an absent per-step buffer: indexing it at any step gives the dummy."""
+    return p.dummy.expand(n, 1)
+
+
+def per_step_or_absent(p: PassTensors, t: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    return absent(p, n) if t is None else t
