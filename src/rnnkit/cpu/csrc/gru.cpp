@@ -86,12 +86,16 @@ struct Gru {
       }
     };
 
+    // · Rᵀ with reset_after; otherwise · R_rzᵀ and · R_nᵀ
+    const PackedRight<scalar_t> R_right(R, H, true, B, after ? GH : 2 * H, H, like);
+    const std::optional<PackedRight<scalar_t>> R_n_right =
+        after ? std::nullopt : std::make_optional<PackedRight<scalar_t>>(R + 2 * H * H, H, true, B, H, H, like);
     for (int64_t s = 0; s < T; ++s) {
       const int64_t t = step_time(s), k = training ? t : 0;
       scalar_t* gx_t = gx_p + t * B * GH;
       if (after) {
         scalar_t* gh_t = gh_p + (ln ? k : 0) * B * GH;
-        gemm<scalar_t>(false, true, B, GH, H, 1, hin_p, H, R, H, 0, gh_t, GH);  // R h [B, 3H]
+        R_right.multiply(hin_p, H, 0, gh_t, GH);  // R h [B, 3H]
         for_rows(B, GH * 8, [&](int64_t b0, int64_t b1) {
           for (int64_t b = b0; b < b1; ++b) {
             if (valid(t, b)) {
@@ -106,19 +110,20 @@ struct Gru {
               auto rec = [&](int64_t q) {  // LN_h(R h) at gate column q
                 return ln ? (ghb[q] - mh) * rh_ * ln_h_gain[q] + ln_h_shift[q] : ghb[q];
               };
+              for (int64_t q = 0; q < 2 * H; ++q) gate[q] = ax[q] + rec(q);
+              sigmoid_inplace(gate, 2 * H);  // r, z
               for (int64_t j = 0; j < H; ++j) {
-                const scalar_t r = sigmoid(ax[j] + rec(j));
-                const scalar_t z = sigmoid(ax[H + j] + rec(H + j));
                 const scalar_t hn = rec(2 * H + j) + (b_Rn ? b_Rn[j] : scalar_t(0));
-                gate[j] = r, gate[H + j] = z, gate[2 * H + j] = std::tanh(ax[2 * H + j] + r * hn);
                 gate[3 * H + j] = hn;
+                gate[2 * H + j] = ax[2 * H + j] + gate[j] * hn;
               }
+              tanh_inplace(gate + 2 * H, H);  // n
             }
             finish_h(t, k, b);
           }
         });
       } else {
-        gemm<scalar_t>(false, true, B, 2 * H, H, 1, hin_p, H, R, H, 1, gx_t, GH);  // += R_rz h
+        R_right.multiply(hin_p, H, 1, gx_t, GH);  // += R_rz h
         scalar_t* rh_t = rh_p + k * B * H;
         for_rows(B, H * 8, [&](int64_t b0, int64_t b1) {
           for (int64_t b = b0; b < b1; ++b) {
@@ -129,20 +134,19 @@ struct Gru {
             }
             const scalar_t* ax = gx_t + b * GH;
             scalar_t* gate = gates_p + (k * B + b) * GS;
-            for (int64_t j = 0; j < H; ++j) {
-              const scalar_t r = sigmoid(ax[j]);
-              gate[j] = r, gate[H + j] = sigmoid(ax[H + j]);
-              rhb[j] = r * hin_p[b * H + j];
-            }
+            std::copy(ax, ax + 2 * H, gate);
+            sigmoid_inplace(gate, 2 * H);  // r, z
+            for (int64_t j = 0; j < H; ++j) rhb[j] = gate[j] * hin_p[b * H + j];
           }
         });
-        gemm<scalar_t>(false, true, B, H, H, 1, rh_t, H, R + 2 * H * H, H, 1, gx_t + 2 * H, GH);  // += R_n (r∘h)
+        R_n_right->multiply(rh_t, H, 1, gx_t + 2 * H, GH);  // += R_n (r∘h)
         for_rows(B, H * 8, [&](int64_t b0, int64_t b1) {
           for (int64_t b = b0; b < b1; ++b) {
             if (valid(t, b)) {
               const scalar_t* ax = gx_t + b * GH;
               scalar_t* gate = gates_p + (k * B + b) * GS;
-              for (int64_t j = 0; j < H; ++j) gate[2 * H + j] = std::tanh(ax[2 * H + j]);
+              std::copy(ax + 2 * H, ax + 3 * H, gate + 2 * H);
+              tanh_inplace(gate + 2 * H, H);  // n
             }
             finish_h(t, k, b);
           }
@@ -212,6 +216,10 @@ struct Gru {
       return true;
     };
 
+    // · R with reset_after; otherwise · R_n and · R_rz
+    const PackedRight<scalar_t> R_right(R, H, false, B, H, after ? GH : 2 * H, like);
+    const std::optional<PackedRight<scalar_t>> R_n_right =
+        after ? std::nullopt : std::make_optional<PackedRight<scalar_t>>(R + 2 * H * H, H, false, B, H, H, like);
     for (int64_t s = T - 1; s >= 0; --s) {
       const int64_t t = step_time(s);
       if (after) {
@@ -237,13 +245,13 @@ struct Gru {
             }
           }
         });
-        gemm<scalar_t>(false, false, B, H, GH, 1, dgh_p + t * B * GH, GH, R, H, 0, dhr_p, H);  // dgh R
+        R_right.multiply(dgh_p + t * B * GH, GH, 0, dhr_p, H);  // dgh R
       } else {
         scalar_t* dA_t = dA_p + t * B * GH;
         for_rows(B, H * 6, [&](int64_t b0, int64_t b1) {
           for (int64_t b = b0; b < b1; ++b) backward_h(t, b);
         });
-        gemm<scalar_t>(false, false, B, H, H, 1, dA_t + 2 * H, GH, R + 2 * H * H, H, 0, drh_p, H);  // d(r∘h)
+        R_n_right->multiply(dA_t + 2 * H, GH, 0, drh_p, H);  // d(r∘h)
         for_rows(B, H * 6, [&](int64_t b0, int64_t b1) {
           for (int64_t b = b0; b < b1; ++b) {
             scalar_t* dhr = dhr_p + b * H;
@@ -262,7 +270,7 @@ struct Gru {
             }
           }
         });
-        gemm<scalar_t>(false, false, B, H, 2 * H, 1, dA_t, GH, R, H, 1, dhr_p, H);  // += dA_rz R_rz
+        R_right.multiply(dA_t, GH, 1, dhr_p, H);  // += dA_rz R_rz
       }
     }
 

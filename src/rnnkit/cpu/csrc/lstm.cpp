@@ -61,12 +61,13 @@ struct Lstm {
     Tensor gh = ln ? new_buffer({keep, B, GH}, like) : Tensor();
     Tensor stats = ln ? new_buffer({4, keep, B}, like) : Tensor();  // mean_h, rstd_h, mean_c, rstd_c
     Tensor cell_prev = training ? new_buffer({T, B, H}, like) : Tensor();
+    Tensor cell_tmp = new_buffer({B, H}, like);
     Tensor hidden_prev = training ? new_buffer({T, B, Hr}, like) : Tensor();
 
     scalar_t *gx_p = gx.data_ptr<scalar_t>(), *y_p = y.data_ptr<scalar_t>(), *h_p = h.data_ptr<scalar_t>();
     scalar_t *c_p = c.data_ptr<scalar_t>(), *hin_p = h_in.data_ptr<scalar_t>();
     scalar_t *gates_p = gates.data_ptr<scalar_t>(), *craw_p = cell_raw.data_ptr<scalar_t>();
-    scalar_t* m_p = m.data_ptr<scalar_t>();
+    scalar_t *m_p = m.data_ptr<scalar_t>(), *tmp_p = cell_tmp.data_ptr<scalar_t>();
     scalar_t* ht_p = proj ? h_tilde.data_ptr<scalar_t>() : nullptr;
     scalar_t* gh_p = ln ? gh.data_ptr<scalar_t>() : nullptr;
     scalar_t* st_p = ln ? stats.data_ptr<scalar_t>() : nullptr;
@@ -97,14 +98,17 @@ struct Lstm {
       }
     };
 
+    const PackedRight<scalar_t> R_right(R, Hr, true, B, GH, Hr, like);  // · Rᵀ
+    const std::optional<PackedRight<scalar_t>> W_hr_right =
+        proj ? std::make_optional<PackedRight<scalar_t>>(W_hr, H, true, B, P, H, like) : std::nullopt;  // · W_hrᵀ
     for (int64_t s = 0; s < T; ++s) {
       const int64_t t = step_time(s), k = training ? t : 0;
       scalar_t* gx_t = gx_p + t * B * GH;
       scalar_t* gh_t = ln ? gh_p + k * B * GH : nullptr;
       if (ln) {
-        gemm<scalar_t>(false, true, B, GH, Hr, 1, hin_p, Hr, R, Hr, 0, gh_t, GH);  // R h [B, G·H]
+        R_right.multiply(hin_p, Hr, 0, gh_t, GH);  // R h [B, G·H]
       } else {
-        gemm<scalar_t>(false, true, B, GH, Hr, 1, hin_p, Hr, R, Hr, 1, gx_t, GH);  // W x + b + R h
+        R_right.multiply(hin_p, Hr, 1, gx_t, GH);  // W x + b + R h
       }
       for_rows(B, GH * 8, [&](int64_t b0, int64_t b1) {
         for (int64_t b = b0; b < b1; ++b) {
@@ -124,41 +128,47 @@ struct Lstm {
             row_stats(ghb, GH, mh, rh);
             st_p[k * B + b] = mh, st_p[stat_stride + k * B + b] = rh;
           }
-          auto pre = [&](int64_t q) {  // LN_x(W x) + b + LN_h(R h) at gate column q
-            return ln ? ax[q] + (ghb[q] - mh) * rh * ln_h_gain[q] + ln_h_shift[q] : ax[q];
-          };
+          if (ln) {
+            for (int64_t q = 0; q < GH; ++q) gate[q] = ax[q] + (ghb[q] - mh) * rh * ln_h_gain[q] + ln_h_shift[q];
+          } else {
+            std::copy(ax, ax + GH, gate);
+          }
+          if (peep) {  // i and f peek at c_{t-1}
+            for (int64_t j = 0; j < H; ++j) gate[gi + j] += p_i[j] * cb[j];
+            if (gf >= 0)
+              for (int64_t j = 0; j < H; ++j) gate[gf + j] += p_f[j] * cb[j];
+          }
+          sigmoid_inplace(gate + gi, gf < 0 ? H : 2 * H);  // i (and f, stored next to it)
+          tanh_inplace(gate + gg, H);
+          scalar_t* cc = tmp_p + b * H;  // clipped c̃, then tanh(LN_c(c̃))
           const scalar_t* dc = zc.row(t, b);
           for (int64_t j = 0; j < H; ++j) {
-            const scalar_t cprev = cb[j];
-            const scalar_t i = sigmoid(pre(gi + j) + (peep ? p_i[j] * cprev : scalar_t(0)));
-            const scalar_t f =
-                gf < 0 ? scalar_t(1) - i : sigmoid(pre(gf + j) + (peep ? p_f[j] * cprev : scalar_t(0)));
-            const scalar_t g = std::tanh(pre(gg + j));
-            const scalar_t c_new = f * cprev + i * g;
+            const scalar_t cprev = cb[j], i = gate[gi + j];
+            const scalar_t f = gf < 0 ? scalar_t(1) - i : gate[gf + j];
+            const scalar_t c_new = f * cprev + i * gate[gg + j];
             const scalar_t c_clip = clip(c_new, cell_clip);
-            const scalar_t o = sigmoid(pre(go + j) + (peep ? p_o[j] * c_clip : scalar_t(0)));
-            gate[gi + j] = i, gate[gg + j] = g, gate[go + j] = o;
-            if (gf >= 0) gate[gf + j] = f;
-            craw[j] = c_new;
-            if (!ln) mb[j] = o * std::tanh(c_clip);
             const scalar_t z = dc ? dc[j] : zc.p;
+            craw[j] = c_new;
+            cc[j] = c_clip;
             cb[j] = z * cprev + (scalar_t(1) - z) * c_clip;
           }
-          if (ln) {  // h = o ∘ tanh(LN_c(c̃)), statistics over the clipped c̃
+          if (peep)  // o peeks at the new c
+            for (int64_t j = 0; j < H; ++j) gate[go + j] += p_o[j] * cc[j];
+          sigmoid_inplace(gate + go, H);
+          if (ln) {
             scalar_t mc, rc;
-            row_stats_of(H, [&](int64_t j) { return clip(craw[j], cell_clip); }, mc, rc);
+            row_stats(cc, H, mc, rc);
             st_p[2 * stat_stride + k * B + b] = mc, st_p[3 * stat_stride + k * B + b] = rc;
-            for (int64_t j = 0; j < H; ++j) {
-              const scalar_t cn = (clip(craw[j], cell_clip) - mc) * rc * ln_c_gain[j] + ln_c_shift[j];
-              mb[j] = gate[go + j] * std::tanh(cn);
-            }
+            for (int64_t j = 0; j < H; ++j) cc[j] = (cc[j] - mc) * rc * ln_c_gain[j] + ln_c_shift[j];
           }
+          tanh_inplace(cc, H);
+          for (int64_t j = 0; j < H; ++j) mb[j] = gate[go + j] * cc[j];
         }
         if (!proj) finish_h(t, k, b0, b1);
       });
       if (proj) {
         scalar_t* ht_t = ht_p + k * B * P;
-        gemm<scalar_t>(false, true, B, P, H, 1, m_p + k * B * H, H, W_hr, H, 0, ht_t, P);  // W_hr m [B, P]
+        W_hr_right->multiply(m_p + k * B * H, H, 0, ht_t, P);  // W_hr m [B, P]
         for_rows(B, P * 2, [&](int64_t b0, int64_t b1) { finish_h(t, k, b0, b1); });
       }
     }
@@ -188,7 +198,7 @@ struct Lstm {
     Tensor dgh = ln ? new_buffer({T, B, GH}, like) : dA;  // dL/d(R h)
     Tensor dht = proj ? new_buffer({T, B, P}, like) : Tensor();
     Tensor dm = new_buffer({B, H}, like);
-    Tensor scratch = ln ? new_buffer({B, 2, H}, like) : Tensor();  // LN_c: dL/dcn, clipped c̃
+    Tensor scratch = new_buffer({B, 3, H}, like);  // per row: clipped c̃, tanh(LN_c(c̃)), dL/dcn
     const int64_t n_peep = peep ? a.peephole.size(0) : 0;
     Tensor acc_peep = peep ? zero_buffer({B, n_peep, H}, like) : Tensor();
     Tensor acc_ln_h = ln ? zero_buffer({2, B, GH}, like) : Tensor();
@@ -208,7 +218,7 @@ struct Lstm {
     scalar_t *dc_p = dc.data_ptr<scalar_t>(), *dA_p = dA.data_ptr<scalar_t>(), *dgh_p = dgh.data_ptr<scalar_t>();
     scalar_t* dht_p = proj ? dht.data_ptr<scalar_t>() : nullptr;
     scalar_t* dm_p = dm.data_ptr<scalar_t>();
-    scalar_t* sc_p = ln ? scratch.data_ptr<scalar_t>() : nullptr;
+    scalar_t* sc_p = scratch.data_ptr<scalar_t>();
     scalar_t* ap_p = peep ? acc_peep.data_ptr<scalar_t>() : nullptr;
     scalar_t* alh_p = ln ? acc_ln_h.data_ptr<scalar_t>() : nullptr;
     scalar_t* alc_p = ln ? acc_ln_c.data_ptr<scalar_t>() : nullptr;
@@ -255,34 +265,29 @@ struct Lstm {
         const scalar_t* cprev = cp_p + row * H;
         const scalar_t* dmb = dm_p + b * H;
         scalar_t* dcb = dc_p + b * H;
-        scalar_t* dcn = ln ? sc_p + b * 2 * H : nullptr;  // dL/d LN_c(c̃), then dL/dc̃ through LN_c
-        scalar_t* cclip = ln ? dcn + H : nullptr;
+        scalar_t* cc = sc_p + b * 3 * H;  // clipped c̃
+        scalar_t* tc = cc + H;             // tanh(LN_c(c̃)) recomputed
+        scalar_t* dcn = tc + H;            // dL/d LN_c(c̃), then dL/dc̃ through LN_c
         scalar_t mc = 0, rc = 0;
+        if (ln) mc = mc_p[row], rc = rc_p[row];
+        for (int64_t j = 0; j < H; ++j) {
+          cc[j] = clip(craw[j], cell_clip);
+          tc[j] = ln ? (cc[j] - mc) * rc * ln_c_gain[j] + ln_c_shift[j] : cc[j];
+        }
+        tanh_inplace(tc, H);
         if (ln) {
-          mc = mc_p[row], rc = rc_p[row];
-          for (int64_t j = 0; j < H; ++j) {
-            cclip[j] = clip(craw[j], cell_clip);
-            const scalar_t tc = std::tanh((cclip[j] - mc) * rc * ln_c_gain[j] + ln_c_shift[j]);
-            dcn[j] = dmb[j] * gate[go + j] * (scalar_t(1) - tc * tc);
-          }
-          row_layer_norm_backward(dcn, cclip, H, mc, rc, ln_c_gain, dcn, alc_p + b * H, alc_p + (B + b) * H);
+          for (int64_t j = 0; j < H; ++j) dcn[j] = dmb[j] * gate[go + j] * (scalar_t(1) - tc[j] * tc[j]);
+          row_layer_norm_backward(dcn, cc, H, mc, rc, ln_c_gain, dcn, alc_p + b * H, alc_p + (B + b) * H);
         }
         const scalar_t* dz = zc.row(t, b);
         for (int64_t j = 0; j < H; ++j) {
           const scalar_t i = gate[gi + j], g = gate[gg + j], o = gate[go + j];
           const scalar_t f = gf < 0 ? scalar_t(1) - i : gate[gf + j];
-          const scalar_t cp = cprev[j], cc = clip(craw[j], cell_clip);
-          scalar_t tc, dct;
-          if (ln) {
-            tc = std::tanh((cc - mc) * rc * ln_c_gain[j] + ln_c_shift[j]);
-            dct = dcn[j];
-          } else {
-            tc = std::tanh(cc);
-            dct = dmb[j] * o * (scalar_t(1) - tc * tc);
-          }
-          const scalar_t dao = dmb[j] * tc * o * (scalar_t(1) - o);
+          const scalar_t cp = cprev[j], tcj = tc[j];
+          const scalar_t dct0 = ln ? dcn[j] : dmb[j] * o * (scalar_t(1) - tcj * tcj);
+          const scalar_t dao = dmb[j] * tcj * o * (scalar_t(1) - o);
           const scalar_t z = dz ? dz[j] : zc.p;
-          dct += dcb[j] * (scalar_t(1) - z);
+          scalar_t dct = dct0 + dcb[j] * (scalar_t(1) - z);
           if (peep) dct += dao * p_o[j];
           if (cell_clip > 0 && std::abs(craw[j]) > cell_clip) dct = 0;
           const scalar_t dai = (gf < 0 ? dct * (g - cp) : dct * g) * i * (scalar_t(1) - i);
@@ -297,7 +302,7 @@ struct Lstm {
               dcp += daf * p_f[j];
               ap[H + j] += daf * cp;
             }
-            ap[(n_peep - 1) * H + j] += dao * cc;
+            ap[(n_peep - 1) * H + j] += dao * cc[j];
           }
           dcb[j] = dcp;
           dAb[gi + j] = dai, dAb[gg + j] = dag, dAb[go + j] = dao;
@@ -310,11 +315,14 @@ struct Lstm {
       }
     };
 
+    const PackedRight<scalar_t> R_right(R, Hr, false, B, Hr, GH, like);  // · R
+    const std::optional<PackedRight<scalar_t>> W_hr_right =
+        proj ? std::make_optional<PackedRight<scalar_t>>(W_hr, H, false, B, H, P, like) : std::nullopt;  // · W_hr
     for (int64_t s = T - 1; s >= 0; --s) {
       const int64_t t = step_time(s);
       if (proj) {
         for_rows(B, P * 2, [&](int64_t b0, int64_t b1) { backward_h(t, b0, b1); });
-        gemm<scalar_t>(false, false, B, H, P, 1, dht_p + t * B * P, P, W_hr, H, 0, dm_p, H);  // dht W_hr
+        W_hr_right->multiply(dht_p + t * B * P, P, 0, dm_p, H);  // dht W_hr
         for_rows(B, GH * 6, [&](int64_t b0, int64_t b1) { backward_gates(t, b0, b1); });
       } else {
         for_rows(B, GH * 6, [&](int64_t b0, int64_t b1) {
@@ -322,7 +330,7 @@ struct Lstm {
           backward_gates(t, b0, b1);
         });
       }
-      gemm<scalar_t>(false, false, B, Hr, GH, 1, dgh_p + t * B * GH, GH, R, Hr, 0, dhr_p, Hr);  // dgh R
+      R_right.multiply(dgh_p + t * B * GH, GH, 0, dhr_p, Hr);  // dgh R
     }
 
     const int64_t TB = T * B;

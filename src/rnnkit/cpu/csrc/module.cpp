@@ -11,15 +11,53 @@
 
 extern "C" {
 // BLAS from the MKL that libtorch_cpu links and exports (LP64: int sizes).
-void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,
-            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
-            const int* ldc);
+// float64 GEMM (torch's MKL exports no packed dgemm).
 void dgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* alpha,
             const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
             const int* ldc);
+// MKL's packed GEMM: pack one operand once, multiply many times.
+size_t sgemm_pack_get_size_(const char* id, const int* m, const int* n, const int* k);
+void sgemm_pack_(const char* id, const char* trans, const int* m, const int* n, const int* k, const float* alpha,
+                 const float* src, const int* ld, float* dest);
+void sgemm_compute_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* a,
+                    const int* lda, const float* b, const int* ldb, const float* beta, float* c, const int* ldc);
 }
 
 namespace rnnkit {
+
+// In column-major terms Cᵀ[N, rows] = op(M)ᵀ[N, K] · Xᵀ[K, rows]: op(M)ᵀ is BLAS's packed "A".
+template <>
+PackedRight<float>::PackedRight(const float* M, int64_t ldm, bool trans, int64_t rows, int64_t N, int64_t K,
+                                const Tensor& like)
+    : rows_(rows), N_(N), K_(K), ldm_(ldm), matrix_(M), trans_(trans) {
+  const char id = 'A', ta = trans ? 'T' : 'N';
+  const int m = int(N), n = int(rows), k = int(K), ld = int(ldm);
+  const float one = 1;
+  const size_t bytes = sgemm_pack_get_size_(&id, &m, &n, &k);
+  storage_ = at::empty({int64_t(bytes / sizeof(float) + 1)}, like.options());
+  sgemm_pack_(&id, &ta, &m, &n, &k, &one, M, &ld, storage_.data_ptr<float>());
+}
+
+template <>
+void PackedRight<float>::multiply(const float* X, int64_t ldx, float beta, float* C, int64_t ldc) const {
+  const char ta = 'P', tb = 'N';
+  const int m = int(N_), n = int(rows_), k = int(K_), lda = int(ldm_), ldb = int(ldx), lc = int(ldc);
+  sgemm_compute_(&ta, &tb, &m, &n, &k, storage_.data_ptr<float>(), &lda, X, &ldb, &beta, C, &lc);
+}
+
+// float64 (gradcheck, not speed): torch's MKL exports no packed dgemm, so keep M and call dgemm.
+template <>
+PackedRight<double>::PackedRight(const double* M, int64_t ldm, bool trans, int64_t rows, int64_t N, int64_t K,
+                                 const Tensor& like)
+    : rows_(rows), N_(N), K_(K), ldm_(ldm), matrix_(M), trans_(trans) {}
+
+template <>
+void PackedRight<double>::multiply(const double* X, int64_t ldx, double beta, double* C, int64_t ldc) const {
+  const char ta = trans_ ? 'T' : 'N', tb = 'N';
+  const int m = int(N_), n = int(rows_), k = int(K_), la = int(ldm_), lb = int(ldx), lc = int(ldc);
+  const double one = 1;
+  dgemm_(&ta, &tb, &m, &n, &k, &one, matrix_, &la, X, &lb, &beta, C, &lc);
+}
 
 bool& poison_flag() {
   static bool on = false;
@@ -33,25 +71,6 @@ Tensor new_buffer(at::IntArrayRef sizes, const Tensor& like) {
 }
 
 Tensor zero_buffer(at::IntArrayRef sizes, const Tensor& like) { return at::zeros(sizes, like.options()); }
-
-// Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: swap the operands and the sizes.
-template <>
-void gemm<float>(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
-                 int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  if (M == 0 || N == 0) return;
-  const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
-  const int m = int(N), n = int(M), k = int(K), la = int(ldb), lb = int(lda), lc = int(ldc);
-  sgemm_(&ta, &tb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
-}
-
-template <>
-void gemm<double>(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, double alpha, const double* A,
-                  int64_t lda, const double* B, int64_t ldb, double beta, double* C, int64_t ldc) {
-  if (M == 0 || N == 0) return;
-  const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
-  const int m = int(N), n = int(M), k = int(K), la = int(ldb), lb = int(lda), lc = int(ldc);
-  dgemm_(&ta, &tb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
-}
 
 static Tensor opt(const std::vector<OptTensor>& tensors, size_t i) {
   return (i < tensors.size() && tensors[i].has_value()) ? *tensors[i] : Tensor();

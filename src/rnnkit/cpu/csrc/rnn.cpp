@@ -41,22 +41,25 @@ struct Rnn {
     Tensor gh = ln ? new_buffer({keep, B, H}, like) : Tensor();
     Tensor stats = ln ? new_buffer({2, keep, B}, like) : Tensor();
     Tensor hidden_prev = training ? new_buffer({T, B, H}, like) : Tensor();
+    Tensor act_tmp = training ? Tensor() : new_buffer({B, H}, like);
 
     scalar_t *gx_p = gx.data_ptr<scalar_t>(), *y_p = y.data_ptr<scalar_t>(), *h_p = h.data_ptr<scalar_t>();
     scalar_t* hin_p = h_in.data_ptr<scalar_t>();
     scalar_t* ht_p = training ? h_tilde.data_ptr<scalar_t>() : nullptr;
+    scalar_t* tmp_p = training ? nullptr : act_tmp.data_ptr<scalar_t>();
     scalar_t* gh_p = ln ? gh.data_ptr<scalar_t>() : nullptr;
     scalar_t* st_p = ln ? stats.data_ptr<scalar_t>() : nullptr;
     scalar_t* hp_p = training ? hidden_prev.data_ptr<scalar_t>() : nullptr;
 
+    const PackedRight<scalar_t> R_right(R, H, true, B, H, H, like);  // · Rᵀ
     for (int64_t s = 0; s < T; ++s) {
       const int64_t t = step_time(s), k = training ? t : 0;
       scalar_t* gx_t = gx_p + t * B * H;
       scalar_t* gh_t = ln ? gh_p + k * B * H : nullptr;
       if (ln) {
-        gemm<scalar_t>(false, true, B, H, H, 1, hin_p, H, R, H, 0, gh_t, H);  // R h
+        R_right.multiply(hin_p, H, 0, gh_t, H);  // R h
       } else {
-        gemm<scalar_t>(false, true, B, H, H, 1, hin_p, H, R, H, 1, gx_t, H);  // W x + b + R h
+        R_right.multiply(hin_p, H, 1, gx_t, H);  // W x + b + R h
       }
       for_rows(B, H * 4, [&](int64_t b0, int64_t b1) {
         for (int64_t b = b0; b < b1; ++b) {
@@ -74,13 +77,21 @@ struct Rnn {
             row_stats(ghb, H, mh, rh);
             st_p[k * B + b] = mh, st_p[keep * B + k * B + b] = rh;
           }
+          scalar_t* act = training ? ht_p + (t * B + b) * H : tmp_p + b * H;  // h̃ = act(a)
+          if (ln) {
+            for (int64_t j = 0; j < H; ++j) act[j] = ax[j] + (ghb[j] - mh) * rh * ln_h_gain[j] + ln_h_shift[j];
+          } else {
+            std::copy(ax, ax + H, act);
+          }
+          if (relu) {
+            for (int64_t j = 0; j < H; ++j) act[j] = std::max(act[j], scalar_t(0));
+          } else {
+            tanh_inplace(act, H);
+          }
           const scalar_t* d = zh.row(t, b);
           for (int64_t j = 0; j < H; ++j) {
-            const scalar_t pre = ln ? ax[j] + (ghb[j] - mh) * rh * ln_h_gain[j] + ln_h_shift[j] : ax[j];
-            const scalar_t ht = relu ? std::max(pre, scalar_t(0)) : std::tanh(pre);
-            if (training) ht_p[(t * B + b) * H + j] = ht;
             const scalar_t zo = d ? d[j] : zh.p;
-            const scalar_t hn = zo * hb[j] + (scalar_t(1) - zo) * ht;
+            const scalar_t hn = zo * hb[j] + (scalar_t(1) - zo) * act[j];
             hb[j] = hn;
             yb[j] = hn;
             if (rm) hin_p[b * H + j] = hn * rm[b * H + j];
@@ -117,6 +128,7 @@ struct Rnn {
     scalar_t *dA_p = dA.data_ptr<scalar_t>(), *dgh_p = dgh.data_ptr<scalar_t>();
     scalar_t* alh_p = ln ? acc_ln_h.data_ptr<scalar_t>() : nullptr;
 
+    const PackedRight<scalar_t> R_right(R, H, false, B, H, H, like);  // · R
     for (int64_t s = T - 1; s >= 0; --s) {
       const int64_t t = step_time(s);
       for_rows(B, H * 4, [&](int64_t b0, int64_t b1) {
@@ -153,7 +165,7 @@ struct Rnn {
           }
         }
       });
-      gemm<scalar_t>(false, false, B, H, H, 1, dgh_p + t * B * H, H, R, H, 0, dhr_p, H);  // dgh R
+      R_right.multiply(dgh_p + t * B * H, H, 0, dhr_p, H);  // dgh R
     }
 
     const int64_t TB = T * B;

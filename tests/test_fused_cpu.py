@@ -1,0 +1,274 @@
+"""The fused CPU backend against the reference: outputs and every gradient, every option.
+
+Each case runs one module twice on the same weights, inputs and seed (so training masks are
+the same draws): backend="reference", then backend="fused", with random upstream gradients
+on y, h_n and c_n. Buffers the C++ kernels allocate are NaN-poisoned (as conftest.py does
+for torch.empty), so an unwritten value fails the comparison.
+"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import rnnkit
+from rnnkit import backend as backends
+from rnnkit.cpu import build
+from helpers import assert_close
+
+MODULES = {"lstm": rnnkit.LSTM, "gru": rnnkit.GRU, "rnn_tanh": rnnkit.RNN, "rnn_relu": rnnkit.RNN}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def poisoned_kernel_buffers():
+    """Every buffer the kernels allocate (at::empty on the C++ side) is NaN-filled."""
+    reason = build.failure()
+    if reason:
+        pytest.fail(f"the fused CPU backend did not build: {reason}")
+    build.set_poison(True)
+    yield
+    build.set_poison(False)
+
+
+def make(mode, I, H, dtype, **options):
+    extra = {"nonlinearity": "relu"} if mode == "rnn_relu" else {}
+    module = MODULES[mode](I, H, dtype=dtype, **extra, **options)
+    with torch.no_grad():  # break the symmetry of LN gains 1 / shifts 0 so their grads mean something
+        module.flat_weights.add_(0.1 * torch.randn_like(module.flat_weights))
+    return module
+
+
+def flatten(tree) -> list:
+    """Tensors of a state in the user's format (a tensor, a pair, per-layer lists) in order."""
+    if isinstance(tree, (list, tuple)):
+        return [t for part in tree for t in flatten(part)]
+    return [tree]
+
+
+def run_both(module, x, hx, lengths=None, training=False):
+    """(outputs, gradients) per backend: y, final states; dx, d initial states, d flat weights."""
+    module.train(training)
+    leaves = [x] + flatten(hx)
+    results = {}
+    for backend in ("reference", "fused"):
+        module.backend = backend
+        torch.manual_seed(1)  # the same masks for both
+        y, hy = module(x, hx, lengths)
+        outputs = [y] + flatten(hy)
+        generator = torch.Generator().manual_seed(2)
+        upstream = [torch.randn(o.shape, dtype=o.dtype, generator=generator) for o in outputs]
+        grads = torch.autograd.grad(outputs, leaves + [module.flat_weights], upstream)
+        results[backend] = ([o.detach() for o in outputs], list(grads))
+    return results
+
+
+def assert_fused_matches(mode, dtype=torch.float64, T=6, B=3, I=5, H=7, lengths=None, training=False,
+                         batch_first=False, **options):
+    module = make(mode, I, H, dtype, batch_first=batch_first, **options)
+    spec = module.spec
+    D, L = spec.num_directions, spec.num_layers
+    x = torch.randn(*((B, T) if batch_first else (T, B)), I, dtype=dtype, requires_grad=True)
+    if spec.per_layer:  # states are per-layer lists (D, B, size_k)
+        h0 = [torch.randn(D, B, spec.output_size(k), dtype=dtype, requires_grad=True) for k in range(L)]
+        c0 = [torch.randn(D, B, spec.hidden_sizes[k], dtype=dtype, requires_grad=True) for k in range(L)]
+    else:
+        h0 = torch.randn(L * D, B, spec.output_size(0), dtype=dtype, requires_grad=True)
+        c0 = torch.randn(L * D, B, H, dtype=dtype, requires_grad=True)
+    hx = (h0, c0) if mode == "lstm" else h0
+    results = run_both(module, x, hx, lengths, training)
+    (out_f, grad_f), (out_r, grad_r) = results["fused"], results["reference"]
+    for k, (a, e) in enumerate(zip(out_f, out_r)):
+        assert_close(a, e, "y" if k == 0 else f"final state {k - 1}")
+    state_names = [f"d state_0[{k}]" for k in range(len(grad_r) - 2)]
+    for name, a, e in zip(["dx"] + state_names + ["d flat_weights"], grad_f, grad_r):
+        assert_close(a, e, name)
+    # every named piece of the packed gradient, so a failure says which parameter is off
+    for entry in module.layout:
+        assert_close(module.layout.view(grad_f[-1], entry.name), module.layout.view(grad_r[-1], entry.name), entry.name)
+
+
+LSTM_CASES = {
+    "plain": {},
+    "peephole": dict(peephole=True),
+    "layer_norm": dict(layer_norm=True),
+    "projection": dict(proj_size=4),
+    "proj_clip": dict(proj_size=4, proj_clip=0.1),
+    "cell_clip": dict(cell_clip=0.2),
+    "coupled": dict(coupled_gates=True),
+    "coupled_peephole": dict(coupled_gates=True, peephole=True),
+    "zoneout_eval": dict(zoneout=(0.3, 0.2)),
+    "bias_none": dict(bias_mode="none"),
+    "bias_single_input": dict(bias_mode="single_input"),
+    "everything": dict(peephole=True, layer_norm=True, proj_size=4, proj_clip=0.3, cell_clip=0.5,
+                       zoneout=(0.2, 0.1)),
+    "coupled_everything": dict(coupled_gates=True, peephole=True, layer_norm=True, cell_clip=0.4, proj_size=3),
+    "stack_bidirectional": dict(num_layers=2, bidirectional=True, peephole=True),
+    "per_layer_sizes_sum": dict(num_layers=2, bidirectional=True, merge="sum", proj_size=[0, 3]),
+}
+GRU_CASES = {
+    "plain": {},
+    "reset_before": dict(reset_after=False),
+    "layer_norm": dict(layer_norm=True),
+    "zoneout_eval": dict(zoneout=0.25),
+    "reset_before_zoneout": dict(reset_after=False, zoneout=0.25),
+    "bias_single_recurrent": dict(bias_mode="single_recurrent"),
+    "bias_single_recurrent_reset_before": dict(bias_mode="single_recurrent", reset_after=False),
+    "bias_none": dict(bias_mode="none"),
+    "stack_bidirectional": dict(num_layers=2, bidirectional=True, layer_norm=True),
+}
+RNN_CASES = {
+    "plain": {},
+    "layer_norm": dict(layer_norm=True),
+    "zoneout_eval": dict(zoneout=0.25),
+    "stack_bidirectional": dict(num_layers=2, bidirectional=True),
+}
+CASES = (
+    [pytest.param("lstm", o, id=f"lstm-{k}") for k, o in LSTM_CASES.items()]
+    + [pytest.param("gru", o, id=f"gru-{k}") for k, o in GRU_CASES.items()]
+    + [pytest.param(m, o, id=f"{m}-{k}") for m in ("rnn_tanh", "rnn_relu") for k, o in RNN_CASES.items()]
+)
+
+
+@pytest.mark.parametrize("mode, options", CASES)
+def test_matches_reference_fp64(mode, options):
+    assert_fused_matches(mode, **options)
+
+
+@pytest.mark.parametrize("mode, options", CASES)
+def test_matches_reference_fp32_with_lengths(mode, options):
+    assert_fused_matches(mode, dtype=torch.float32, T=9, B=4, lengths=[9, 3, 1, 6], **options)
+
+
+TRAINING_CASES = {
+    "lstm-zoneout": ("lstm", dict(zoneout=(0.3, 0.2))),
+    "lstm-zoneout_h": ("lstm", dict(zoneout=0.3, proj_size=4)),
+    "lstm-dropouts": ("lstm", dict(input_dropout=0.2, recurrent_dropout=0.3, dropconnect=0.3)),
+    "lstm-all": ("lstm", dict(num_layers=2, bidirectional=True, dropout=0.3, input_dropout=0.2,
+                              recurrent_dropout=0.3, dropconnect=0.2, zoneout=(0.2, 0.1), peephole=True,
+                              layer_norm=True, proj_size=4)),
+    "gru-all": ("gru", dict(num_layers=2, bidirectional=True, dropout=0.2, recurrent_dropout=0.3,
+                            zoneout=0.2, layer_norm=True)),
+    "gru-reset_before": ("gru", dict(reset_after=False, recurrent_dropout=0.3, dropconnect=0.2, zoneout=0.2)),
+    "rnn_tanh-all": ("rnn_tanh", dict(recurrent_dropout=0.3, input_dropout=0.2, zoneout=0.2, layer_norm=True)),
+    "rnn_relu-all": ("rnn_relu", dict(recurrent_dropout=0.3, dropconnect=0.2, zoneout=0.2)),
+}
+
+
+@pytest.mark.parametrize("case", list(TRAINING_CASES))
+@pytest.mark.parametrize("lengths", [None, [6, 2, 4]], ids=["full", "lengths"])
+def test_matches_reference_in_training(case, lengths):
+    mode, options = TRAINING_CASES[case]
+    assert_fused_matches(mode, training=True, lengths=lengths, **options)
+
+
+AWKWARD = {
+    "T1": dict(T=1),
+    "H37": dict(H=37),
+    "B1": dict(B=1),
+    "long_padding_tail": dict(T=12, B=3, lengths=[12, 2, 1]),
+    "one_sequence_length_1": dict(T=5, B=1, lengths=[1]),
+    "batch_first": dict(batch_first=True, lengths=[6, 1, 4]),
+}
+
+
+@pytest.mark.parametrize("shape", list(AWKWARD))
+@pytest.mark.parametrize("mode, options", [
+    pytest.param("lstm", dict(peephole=True, layer_norm=True, proj_size=4, bidirectional=True), id="lstm"),
+    pytest.param("gru", dict(bidirectional=True), id="gru"),
+    pytest.param("gru", dict(reset_after=False, bidirectional=True), id="gru_reset_before"),
+    pytest.param("rnn_tanh", dict(layer_norm=True, bidirectional=True), id="rnn"),
+])
+def test_awkward_shapes(mode, options, shape):
+    assert_fused_matches(mode, **{**options, **AWKWARD[shape]})
+
+
+GRADCHECK = {
+    "lstm-peephole_ln_proj": ("lstm", dict(peephole=True, layer_norm=True, proj_size=2, cell_clip=5.0)),
+    "lstm-coupled_zoneout": ("lstm", dict(coupled_gates=True, zoneout=(0.3, 0.2))),
+    "gru-reset_after": ("gru", dict(layer_norm=True)),
+    "gru-reset_before": ("gru", dict(reset_after=False)),
+    "rnn_tanh": ("rnn_tanh", {}),
+    "rnn_relu": ("rnn_relu", dict(zoneout=0.2)),
+}
+
+
+@pytest.mark.parametrize("case", list(GRADCHECK))
+def test_gradcheck_fp64(case):
+    mode, options = GRADCHECK[case]
+    spec = rnnkit.RNNSpec(mode, 3, 3, bidirectional=True, **options)
+    weights = rnnkit.Layout(spec).new_buffer(dtype=torch.float64)
+    with torch.no_grad():
+        weights.add_(0.1 * torch.randn_like(weights))
+    weights.requires_grad_(True)
+    x = torch.randn(4, 2, 3, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(2, 2, spec.output_size(0), dtype=torch.float64, requires_grad=True)
+    c0 = torch.randn(2, 2, 3, dtype=torch.float64, requires_grad=True)
+    lstm = mode == "lstm"
+
+    def run(x, h0, c0, weights):
+        y, hy = rnnkit.rnn(spec, weights, x, (h0, c0) if lstm else h0, [4, 2], backend="fused")
+        return (y, *hy) if lstm else (y, hy)
+
+    assert torch.autograd.gradcheck(run, (x, h0, c0 if lstm else None, weights), eps=1e-6, atol=1e-7)
+
+
+def test_inference_keeps_no_graph():
+    module = make("lstm", 5, 7, torch.float32, peephole=True, backend="fused").eval()
+    with torch.no_grad():
+        y, (h, c) = module(torch.randn(6, 3, 5))
+    assert y.grad_fn is None and h.grad_fn is None and c.grad_fn is None
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_repeated_calls_do_not_leak():
+    module = make("lstm", 32, 64, torch.float32, peephole=True, layer_norm=True, proj_size=32,
+                  zoneout=0.1, backend="fused").train()
+    x = torch.randn(40, 16, 32, requires_grad=True)
+
+    def call():
+        y, (h, c) = module(x)
+        (y.sum() + h.sum() + c.sum()).backward()
+        with torch.no_grad():
+            module.eval()(x)
+        module.train()
+
+    for _ in range(10):
+        call()
+    gc.collect()
+    before = _rss_bytes()
+    for _ in range(60):  # a leaked call keeps ~1 MB of saved activations: 60 MB over 60 calls
+        call()
+    gc.collect()
+    assert _rss_bytes() - before < 24 * 2**20
+
+
+@pytest.mark.parametrize("where, expect", [
+    (dict(device="meta"), "CPU"),
+    (dict(dtype=torch.float16), "float32 and float64"),
+])
+def test_named_backend_raises_with_reason(where, expect):
+    spec = rnnkit.RNNSpec("lstm", 3, 4, peephole=True)
+    weights = torch.zeros(rnnkit.Layout(spec).numel, **where)
+    x = torch.zeros(2, 1, 3, **where)
+    with pytest.raises(rnnkit.BackendUnavailableError, match=expect):
+        rnnkit.rnn(spec, weights, x, backend="fused")
+
+
+def test_build_failure_is_reported_and_auto_falls_back(monkeypatch):
+    monkeypatch.setattr(build, "_extension", None)
+    monkeypatch.setattr(build, "_failure", "the C++ build failed (no compiler)")
+    assert rnnkit.backends()["fused"] == {"available": False, "reason": "the C++ build failed (no compiler)"}
+    spec = rnnkit.RNNSpec("gru", 3, 4, layer_norm=True)
+    assert backends.select("auto", spec, torch.device("cpu"), torch.float32).name == "reference"
+    with pytest.raises(rnnkit.BackendUnavailableError, match="no compiler"):
+        backends.select("fused", spec, torch.device("cpu"), torch.float32)
+
+
+def test_auto_prefers_fused_for_variants():
+    spec = rnnkit.RNNSpec("lstm", 3, 4, layer_norm=True)
+    assert backends.select("auto", spec, torch.device("cpu"), torch.float32).name == "fused"
