@@ -304,7 +304,7 @@ def _doctor(args) -> int:
     print(f"threads  torch {torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op; "
           f"{cores} usable CPU cores")
     print(f"cuda     {torch.cuda.is_available()}" + (f" ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else ""))
-    print("backends (auto picks the first available):")
+    print("backends (auto takes, in this order, the first that can run the configuration):")
     for name, report in rnnkit.backends().items():
         status = "available" if report["available"] else f"unavailable: {report['reason']}"
         print(f"  {name:<10} {status}")
