@@ -77,6 +77,71 @@ class FusedPass(torch.autograd.Function):
         return (None, None, None) + (None,) * ctx.n_constant + tuple(grads_in)
 
 
+def _weight_block(w: PassWeights):
+    """When the pass's weights are contiguous views tiling one block of a 1-D buffer (the packed
+    parameters, as run_stack passes them): (block view, [(offset, numel, shape) or None per
+    weight slot]); else None. One differentiable block instead of up to 12 views means autograd
+    builds one buffer-sized gradient per pass instead of one per piece."""
+    slots = [w.W, w.R, w.b_W, w.b_R, w.W_hr, w.peephole, *_pair(w.ln_x), *_pair(w.ln_h), *_pair(w.ln_c)]
+    base = w.W._base
+    if base is None or base.dim() != 1 or not base.is_contiguous():
+        return None
+    starts, total = [], 0
+    for t in slots:
+        if t is None:
+            continue
+        if t._base is not base or not t.is_contiguous():
+            return None
+        starts.append((t.storage_offset(), t.numel()))
+        total += t.numel()
+    starts.sort()
+    lo, hi = starts[0][0], starts[-1][0] + starts[-1][1]
+    if hi - lo != total or any(a + n != b for (a, n), (b, _) in zip(starts, starts[1:])):
+        return None
+    first = lo - base.storage_offset()
+    block = base[first : first + total]
+    places = [None if t is None else (t.storage_offset() - lo, t.numel(), tuple(t.shape)) for t in slots]
+    return block, places
+
+
+class FusedPassBlock(torch.autograd.Function):
+    """FusedPass with the weights given as one block of the packed buffer (see _weight_block)."""
+
+    @staticmethod
+    def forward(ctx, family, scalars, n_constant, places, *tensors):
+        ext = build.extension()
+        constant = list(tensors[:n_constant])
+        x, h0, c0, block = tensors[n_constant:]
+        weights = [None if p is None else block[p[0] : p[0] + p[1]].view(p[2]) for p in places]
+        pack = [x, h0, c0, *weights] + constant
+        out = getattr(ext, f"{family}_forward")(pack, scalars, True)
+        ctx.family, ctx.scalars, ctx.n_constant, ctx.places, ctx.numel = family, scalars, n_constant, places, block.numel()
+        ctx.save_for_backward(*[t for t in pack if t is not None], *out[3:])
+        ctx.present = [t is not None for t in pack]
+        return (out[0], out[1], out[2]) if family == "lstm" else (out[0], out[1])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ext = build.extension()
+        stored = iter(ctx.saved_tensors)
+        pack = [next(stored) if here else None for here in ctx.present]
+        saved = list(stored)
+        need_dx = ctx.needs_input_grad[4 + ctx.n_constant]
+        g = getattr(ext, f"{ctx.family}_backward")(pack, ctx.scalars, saved, list(grads), need_dx)
+        dblock = None
+        if ctx.needs_input_grad[-1]:
+            dblock = torch.empty(ctx.numel, dtype=grads[0].dtype, device=grads[0].device)
+            for p, gw in zip(ctx.places, g[3:]):
+                if p is None:
+                    continue
+                piece = dblock[p[0] : p[0] + p[1]]
+                if gw is None:
+                    piece.zero_()
+                else:
+                    piece.copy_(gw.reshape(-1))
+        return (None,) * (4 + ctx.n_constant) + (g[0], g[1], g[2], dblock)
+
+
 def fused_pass(cell: CellSpec, x, h0, c0, w: PassWeights, step_mask, reverse: bool, masks: PassMasks):
     """One layer in one direction on the fused kernels -> (y [T, B, Hr], h_n [B, Hr], c_n [B, H] or None).
 
@@ -86,6 +151,11 @@ def fused_pass(cell: CellSpec, x, h0, c0, w: PassWeights, step_mask, reverse: bo
     family = _FAMILY[cell.mode]
     differentiable, constant, scalars = _pack(cell, x, h0, c0, w, step_mask, reverse, masks)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable):
+        found = _weight_block(w)
+        if found is not None:
+            block, places = found
+            out = FusedPassBlock.apply(family, scalars, len(constant), places, *constant, *differentiable[:3], block)
+            return (out[0], out[1], out[2]) if family == "lstm" else (out[0], out[1], None)
         out = FusedPass.apply(family, scalars, len(constant), *constant, *differentiable)
         return (out[0], out[1], out[2]) if family == "lstm" else (out[0], out[1], None)
     out = getattr(build.extension(), f"{family}_forward")(differentiable + constant, scalars, False)

@@ -48,8 +48,11 @@ struct Lstm {
   std::vector<Tensor> forward(bool training) {
     std::vector<Tensor> saved = saved_slots();
     const Tensor& like = a.x;
-    Tensor gx = input_projection(a, sum_biases(a.b_W, a.b_R), training, saved[kInputRaw], saved[kInputMean],
-                                 saved[kInputRstd]);  // [T·B, G·H]
+    // LN_x(W x) [T·B, G·H]; the biases are added in the pointwise pass (an addmm would first
+    // broadcast-copy them over the whole [T·B, G·H] buffer).
+    const Tensor bias = sum_biases(a.b_W, a.b_R);
+    const scalar_t* bias_p = bias.defined() ? bias.data_ptr<scalar_t>() : nullptr;
+    Tensor gx = input_projection(a, Tensor(), training, saved[kInputRaw], saved[kInputMean], saved[kInputRstd]);
     Tensor y = new_buffer({T, B, Hr}, like);
     Tensor h = a.h0.clone(), c = a.c0.clone();  // the running state [B, Hr], [B, H]
     Tensor h_in = rm ? h * a.recurrent_mask : h;  // what enters R
@@ -61,7 +64,7 @@ struct Lstm {
     Tensor gh = ln ? new_buffer({keep, B, GH}, like) : Tensor();
     Tensor stats = ln ? new_buffer({4, keep, B}, like) : Tensor();  // mean_h, rstd_h, mean_c, rstd_c
     Tensor cell_prev = training ? new_buffer({T, B, H}, like) : Tensor();
-    Tensor cell_tmp = new_buffer({B, H}, like);
+    Tensor cell_tmp = new_buffer({keep, B, H}, like);  // tanh(LN_c(c̃)): kept per step when training
     Tensor hidden_prev = training ? new_buffer({T, B, Hr}, like) : Tensor();
 
     scalar_t *gx_p = gx.data_ptr<scalar_t>(), *y_p = y.data_ptr<scalar_t>(), *h_p = h.data_ptr<scalar_t>();
@@ -129,7 +132,14 @@ struct Lstm {
             st_p[k * B + b] = mh, st_p[stat_stride + k * B + b] = rh;
           }
           if (ln) {
-            for (int64_t q = 0; q < GH; ++q) gate[q] = ax[q] + (ghb[q] - mh) * rh * ln_h_gain[q] + ln_h_shift[q];
+            if (bias_p) {
+              for (int64_t q = 0; q < GH; ++q)
+                gate[q] = ax[q] + bias_p[q] + ((ghb[q] - mh) * rh * ln_h_gain[q] + ln_h_shift[q]);
+            } else {
+              for (int64_t q = 0; q < GH; ++q) gate[q] = ax[q] + (ghb[q] - mh) * rh * ln_h_gain[q] + ln_h_shift[q];
+            }
+          } else if (bias_p) {
+            for (int64_t q = 0; q < GH; ++q) gate[q] = ax[q] + bias_p[q];
           } else {
             std::copy(ax, ax + GH, gate);
           }
@@ -140,7 +150,7 @@ struct Lstm {
           }
           sigmoid_inplace(gate + gi, gf < 0 ? H : 2 * H);  // i (and f, stored next to it)
           tanh_inplace(gate + gg, H);
-          scalar_t* cc = tmp_p + b * H;  // clipped c̃, then tanh(LN_c(c̃))
+          scalar_t* cc = tmp_p + (k * B + b) * H;  // clipped c̃, then tanh(LN_c(c̃))
           const scalar_t* dc = zc.row(t, b);
           for (int64_t j = 0; j < H; ++j) {
             const scalar_t cprev = cb[j], i = gate[gi + j];
@@ -182,6 +192,7 @@ struct Lstm {
         saved[kCellMean] = stats[2], saved[kCellRstd] = stats[3];
       }
       if (proj) saved[kProjIn] = m, saved[kProjOut] = h_tilde;
+      saved[kCellTanh] = cell_tmp;
       out.insert(out.end(), saved.begin(), saved.end());
     }
     return out;
@@ -214,6 +225,8 @@ struct Lstm {
     const scalar_t* mc_p = ln ? slot(saved, kCellMean).data_ptr<scalar_t>() : nullptr;
     const scalar_t* rc_p = ln ? slot(saved, kCellRstd).data_ptr<scalar_t>() : nullptr;
     const scalar_t* ht_p = proj ? slot(saved, kProjOut).data_ptr<scalar_t>() : nullptr;
+    const Tensor cell_tanh = slot(saved, kCellTanh);
+    const scalar_t* tanh_p = cell_tanh.defined() ? cell_tanh.data_ptr<scalar_t>() : nullptr;
     scalar_t *dhd_p = dh_dir.data_ptr<scalar_t>(), *dhr_p = dh_rec.data_ptr<scalar_t>();
     scalar_t *dc_p = dc.data_ptr<scalar_t>(), *dA_p = dA.data_ptr<scalar_t>(), *dgh_p = dgh.data_ptr<scalar_t>();
     scalar_t* dht_p = proj ? dht.data_ptr<scalar_t>() : nullptr;
@@ -266,15 +279,22 @@ struct Lstm {
         const scalar_t* dmb = dm_p + b * H;
         scalar_t* dcb = dc_p + b * H;
         scalar_t* cc = sc_p + b * 3 * H;  // clipped c̃
-        scalar_t* tc = cc + H;             // tanh(LN_c(c̃)) recomputed
-        scalar_t* dcn = tc + H;            // dL/d LN_c(c̃), then dL/dc̃ through LN_c
+        scalar_t* tc_buf = cc + H;         // tanh(LN_c(c̃)) recomputed when not saved
+        const scalar_t* tc = tc_buf;
+        scalar_t* dcn = cc + 2 * H;        // dL/d LN_c(c̃), then dL/dc̃ through LN_c
         scalar_t mc = 0, rc = 0;
         if (ln) mc = mc_p[row], rc = rc_p[row];
-        for (int64_t j = 0; j < H; ++j) {
-          cc[j] = clip(craw[j], cell_clip);
-          tc[j] = ln ? (cc[j] - mc) * rc * ln_c_gain[j] + ln_c_shift[j] : cc[j];
+        if (ln || peep)
+          for (int64_t j = 0; j < H; ++j) cc[j] = clip(craw[j], cell_clip);
+        if (tanh_p) {
+          tc = tanh_p + row * H;  // saved by the forward
+        } else {
+          for (int64_t j = 0; j < H; ++j) {
+            cc[j] = clip(craw[j], cell_clip);
+            tc_buf[j] = ln ? (cc[j] - mc) * rc * ln_c_gain[j] + ln_c_shift[j] : cc[j];
+          }
+          tanh_inplace(tc_buf, H);
         }
-        tanh_inplace(tc, H);
         if (ln) {
           for (int64_t j = 0; j < H; ++j) dcn[j] = dmb[j] * gate[go + j] * (scalar_t(1) - tc[j] * tc[j]);
           row_layer_norm_backward(dcn, cc, H, mc, rc, ln_c_gain, dcn, alc_p + b * H, alc_p + (B + b) * H);

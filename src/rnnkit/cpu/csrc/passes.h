@@ -22,6 +22,7 @@ enum Saved : int {
   kCellMean, kCellRstd,               // LSTM: LN_c statistics [T, B]
   kProjIn,                            // LSTM: m before the projection; GRU reset_after=False: r ∘ h
   kProjOut,                           // LSTM: W_hr m before the clip [T, B, P]
+  kCellTanh,                          // LSTM: tanh(LN_c(c̃)) [T, B, H] (the backward skips recomputing it)
   kNumSaved
 };
 
