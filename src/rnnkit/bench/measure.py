@@ -6,6 +6,7 @@ runners are checked against. :func:`measure_case` runs the protocol for one mode
 """
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from typing import Dict, List, Optional
@@ -44,7 +45,10 @@ class Case:
         return self._references[variant_name]
 
     def expected(self, variant_name: str, mode: str) -> dict:
-        """Reference outputs (and gradients in training) of a variant, with the upstream gradients used."""
+        """Reference results of a variant: in the case's dtype and, as ground truth, in float64.
+
+        -> {"outputs", "grads", "upstream", "truth": (outputs, grads) in float64}.
+        """
         key = (variant_name, mode)
         if key not in self._expected:
             module = self.reference(variant_name)
@@ -56,7 +60,12 @@ class Case:
                 generator = torch.Generator().manual_seed(self.seed + 2)
                 upstream = [torch.randn(s, generator=generator).to(self.device, self.dtype) for s in shapes]
             outputs, grads = self.run(model, mode, upstream)
-            self._expected[key] = {"outputs": outputs, "grads": grads, "upstream": upstream}
+            truth = (outputs, grads)
+            if self.dtype != torch.float64:  # the same weights, input, upstream and masks, in float64
+                model64 = RnnkitModel(variant_name, [copy.deepcopy(module).double()])
+                upstream64 = None if upstream is None else [u.double() for u in upstream]
+                truth = self.run(model64, mode, upstream64, x=self.x.double())
+            self._expected[key] = {"outputs": outputs, "grads": grads, "upstream": upstream, "truth": truth}
         return self._expected[key]
 
     def forward(self, model: Model, mode: str, x: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
@@ -66,12 +75,13 @@ class Case:
             torch.manual_seed(self.seed + 1)  # zoneout / dropout masks: the same draw for every runner
         return model.forward(self.x if x is None else x)
 
-    def run(self, model: Model, mode: str, upstream=None):
+    def run(self, model: Model, mode: str, upstream=None, x: Optional[torch.Tensor] = None):
         """One call as timed: -> (outputs, grads); grads is {"input": dx, name: dW, ...} in training."""
+        x = self.x if x is None else x
         if mode == "inference":
             with torch.no_grad():
-                return self.forward(model, mode), None
-        x = self.x.detach().requires_grad_(True)
+                return self.forward(model, mode, x), None
+        x = x.detach().requires_grad_(True)
         outputs = self.forward(model, mode, x)
         if len(outputs) != len(upstream):
             raise CheckFailed(f"{len(outputs)} outputs, the reference has {len(upstream)}")
@@ -82,25 +92,34 @@ class Case:
 
 
 def check(case: Case, model: Model, mode: str) -> float:
-    """Compare a model with the reference of its timed variant; -> worst relative RMS error, or raise CheckFailed."""
+    """Compare a model with the float64 reference of its timed variant; -> worst relative RMS error.
+
+    A runner passes when its error against the float64 ground truth is within the dtype's
+    tolerance, or within twice the error of the rnnkit reference run in the same dtype
+    (for long float32 sequences through layer norm, no float32 computation reaches 1e-5).
+    Raises CheckFailed otherwise.
+    """
     expected = case.expected(model.timed_variant, mode)
     outputs, grads = case.run(model, mode, expected["upstream"])
+    truth_outputs, truth_grads = expected["truth"]
     if len(outputs) != len(expected["outputs"]):
         raise CheckFailed(f"{len(outputs)} outputs, the reference has {len(expected['outputs'])}")
-    pairs = [(f"output[{k}]", a, e) for k, (a, e) in enumerate(zip(outputs, expected["outputs"]))]
+    triples = [
+        (f"output[{k}]", a, e, t) for k, (a, e, t) in enumerate(zip(outputs, expected["outputs"], truth_outputs))
+    ]
     if grads is not None:
         missing = sorted(set(expected["grads"]) - set(grads))
         if missing:
             raise CheckFailed(f"no gradient for {', '.join(missing)}")
-        pairs += [(f"grad {name}", grads[name], e) for name, e in expected["grads"].items()]
-    limit = TOLERANCE[case.dtype]
+        triples += [(f"grad {name}", grads[name], e, truth_grads[name]) for name, e in expected["grads"].items()]
     worst = 0.0
-    for name, actual, want in pairs:
-        if tuple(actual.shape) != tuple(want.shape):
-            raise CheckFailed(f"{name}: shape {tuple(actual.shape)}, the reference's is {tuple(want.shape)}")
-        error = rel_rms(actual, want)
+    for name, actual, same_dtype, truth in triples:
+        if tuple(actual.shape) != tuple(truth.shape):
+            raise CheckFailed(f"{name}: shape {tuple(actual.shape)}, the reference's is {tuple(truth.shape)}")
+        limit = max(TOLERANCE[case.dtype], 2 * rel_rms(same_dtype, truth))
+        error = rel_rms(actual, truth)
         if not error <= limit:  # NaN fails too
-            raise CheckFailed(f"{name}: relative RMS error {error:.3e} > {limit:.0e}")
+            raise CheckFailed(f"{name}: relative RMS error {error:.3e} against float64 > {limit:.1e}")
         worst = max(worst, error)
     return worst
 

@@ -7,6 +7,7 @@ and ``backend="fused"`` raises with it.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -22,13 +23,21 @@ _extension = None
 _failure: Optional[str] = None
 
 
+def _source_digest() -> str:
+    """Hash of the C++ sources and flags: two checkouts with different sources never share a build."""
+    digest = hashlib.sha256(" ".join(_flags()).encode())
+    for path in sorted(Path(__file__).with_name("csrc").iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def cache_dir() -> Path:
-    """Where the build lives: $TORCH_EXTENSIONS_DIR/rnnkit_fused_cpu or ~/.cache/rnnkit/<torch>/."""
+    """Where the build lives: $TORCH_EXTENSIONS_DIR or ~/.cache/rnnkit/<torch>/, then rnnkit_fused_cpu/<sources hash>."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root:
-        return Path(root) / _NAME
+        return Path(root) / _NAME / _source_digest()
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "rnnkit" / torch.__version__.replace("+", "_") / _NAME
+    return base / "rnnkit" / torch.__version__.replace("+", "_") / _NAME / _source_digest()
 
 
 def _compile():
@@ -37,9 +46,7 @@ def _compile():
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     csrc = Path(__file__).with_name("csrc")
-    built = [p.stat().st_mtime for p in folder.glob(f"{_NAME}*.so")]
-    newest_source = max(p.stat().st_mtime for p in csrc.iterdir())
-    if not built or max(built) < newest_source:
+    if not any(folder.glob(f"{_NAME}*.so")):
         print(f"rnnkit: compiling the fused CPU kernels into {folder} (once; a minute or two)", file=sys.stderr)
     return cpp_extension.load(
         name=_NAME,
