@@ -193,4 +193,25 @@ Tensor sum_biases(const Tensor& first, const Tensor& second);
 
 inline Tensor or_undefined(bool keep, const Tensor& t) { return keep ? t : Tensor(); }
 
+// The entry points of a cell family: unpack the arguments, dispatch on float / double.
+template <template <typename> class Cell>
+std::vector<Tensor> dispatch_forward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
+                                     bool training) {
+  PassArgs a(tensors, scalars);
+  std::vector<Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES(a.x.scalar_type(), "rnnkit_forward", [&] { out = Cell<scalar_t>(a).forward(training); });
+  return out;
+}
+
+template <template <typename> class Cell>
+std::vector<Tensor> dispatch_backward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
+                                      const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads,
+                                      bool need_dx) {
+  PassArgs a(tensors, scalars);
+  std::vector<Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES(a.x.scalar_type(), "rnnkit_backward",
+                             [&] { out = Cell<scalar_t>(a).backward(saved, grads, need_dx); });
+  return out;
+}
+
 }  // namespace rnnkit

@@ -312,21 +312,12 @@ struct Gru {
 
 std::vector<Tensor> gru_forward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
                                 bool training) {
-  PassArgs a(tensors, scalars);
-  std::vector<Tensor> out;
-  AT_DISPATCH_FLOATING_TYPES(a.x.scalar_type(), "rnnkit_gru_forward",
-                             [&] { out = Gru<scalar_t>(a).forward(training); });
-  return out;
+  return dispatch_forward<Gru>(tensors, scalars, training);
 }
 
 std::vector<Tensor> gru_backward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
-                                 const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads,
-                                 bool need_dx) {
-  PassArgs a(tensors, scalars);
-  std::vector<Tensor> out;
-  AT_DISPATCH_FLOATING_TYPES(a.x.scalar_type(), "rnnkit_gru_backward",
-                             [&] { out = Gru<scalar_t>(a).backward(saved, grads, need_dx); });
-  return out;
+                                 const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads, bool need_dx) {
+  return dispatch_backward<Gru>(tensors, scalars, saved, grads, need_dx);
 }
 
 }  // namespace rnnkit

@@ -386,21 +386,12 @@ struct Lstm {
 
 std::vector<Tensor> lstm_forward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
                                  bool training) {
-  PassArgs a(tensors, scalars);
-  std::vector<Tensor> out;
-  AT_DISPATCH_FLOATING_TYPES(a.x.scalar_type(), "rnnkit_lstm_forward",
-                             [&] { out = Lstm<scalar_t>(a).forward(training); });
-  return out;
+  return dispatch_forward<Lstm>(tensors, scalars, training);
 }
 
 std::vector<Tensor> lstm_backward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
-                                  const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads,
-                                  bool need_dx) {
-  PassArgs a(tensors, scalars);
-  std::vector<Tensor> out;
-  AT_DISPATCH_FLOATING_TYPES(a.x.scalar_type(), "rnnkit_lstm_backward",
-                             [&] { out = Lstm<scalar_t>(a).backward(saved, grads, need_dx); });
-  return out;
+                                  const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads, bool need_dx) {
+  return dispatch_backward<Lstm>(tensors, scalars, saved, grads, need_dx);
 }
 
 }  // namespace rnnkit

@@ -199,21 +199,12 @@ struct Rnn {
 
 std::vector<Tensor> rnn_forward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
                                 bool training) {
-  PassArgs a(tensors, scalars);
-  std::vector<Tensor> out;
-  AT_DISPATCH_FLOATING_TYPES(a.x.scalar_type(), "rnnkit_rnn_forward",
-                             [&] { out = Rnn<scalar_t>(a).forward(training); });
-  return out;
+  return dispatch_forward<Rnn>(tensors, scalars, training);
 }
 
 std::vector<Tensor> rnn_backward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
-                                 const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads,
-                                 bool need_dx) {
-  PassArgs a(tensors, scalars);
-  std::vector<Tensor> out;
-  AT_DISPATCH_FLOATING_TYPES(a.x.scalar_type(), "rnnkit_rnn_backward",
-                             [&] { out = Rnn<scalar_t>(a).backward(saved, grads, need_dx); });
-  return out;
+                                 const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads, bool need_dx) {
+  return dispatch_backward<Rnn>(tensors, scalars, saved, grads, need_dx);
 }
 
 }  // namespace rnnkit
