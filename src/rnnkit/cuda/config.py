@@ -7,7 +7,7 @@ which is what the weight-gradient GEMM over all steps reads.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -142,6 +142,21 @@ def entering(cfg: PassConfig, states: torch.Tensor) -> torch.Tensor:
 def slot(cfg: PassConfig, t: int) -> int:
     """Index of step t in a per-step buffer ([T] when saving for backward, else [1] scratch)."""
     return t if cfg.save else 0
+
+
+def recurrent_steps(cfg: PassConfig, buf: dict) -> Iterator[Tuple[int, int, int, int, torch.Tensor]]:
+    """The forward time loop's shared head: per step, R h_in into the step's ``rh`` buffer.
+
+    Yields (t, i, o, s, rh): the step, the state indices it reads and writes (:func:`io`), its
+    per-step slot (:func:`slot`), and rh = R h_in [B, G·H] (saved per step under layer norm).
+    """
+    R_t = buf["R"].t()
+    for t in time_steps(cfg):
+        i, o = io(cfg, t)
+        s = slot(cfg, t)
+        rh = buf["rh"][s if cfg.layer_norm else 0]
+        torch.mm(buf["hin"][i], R_t, out=rh)
+        yield t, i, o, s, rh
 
 
 def state_buffers(cfg: PassConfig, p: PassTensors, initial: torch.Tensor, mask: Optional[torch.Tensor]):

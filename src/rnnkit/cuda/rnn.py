@@ -8,8 +8,8 @@ import triton.language as tl
 
 from .common import EPS, P_H, h_grad, ln_input_grad, ln_stats, tanh, write_h, zone_pointer
 from .config import (
-    PassConfig, PassTensors, absent, entering, first_last, io, or_dummy, per_step_or_absent, slot, state_buffers,
-    time_steps,
+    PassConfig, PassTensors, absent, entering, first_last, or_dummy, per_step_or_absent, recurrent_steps,
+    slot, state_buffers, time_steps,
 )
 from .graphs import run_loop
 
@@ -85,12 +85,7 @@ def rnn_backward_kernel(
 
 def _forward_loop(cfg: PassConfig, buf: dict) -> None:
     grid = (cfg.B,)
-    R_t = buf["R"].t()
-    for t in time_steps(cfg):
-        i, o = io(cfg, t)
-        s = slot(cfg, t)
-        rh = buf["rh"][s if cfg.layer_norm else 0]
-        torch.mm(buf["hin"][i], R_t, out=rh)  # [B, H] R h_in
+    for t, i, o, s, rh in recurrent_steps(cfg, buf):
         rnn_forward_kernel[grid](
             buf["gx"][t], rh, buf["b_x"], buf["b_h"], buf["lnh_w"], buf["lnh_b"], buf["scalars"],
             buf["hs"][i], buf["keep"][t], buf["zone_h"][t], buf["rmask"],
