@@ -1,4 +1,43 @@
-"""The suite's one tolerance helper lives in the package (rnnkit.testing), shared with the benchmark."""
+"""Helpers the test files share. The tolerance table lives in the package (rnnkit.testing),
+shared with the benchmark."""
+import torch
+
+import rnnkit
 from rnnkit.testing import TOLERANCE, assert_close, rel_rms
 
-__all__ = ["TOLERANCE", "assert_close", "rel_rms"]
+MODULES = {"lstm": rnnkit.LSTM, "gru": rnnkit.GRU, "rnn_tanh": rnnkit.RNN, "rnn_relu": rnnkit.RNN}
+
+
+def make_module(mode, I, H, dtype, device="cpu", **options):
+    """An rnnkit module of ``mode`` with its weights nudged off their init."""
+    extra = {"nonlinearity": "relu"} if mode == "rnn_relu" else {}
+    module = MODULES[mode](I, H, dtype=dtype, device=device, **extra, **options)
+    with torch.no_grad():  # break the symmetry of LN gains 1 / shifts 0 so their grads mean something
+        module.flat_weights.add_(0.1 * torch.randn_like(module.flat_weights))
+    return module
+
+
+def flatten(tree) -> list:
+    """Tensors of a state in the user's format (a tensor, a pair, per-layer lists) in order."""
+    if isinstance(tree, (list, tuple)):
+        return [t for part in tree for t in flatten(part)]
+    return [tree]
+
+
+def run_backend(module, backend, x, hx, lengths=None, training=False):
+    """(outputs, gradients of x, initial states and flat weights) with random upstream gradients.
+
+    Seeds are fixed, so two backends see the same masks and the same upstream gradients.
+    """
+    module.train(training)
+    module.backend = backend
+    torch.manual_seed(1)
+    y, hy = module(x, hx, lengths)
+    outputs = [y] + flatten(hy)
+    generator = torch.Generator().manual_seed(2)
+    upstream = [torch.randn(o.shape, dtype=torch.float64, generator=generator).to(o.device, o.dtype) for o in outputs]
+    grads = torch.autograd.grad(outputs, [x] + flatten(hx) + [module.flat_weights], upstream)
+    return [o.detach() for o in outputs], list(grads)
+
+
+__all__ = ["TOLERANCE", "assert_close", "rel_rms", "MODULES", "make_module", "flatten", "run_backend"]

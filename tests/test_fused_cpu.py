@@ -15,9 +15,8 @@ import torch
 import rnnkit
 from rnnkit import backend as backends
 from rnnkit.cpu import build
-from helpers import assert_close
+from helpers import assert_close, make_module, run_backend
 
-MODULES = {"lstm": rnnkit.LSTM, "gru": rnnkit.GRU, "rnn_tanh": rnnkit.RNN, "rnn_relu": rnnkit.RNN}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -31,41 +30,14 @@ def poisoned_kernel_buffers():
     build.set_poison(False)
 
 
-def make(mode, I, H, dtype, **options):
-    extra = {"nonlinearity": "relu"} if mode == "rnn_relu" else {}
-    module = MODULES[mode](I, H, dtype=dtype, **extra, **options)
-    with torch.no_grad():  # break the symmetry of LN gains 1 / shifts 0 so their grads mean something
-        module.flat_weights.add_(0.1 * torch.randn_like(module.flat_weights))
-    return module
-
-
-def flatten(tree) -> list:
-    """Tensors of a state in the user's format (a tensor, a pair, per-layer lists) in order."""
-    if isinstance(tree, (list, tuple)):
-        return [t for part in tree for t in flatten(part)]
-    return [tree]
-
-
 def run_both(module, x, hx, lengths=None, training=False):
     """(outputs, gradients) per backend: y, final states; dx, d initial states, d flat weights."""
-    module.train(training)
-    leaves = [x] + flatten(hx)
-    results = {}
-    for backend in ("reference", "fused"):
-        module.backend = backend
-        torch.manual_seed(1)  # the same masks for both
-        y, hy = module(x, hx, lengths)
-        outputs = [y] + flatten(hy)
-        generator = torch.Generator().manual_seed(2)
-        upstream = [torch.randn(o.shape, dtype=o.dtype, generator=generator) for o in outputs]
-        grads = torch.autograd.grad(outputs, leaves + [module.flat_weights], upstream)
-        results[backend] = ([o.detach() for o in outputs], list(grads))
-    return results
+    return {backend: run_backend(module, backend, x, hx, lengths, training) for backend in ("reference", "fused")}
 
 
 def assert_fused_matches(mode, dtype=torch.float64, T=6, B=3, I=5, H=7, lengths=None, training=False,
                          batch_first=False, **options):
-    module = make(mode, I, H, dtype, batch_first=batch_first, **options)
+    module = make_module(mode, I, H, dtype, batch_first=batch_first, **options)
     spec = module.spec
     D, L = spec.num_directions, spec.num_layers
     x = torch.randn(*((B, T) if batch_first else (T, B)), I, dtype=dtype, requires_grad=True)
@@ -214,7 +186,7 @@ def test_gradcheck_fp64(case):
 
 
 def test_inference_keeps_no_graph():
-    module = make("lstm", 5, 7, torch.float32, peephole=True, backend="fused").eval()
+    module = make_module("lstm", 5, 7, torch.float32, peephole=True, backend="fused").eval()
     with torch.no_grad():
         y, (h, c) = module(torch.randn(6, 3, 5))
     assert y.grad_fn is None and h.grad_fn is None and c.grad_fn is None
@@ -226,7 +198,7 @@ def _rss_bytes() -> int:
 
 
 def test_repeated_calls_do_not_leak():
-    module = make("lstm", 32, 64, torch.float32, peephole=True, layer_norm=True, proj_size=32,
+    module = make_module("lstm", 32, 64, torch.float32, peephole=True, layer_norm=True, proj_size=32,
                   zoneout=0.1, backend="fused").train()
     x = torch.randn(40, 16, 32, requires_grad=True)
 

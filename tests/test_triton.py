@@ -30,9 +30,8 @@ import torch  # noqa: E402
 import rnnkit  # noqa: E402
 from rnnkit import backend as backends  # noqa: E402
 from rnnkit.cuda import TritonBackend  # noqa: E402
-from helpers import assert_close  # noqa: E402
+from helpers import assert_close, flatten, make_module, run_backend  # noqa: E402
 
-MODULES = {"lstm": rnnkit.LSTM, "gru": rnnkit.GRU, "rnn_tanh": rnnkit.RNN, "rnn_relu": rnnkit.RNN}
 
 
 def _interpreter_problem():
@@ -64,30 +63,7 @@ def interpreter(monkeypatch):
 
 
 def make(mode, I, H, dtype, **options):
-    extra = {"nonlinearity": "relu"} if mode == "rnn_relu" else {}
-    module = MODULES[mode](I, H, dtype=dtype, device=DEVICE, **extra, **options)
-    with torch.no_grad():  # break the symmetry of LN gains 1 / shifts 0 so their grads mean something
-        module.flat_weights.add_(0.1 * torch.randn_like(module.flat_weights))
-    return module
-
-
-def flatten(tree) -> list:
-    if isinstance(tree, (list, tuple)):
-        return [t for part in tree for t in flatten(part)]
-    return [tree]
-
-
-def run(module, backend, x, hx, lengths, training):
-    """(outputs, gradients of x, initial states and flat weights) with random upstream gradients."""
-    module.train(training)
-    module.backend = backend
-    torch.manual_seed(1)  # the same masks for both backends
-    y, hy = module(x, hx, lengths)
-    outputs = [y] + flatten(hy)
-    generator = torch.Generator().manual_seed(2)
-    upstream = [torch.randn(o.shape, dtype=torch.float64, generator=generator).to(o.device, o.dtype) for o in outputs]
-    grads = torch.autograd.grad(outputs, [x] + flatten(hx) + [module.flat_weights], upstream)
-    return [o.detach() for o in outputs], list(grads)
+    return make_module(mode, I, H, dtype, device=DEVICE, **options)
 
 
 def inputs(module, mode, T, B, I, dtype):
@@ -103,8 +79,8 @@ def inputs(module, mode, T, B, I, dtype):
 def assert_triton_matches(mode, dtype=torch.float64, T=3, B=2, I=4, H=5, lengths=None, training=False, **options):
     module = make(mode, I, H, dtype, **options)
     x, hx = inputs(module, mode, T, B, I, dtype)
-    out_r, grad_r = run(module, "reference", x, hx, lengths, training)
-    out_t, grad_t = run(module, "triton", x, hx, lengths, training)
+    out_r, grad_r = run_backend(module, "reference", x, hx, lengths, training)
+    out_t, grad_t = run_backend(module, "triton", x, hx, lengths, training)
     for k, (a, e) in enumerate(zip(out_t, out_r)):
         assert_close(a, e, "y" if k == 0 else f"final state {k - 1}")
     names = ["dx"] + [f"d initial state {k}" for k in range(len(grad_r) - 2)] + ["d flat_weights"]
@@ -218,12 +194,12 @@ def test_low_precision_accumulates_in_fp32(dtype):
     rounding; compared with the float64 reference on the same (rounded) values."""
     module = make("lstm", 4, 5, dtype, peephole=True, layer_norm=True)
     x, hx = inputs(module, "lstm", 3, 2, 4, dtype)
-    out_t, grad_t = run(module, "triton", x, hx, None, False)
+    out_t, grad_t = run_backend(module, "triton", x, hx, None, False)
     exact = make("lstm", 4, 5, torch.float64, peephole=True, layer_norm=True)
     with torch.no_grad():
         exact.flat_weights.copy_(module.flat_weights)
     up = lambda t: t.detach().double().requires_grad_(True)  # noqa: E731
-    out_r, grad_r = run(exact, "reference", up(x), tuple(up(h) for h in hx), None, False)
+    out_r, grad_r = run_backend(exact, "reference", up(x), tuple(up(h) for h in hx), None, False)
     for name, a, e in zip(["y", "h_n", "c_n", "dx", "dh0", "dc0", "d flat_weights"], out_t + grad_t, out_r + grad_r):
         assert a.dtype == dtype, name
         assert_close(a, e, name, dtype=dtype)
