@@ -45,9 +45,17 @@ def test_quick_run_writes_json_markdown_and_png(tmp_path):
     # torch.nn lacks peepholes: it times its plain LSTM as the baseline, and says so
     stand_ins = [r for r in records if r["runner"] == "torch.nn" and r["variant"] == "lstm_peephole"]
     assert all(r["timed_variant"] == "lstm" and "stand_in" in r for r in stand_ins)
-    table = (out / "bench.md").read_text()
+    # LSTM variants also carry their time against torch.nn's plain LSTM of the same shape and mode
+    plain = {r["mode"]: r["median_ms"] for r in records if r["runner"] == "torch.nn" and r["variant"] == "lstm"}
+    for r in records:
+        if r["variant"] == "lstm":
+            assert "time_vs_torch_nn_plain_lstm" not in r
+        else:
+            assert r["time_vs_torch_nn_plain_lstm"] == pytest.approx(r["median_ms"] / plain[r["mode"]])
+    table, plain_table = (out / "bench.md").read_text().split("LSTM variants: time")
     assert "| shape | variant | mode | torch.nn | reference |" in table
     assert table.count("| tiny |") == len(variants) * 2
+    assert plain_table.count("| tiny |") == (len(variants) - 1) * 2
     if importlib.util.find_spec("matplotlib") is None:
         return
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

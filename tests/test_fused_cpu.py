@@ -15,7 +15,7 @@ import torch
 import rnnkit
 from rnnkit import backend as backends
 from rnnkit.cpu import build
-from helpers import assert_close, make_module, run_backend
+from helpers import assert_close, flatten, make_module, run_backend
 
 
 
@@ -244,3 +244,75 @@ def test_build_failure_is_reported_and_auto_falls_back(monkeypatch):
 def test_auto_prefers_fused_for_variants():
     spec = rnnkit.RNNSpec("lstm", 3, 4, layer_norm=True)
     assert backends.select("auto", spec, torch.device("cpu"), torch.float32).name == "fused"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_vectorized_activations_are_accurate(dtype):
+    """The passes' σ and tanh (float32 tanh and σ are faster forms than Sleef's) stay
+    within a few float32 ulps of float64 over the whole range, lengths off the vector width."""
+    ext = build.extension()
+    v = torch.cat([torch.linspace(-30, 30, 20001), torch.logspace(-9, 1, 3001), -torch.logspace(-9, 1, 3001)])
+    v = torch.cat([v, torch.tensor([0.0, 4e-4, -4e-4, 7.9, -7.9, 8.0, 1e4, -1e4])])[:-3]  # odd length
+    s, t = ext.activations(v.to(dtype).contiguous())
+    exact = v.double()
+    limit = 5e-7 if dtype == torch.float32 else 1e-14
+    for got, want in ((s, torch.sigmoid(exact)), (t, torch.tanh(exact))):
+        err = (got.double() - want).abs() / want.abs().clamp_min(1e-30)
+        big = want.abs() > 1e-30
+        assert err[big].max().item() < limit
+        assert torch.isfinite(got).all()
+
+
+SAVED_BUDGET = {
+    "lstm": ("lstm", {}), "lstm-peephole": ("lstm", dict(peephole=True)),
+    "lstm-coupled_peephole": ("lstm", dict(coupled_gates=True, peephole=True)),
+    "lstm-cell_clip": ("lstm", dict(cell_clip=0.5)), "lstm-proj_clip": ("lstm", dict(proj_size=4, proj_clip=0.5)),
+    "lstm-zoneout": ("lstm", dict(zoneout=(0.2, 0.1))), "lstm-lengths": ("lstm", dict(lengths=True)),
+    "gru": ("gru", {}), "gru-reset_before": ("gru", dict(reset_after=False)), "rnn_tanh": ("rnn_tanh", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(SAVED_BUDGET))
+def test_training_saves_at_most_g_plus_1_values_per_step(case):
+    """What a training forward keeps for the backward, beyond its inputs, weights and output y:
+    at most (G + 1)·T·B·H values (G gates; LSTM: c entering each step; GRU/RNN: h entering)."""
+    mode, options = SAVED_BUDGET[case]
+    options = dict(options)
+    lengths = [6, 2, 4] if options.pop("lengths", False) else None
+    T, B, I, H = 6, 3, 5, 7
+    # eval(): zoneout as its expectation, so no mask tensors (masks are allowed on top)
+    module = make_module(mode, I, H, torch.float32, backend="fused", **options).eval()
+    x = torch.randn(T, B, I, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = module(x, lengths=lengths)[0] if lengths else module(x)[0]
+    known = {t.untyped_storage().data_ptr() for t in (x, y, module.flat_weights)}
+    per_step = [t for t in saved if t.untyped_storage().data_ptr() not in known and t.is_floating_point()
+                and t.dim() > 0 and t.shape[0] in (T, T * B)]
+    G = {"lstm": 3 if options.get("coupled_gates") else 4, "gru": 3, "rnn_tanh": 1}[mode]
+    kept = sum(t.numel() for t in per_step)
+    assert G * T * B * H <= kept <= (G + 1) * T * B * H, [tuple(t.shape) for t in per_step]
+
+
+@pytest.mark.parametrize("mode, options", [
+    pytest.param("lstm", dict(peephole=True, layer_norm=True, proj_size=4, zoneout=0.2), id="lstm"),
+    pytest.param("gru", dict(layer_norm=True), id="gru"),
+    pytest.param("gru", dict(reset_after=False), id="gru_reset_before"),
+    pytest.param("rnn_tanh", dict(layer_norm=True), id="rnn"),
+])
+def test_inference_in_chunks_matches_reference(mode, options):
+    """Inference projects the input in chunks of ~2048 rows as the loop reaches them (memory flat
+    in T): B=64 makes 32-step chunks, so T=70 spans three, the last partial, in both directions
+    and with lengths (one of them the full 70)."""
+    module = make_module(mode, 5, 7, torch.float64, bidirectional=True, **options).eval()
+    x = torch.randn(70, 64, 5, dtype=torch.float64)
+    lengths = torch.randint(1, 71, (64,)).tolist()
+    lengths[0] = 70
+    outputs = {}
+    with torch.no_grad():
+        for backend in ("reference", "fused"):
+            module.backend = backend
+            y, hy = module(x, lengths=lengths)
+            outputs[backend] = [y] + flatten(hy)
+    for k, (got, want) in enumerate(zip(outputs["fused"], outputs["reference"])):
+        assert_close(got, want, f"output {k}")

@@ -160,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _write(plan: Plan, env: dict, records: List[dict]) -> str:
     os.makedirs(plan.out, exist_ok=True)
+    report.add_plain_ratios(records)
     report.write_json(os.path.join(plan.out, "bench.json"), env, records)
     table = report.markdown(env, records, plan.runner_names)
     with open(os.path.join(plan.out, "bench.md"), "w") as f:

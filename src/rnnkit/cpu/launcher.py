@@ -52,8 +52,10 @@ def _pack(cell: CellSpec, x, h0, c0, w: PassWeights, step_mask, reverse: bool, m
 class FusedPass(torch.autograd.Function):
     """One layer-direction pass with the fused forward and backward time loops.
 
-    Saves what the backward reads (post-activation gates, states entering each step, LN
-    statistics, pre-clip values); the kernels recompute the rest.
+    Saves what the backward reads: the post-activation gates, the output y (from which the
+    backward rebuilds h entering each step), LSTM's c entering each step, layer norm's pre-norm
+    sums and statistics, the projection clip's mask; the kernels recompute the rest (c̃,
+    tanh(c̃), m). That is (G + 1)·T·B·H values per layer and direction plus layer norm's.
     """
 
     @staticmethod

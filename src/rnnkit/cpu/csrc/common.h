@@ -67,14 +67,39 @@ inline void for_rows(int64_t B, int64_t work_per_row, const F& fn) {
   }
 }
 
+// A run of n values as full SIMD vectors and one partial tail: body(j, count) with count ==
+// Vec::size() except at the tail. vload / vstore read and write `count` lanes (the rest zero).
+template <typename scalar_t, typename F>
+inline void vec_loop(int64_t n, const F& body) {
+  constexpr int64_t width = at::vec::Vectorized<scalar_t>::size();
+  int64_t j = 0;
+  for (; j + width <= n; j += width) body(j, width);
+  if (j < n) body(j, n - j);
+}
+
+template <typename scalar_t>
+inline at::vec::Vectorized<scalar_t> vload(const scalar_t* p, int64_t count) {
+  using Vec = at::vec::Vectorized<scalar_t>;
+  return count == Vec::size() ? Vec::loadu(p) : Vec::loadu(p, count);
+}
+
+template <typename scalar_t>
+inline void vstore(const at::vec::Vectorized<scalar_t>& v, scalar_t* p, int64_t count) {
+  if (count == at::vec::Vectorized<scalar_t>::size()) {
+    v.store(p);
+  } else {
+    v.store(p, int(count));
+  }
+}
+
 template <typename scalar_t>
 inline scalar_t sigmoid(scalar_t v) {
   return scalar_t(1) / (scalar_t(1) + std::exp(-v));
 }
 
-// In-place σ and tanh over a contiguous run: SIMD (Sleef, 1 ulp) where built for it. The
-// pointwise passes put every transcendental through these; the rest of their loops is
-// plain arithmetic the compiler vectorizes.
+// In-place σ and tanh over a contiguous run: SIMD (Sleef, 1 ulp) where built for it; float has
+// the faster specializations below. The pointwise passes put every transcendental through
+// these; the rest of their loops is plain arithmetic the compiler vectorizes.
 template <typename scalar_t>
 inline void sigmoid_inplace(scalar_t* v, int64_t n) {
   using Vec = at::vec::Vectorized<scalar_t>;
@@ -91,6 +116,60 @@ inline void tanh_inplace(scalar_t* v, int64_t n) {
   int64_t j = 0;
   for (; j + Vec::size() <= n; j += Vec::size()) Vec::loadu(v + j).tanh().store(v + j);
   for (; j < n; ++j) v[j] = std::tanh(v[j]);
+}
+
+// 1 / d for float vectors of finite, positive d: the hardware reciprocal estimate and one
+// Newton step (≤ 2 ulp), several times cheaper than a vector division, which dominated the
+// LSTM's pointwise pass. Falls back to the division where there is no estimate instruction.
+inline at::vec::Vectorized<float> fast_reciprocal(const at::vec::Vectorized<float>& d) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 x = _mm512_rcp14_ps(d);
+  return _mm512_mul_ps(x, _mm512_fnmadd_ps(d, x, _mm512_set1_ps(2.f)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 x = _mm256_rcp_ps(d);
+  return _mm256_mul_ps(x, _mm256_fnmadd_ps(d, x, _mm256_set1_ps(2.f)));
+#else
+  return at::vec::Vectorized<float>(1.f) / d;
+#endif
+}
+
+// float σ: 1 / (1 + exp(−x)) with x clamped to ±88 (exp stays finite, σ(−88) rounds to 0).
+template <>
+inline void sigmoid_inplace<float>(float* v, int64_t n) {
+  using Vec = at::vec::Vectorized<float>;
+  const Vec one(1.f), lo(-88.f), hi(88.f);
+  vec_loop<float>(n, [&](int64_t j, int64_t count) {
+    const Vec x = at::vec::minimum(at::vec::maximum(vload(v + j, count), lo), hi);
+    vstore(fast_reciprocal(one + x.neg().exp()), v + j, count);
+  });
+}
+
+// float tanh: sign(x) (1 − t) / (1 + t) with t = exp(−2|x|) (Sleef's 1-ulp exp, the division by
+// fast_reciprocal), and its Taylor series to x⁹ below |x| = 0.25 where 1 − t would cancel:
+// ≤ 3e-7 relative error against float64 and ≤ 1 ulp near ±1 (tested in test_fused_cpu.py), about
+// 3× faster than Sleef's tanhf_u10, which was 15% of a small LSTM's inference. (A rational
+// approximation was faster still, but its few-ulp bias near ±1 compounded over long layer-norm
+// sequences beyond the float32 reference's error.)
+inline at::vec::Vectorized<float> fast_tanh(const at::vec::Vectorized<float>& x) {
+  using Vec = at::vec::Vectorized<float>;
+  const Vec one(1.f), ax = x.abs();
+  const Vec t = (ax * Vec(-2.f)).exp();
+  const Vec far = (one - t) * fast_reciprocal(one + t);
+  const Vec x2 = x * x;  // x − x³/3 + 2x⁵/15 − 17x⁷/315 + 62x⁹/2835
+  Vec p = at::vec::fmadd(x2, Vec(62.f / 2835.f), Vec(-17.f / 315.f));
+  p = at::vec::fmadd(x2, p, Vec(2.f / 15.f));
+  p = at::vec::fmadd(x2, p, Vec(-1.f / 3.f));
+  const Vec near = at::vec::fmadd(x * x2, p, x);
+  const Vec signed_far = Vec::blendv(far, far.neg(), x < Vec(0.f));
+  return Vec::blendv(signed_far, near, ax < Vec(0.25f));
+}
+
+template <>
+inline void tanh_inplace<float>(float* v, int64_t n) {
+  using Vec = at::vec::Vectorized<float>;
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) fast_tanh(Vec::loadu(v + j)).store(v + j);
+  if (j < n) fast_tanh(Vec::loadu(v + j, n - j)).store(v + j, n - j);
 }
 
 // Mean and 1/sqrt(var + eps) of one row (biased variance): two passes, double sums, so
@@ -178,10 +257,58 @@ struct PassArgs {
   }
 };
 
+// h entering each step [T, B, Hr], rebuilt by a backward from the pass's output y and h0 (so
+// the forward saves no copy of it): the previous step's y where that step ran for the row,
+// else h0 (the reverse direction starts at each sequence's length from h0).
+template <typename scalar_t>
+Tensor hidden_entering(const PassArgs& a, const Tensor& y) {
+  const int64_t T = a.T, B = a.B, n = y.size(2);
+  Tensor out = new_buffer({T, B, n}, a.x);
+  const scalar_t *y_p = y.data_ptr<scalar_t>(), *h0_p = a.h0.data_ptr<scalar_t>();
+  const bool* mask = a.mask_ptr();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t prev = a.reverse ? t + 1 : t - 1;
+      for (int64_t b = 0; b < B; ++b) {
+        const bool ran = prev >= 0 && prev < T && (mask == nullptr || mask[prev * B + b]);
+        const scalar_t* src = ran ? y_p + (prev * B + b) * n : h0_p + b * n;
+        std::copy(src, src + n, o + (t * B + b) * n);
+      }
+    }
+  });
+  return out;
+}
+
 // The hoisted input projection LN_x(W x) + bias for all steps: [T·B, G·H]. With layer norm
 // and training it keeps (raw W x, mean, rstd) for the backward.
 Tensor input_projection(const PassArgs& a, const Tensor& bias, bool training, Tensor& raw, Tensor& mean,
                         Tensor& rstd);
+
+// The input projection of the steps a forward loop runs. Training: all T steps at once (the
+// backward reads them; the LSTM overwrites them with its gates). Inference: chunks of about
+// kChunkRows rows, computed when the loop reaches them, so its memory does not grow with T
+// while each GEMM stays large.
+class InputSteps {
+ public:
+  static constexpr int64_t kChunkRows = 2048;
+  InputSteps(const PassArgs& a, const Tensor& bias, bool training, Tensor& raw, Tensor& mean, Tensor& rstd);
+  // The [B, G·H] rows of time step t, the s-th step the loop runs (s = 0, 1, ... in order).
+  template <typename scalar_t>
+  scalar_t* step(int64_t s, int64_t t) {
+    if (!all_.defined() && (s % chunk_steps_ == 0)) compute_chunk(s);
+    const Tensor& block = all_.defined() ? all_ : chunk_;
+    return block.data_ptr<scalar_t>() + (t - first_) * a_.B * a_.GH;
+  }
+  // Training: the whole [T·B, G·H] projection (undefined in inference).
+  const Tensor& all() const { return all_; }
+
+ private:
+  void compute_chunk(int64_t s);
+  const PassArgs& a_;
+  Tensor bias_, all_, chunk_;
+  int64_t chunk_steps_ = 1, first_ = 0;
+};
 
 // Backward of input_projection from dA [T·B, G·H] (the gradient of its output):
 // returns dx (undefined unless need_dx), dW, d ln_x gain, d ln_x shift (undefined without LN).

@@ -35,6 +35,21 @@ struct Gru {
   int64_t step_time(int64_t s) const { return a.reverse ? T - 1 - s : s; }
   bool valid(int64_t t, int64_t b) const { return mask == nullptr || mask[t * B + b]; }
 
+  // r ∘ h_in [T, B, H] (reset_after=False) for R_n's weight gradient; 0 where a step did not run.
+  Tensor reset_hidden(const Tensor& gates, const Tensor& h_in) const {
+    Tensor out = new_buffer({T, B, H}, a.x);
+    const scalar_t *g = gates.data_ptr<scalar_t>(), *h = h_in.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t row = 0; row < T * B; ++row) {
+      if (!valid(row / B, row % B)) {
+        std::fill(o + row * H, o + (row + 1) * H, scalar_t(0));
+        continue;
+      }
+      for (int64_t j = 0; j < H; ++j) o[row * H + j] = g[row * GS + j] * h[row * H + j];
+    }
+    return out;
+  }
+
   // Biases folded into the input projection: all of them, except b_Rn with reset_after.
   Tensor folded_bias() const {
     if (!after || !a.b_R.defined()) return sum_biases(a.b_W, a.b_R);
@@ -45,30 +60,27 @@ struct Gru {
   std::vector<Tensor> forward(bool training) {
     std::vector<Tensor> saved = saved_slots();
     const Tensor& like = a.x;
-    Tensor gx = input_projection(a, folded_bias(), training, saved[kInputRaw], saved[kInputMean],
-                                 saved[kInputRstd]);  // [T·B, 3H]
+    InputSteps steps(a, folded_bias(), training, saved[kInputRaw], saved[kInputMean],
+                     saved[kInputRstd]);  // W x + folded biases, [B, 3H] a step
     Tensor y = new_buffer({T, B, H}, like);
     Tensor h = a.h0.clone();
     Tensor h_in = rm ? h * a.recurrent_mask : h;
     const int64_t keep = training ? T : 1;
     Tensor gates = new_buffer({keep, B, GS}, like);
     Tensor gh = after ? new_buffer({ln ? keep : 1, B, GH}, like) : Tensor();  // R h
-    Tensor rh = after ? Tensor() : new_buffer({keep, B, H}, like);             // r ∘ h_in
+    Tensor rh = after ? Tensor() : new_buffer({B, H}, like);                   // r ∘ h_in of a step
     Tensor stats = ln ? new_buffer({2, keep, B}, like) : Tensor();
-    Tensor hidden_prev = training ? new_buffer({T, B, H}, like) : Tensor();
 
-    scalar_t *gx_p = gx.data_ptr<scalar_t>(), *y_p = y.data_ptr<scalar_t>(), *h_p = h.data_ptr<scalar_t>();
+    scalar_t *y_p = y.data_ptr<scalar_t>(), *h_p = h.data_ptr<scalar_t>();
     scalar_t *hin_p = h_in.data_ptr<scalar_t>(), *gates_p = gates.data_ptr<scalar_t>();
     scalar_t* gh_p = after ? gh.data_ptr<scalar_t>() : nullptr;
     scalar_t* rh_p = after ? nullptr : rh.data_ptr<scalar_t>();
     scalar_t* st_p = ln ? stats.data_ptr<scalar_t>() : nullptr;
-    scalar_t* hp_p = training ? hidden_prev.data_ptr<scalar_t>() : nullptr;
 
     // h̃ = (1 − z) ∘ n + z ∘ h -> zoneout -> state, y, next R input. Gate row holds r z n.
     auto finish_h = [&](int64_t t, int64_t k, int64_t b) {
       scalar_t* hb = h_p + b * H;
       scalar_t* yb = y_p + (t * B + b) * H;
-      if (training) std::copy(hb, hb + H, hp_p + (t * B + b) * H);
       if (!valid(t, b)) {
         std::fill(yb, yb + H, scalar_t(0));
         return;
@@ -92,7 +104,7 @@ struct Gru {
         after ? std::nullopt : std::make_optional<PackedRight<scalar_t>>(R + 2 * H * H, H, true, B, H, H, like);
     for (int64_t s = 0; s < T; ++s) {
       const int64_t t = step_time(s), k = training ? t : 0;
-      scalar_t* gx_t = gx_p + t * B * GH;
+      scalar_t* gx_t = steps.step<scalar_t>(s, t);
       if (after) {
         scalar_t* gh_t = gh_p + (ln ? k : 0) * B * GH;
         R_right.multiply(hin_p, H, 0, gh_t, GH);  // R h [B, 3H]
@@ -124,7 +136,7 @@ struct Gru {
         });
       } else {
         R_right.multiply(hin_p, H, 1, gx_t, GH);  // += R_rz h
-        scalar_t* rh_t = rh_p + k * B * H;
+        scalar_t* rh_t = rh_p;
         for_rows(B, H * 8, [&](int64_t b0, int64_t b1) {
           for (int64_t b = b0; b < b1; ++b) {
             scalar_t* rhb = rh_t + b * H;
@@ -156,9 +168,8 @@ struct Gru {
 
     std::vector<Tensor> out = {y, h, Tensor()};
     if (training) {
-      saved[kGates] = gates, saved[kHiddenPrev] = hidden_prev;
+      saved[kGates] = gates, saved[kOutput] = y;
       if (ln) saved[kRecurrentRaw] = gh, saved[kRecurrentMean] = stats[0], saved[kRecurrentRstd] = stats[1];
-      if (!after) saved[kProjIn] = rh;
       out.insert(out.end(), saved.begin(), saved.end());
     }
     return out;
@@ -176,7 +187,7 @@ struct Gru {
     Tensor drh = after ? Tensor() : new_buffer({B, H}, like);
     Tensor acc_ln_h = ln ? zero_buffer({2, B, GH}, like) : Tensor();
 
-    const Tensor gates = slot(saved, kGates), hidden_prev = slot(saved, kHiddenPrev);
+    const Tensor gates = slot(saved, kGates), hidden_prev = hidden_entering<scalar_t>(a, slot(saved, kOutput));
     const scalar_t *dy_p = dy.data_ptr<scalar_t>(), *gates_p = gates.data_ptr<scalar_t>();
     const scalar_t* hp_p = hidden_prev.data_ptr<scalar_t>();
     const scalar_t* gh_p = ln ? slot(saved, kRecurrentRaw).data_ptr<scalar_t>() : nullptr;
@@ -284,7 +295,7 @@ struct Gru {
       db_R = at::sum(dAh.view({TB, GH}), 0);
     } else {
       dR = at::cat({at::mm(dA2.narrow(1, 0, 2 * H).t(), h_in),
-                    at::mm(dA2.narrow(1, 2 * H, H).t(), slot(saved, kProjIn).view({TB, H}))});
+                    at::mm(dA2.narrow(1, 2 * H, H).t(), reset_hidden(gates, h_in).view({TB, H}))});
       db_R = at::sum(dA2, 0);
     }
     auto inp = input_projection_backward(a, dA2, slot(saved, kInputRaw), slot(saved, kInputMean),

@@ -95,10 +95,10 @@ Tensor sum_biases(const Tensor& first, const Tensor& second) {
   return first.defined() ? first : second;
 }
 
-Tensor input_projection(const PassArgs& a, const Tensor& bias, bool training, Tensor& raw, Tensor& mean,
-                        Tensor& rstd) {
-  const Tensor x2 = a.x.view({a.T * a.B, a.I});
-  Tensor gx = new_buffer({a.T * a.B, a.GH}, a.x);
+// LN_x(W x) + bias of the rows of x2 [n, I] -> [n, G·H].
+static Tensor project_rows(const PassArgs& a, const Tensor& x2, const Tensor& bias, bool training, Tensor& raw,
+                           Tensor& mean, Tensor& rstd) {
+  Tensor gx = new_buffer({x2.size(0), a.GH}, a.x);
   if (a.ln_x_gain.defined()) {
     at::mm_out(gx, x2, a.W.t());
     auto [out, row_mean, row_rstd] =
@@ -113,6 +113,26 @@ Tensor input_projection(const PassArgs& a, const Tensor& bias, bool training, Te
     at::mm_out(gx, x2, a.W.t());
   }
   return gx;
+}
+
+Tensor input_projection(const PassArgs& a, const Tensor& bias, bool training, Tensor& raw, Tensor& mean,
+                        Tensor& rstd) {
+  return project_rows(a, a.x.view({a.T * a.B, a.I}), bias, training, raw, mean, rstd);
+}
+
+InputSteps::InputSteps(const PassArgs& a, const Tensor& bias, bool training, Tensor& raw, Tensor& mean,
+                       Tensor& rstd)
+    : a_(a), bias_(bias) {
+  chunk_steps_ = std::max<int64_t>(1, kChunkRows / std::max<int64_t>(1, a.B));
+  if (training || chunk_steps_ >= a.T) all_ = input_projection(a, bias, training, raw, mean, rstd);
+}
+
+void InputSteps::compute_chunk(int64_t s) {
+  const int64_t count = std::min(chunk_steps_, a_.T - s);
+  first_ = a_.reverse ? a_.T - s - count : s;
+  Tensor unused_raw, unused_mean, unused_rstd;
+  chunk_ = project_rows(a_, a_.x.narrow(0, first_, count).view({count * a_.B, a_.I}), bias_, false, unused_raw,
+                        unused_mean, unused_rstd);
 }
 
 std::vector<Tensor> input_projection_backward(const PassArgs& a, const Tensor& dA, const Tensor& raw,
@@ -134,6 +154,18 @@ std::vector<Tensor> input_projection_backward(const PassArgs& a, const Tensor& d
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "rnnkit fused CPU passes (LSTM, GRU, RNN): forward and backward time loops";
   m.def("set_poison", [](bool on) { rnnkit::poison_flag() = on; }, "NaN-fill every buffer the kernels allocate");
+  m.def(
+      "activations",
+      [](const at::Tensor& v) {  // σ(v) and tanh(v) as the passes compute them (tests)
+        TORCH_CHECK(v.dim() == 1 && v.is_contiguous(), "activations: a contiguous 1-D tensor");
+        at::Tensor s = v.clone(), t = v.clone();
+        AT_DISPATCH_FLOATING_TYPES(v.scalar_type(), "activations", [&] {
+          rnnkit::sigmoid_inplace(s.data_ptr<scalar_t>(), s.numel());
+          rnnkit::tanh_inplace(t.data_ptr<scalar_t>(), t.numel());
+        });
+        return std::make_pair(s, t);
+      },
+      "σ and tanh of a 1-D tensor through the passes' vectorized activations");
   m.def("lstm_forward", &rnnkit::lstm_forward);
   m.def("lstm_backward", &rnnkit::lstm_backward);
   m.def("gru_forward", &rnnkit::gru_forward);

@@ -15,14 +15,11 @@ namespace rnnkit {
 enum Saved : int {
   kInputRaw, kInputMean, kInputRstd,  // W x before LN_x, its row statistics
   kGates,                             // post-activation gates [T, B, ·]
-  kCellRaw,                           // LSTM: c̃ before the clip [T, B, H]
   kCellPrev,                          // LSTM: c entering each step [T, B, H]
-  kHiddenPrev,                        // h entering each step [T, B, Hr]
   kRecurrentRaw, kRecurrentMean, kRecurrentRstd,  // R h before LN_h, its row statistics
   kCellMean, kCellRstd,               // LSTM: LN_c statistics [T, B]
-  kProjIn,                            // LSTM: m before the projection; GRU reset_after=False: r ∘ h
-  kProjOut,                           // LSTM: W_hr m before the clip [T, B, P]
-  kCellTanh,                          // LSTM: tanh(LN_c(c̃)) [T, B, H] (the backward skips recomputing it)
+  kProjClipped,                       // LSTM: |W_hr m| > proj_clip [T, B, P] (bool; with a proj clip)
+  kOutput,                            // y [T, B, Hr]: the backward rebuilds h entering each step from it
   kNumSaved
 };
 

@@ -31,8 +31,8 @@ struct Rnn {
   std::vector<Tensor> forward(bool training) {
     std::vector<Tensor> saved = saved_slots();
     const Tensor& like = a.x;
-    Tensor gx = input_projection(a, sum_biases(a.b_W, a.b_R), training, saved[kInputRaw], saved[kInputMean],
-                                 saved[kInputRstd]);  // [T·B, H]
+    InputSteps steps(a, sum_biases(a.b_W, a.b_R), training, saved[kInputRaw], saved[kInputMean],
+                     saved[kInputRstd]);  // W x + biases, [B, H] a step
     Tensor y = new_buffer({T, B, H}, like);
     Tensor h = a.h0.clone();
     Tensor h_in = rm ? h * a.recurrent_mask : h;
@@ -40,21 +40,19 @@ struct Rnn {
     Tensor h_tilde = training ? new_buffer({T, B, H}, like) : Tensor();  // act(a), before zoneout
     Tensor gh = ln ? new_buffer({keep, B, H}, like) : Tensor();
     Tensor stats = ln ? new_buffer({2, keep, B}, like) : Tensor();
-    Tensor hidden_prev = training ? new_buffer({T, B, H}, like) : Tensor();
     Tensor act_tmp = training ? Tensor() : new_buffer({B, H}, like);
 
-    scalar_t *gx_p = gx.data_ptr<scalar_t>(), *y_p = y.data_ptr<scalar_t>(), *h_p = h.data_ptr<scalar_t>();
+    scalar_t *y_p = y.data_ptr<scalar_t>(), *h_p = h.data_ptr<scalar_t>();
     scalar_t* hin_p = h_in.data_ptr<scalar_t>();
     scalar_t* ht_p = training ? h_tilde.data_ptr<scalar_t>() : nullptr;
     scalar_t* tmp_p = training ? nullptr : act_tmp.data_ptr<scalar_t>();
     scalar_t* gh_p = ln ? gh.data_ptr<scalar_t>() : nullptr;
     scalar_t* st_p = ln ? stats.data_ptr<scalar_t>() : nullptr;
-    scalar_t* hp_p = training ? hidden_prev.data_ptr<scalar_t>() : nullptr;
 
     const PackedRight<scalar_t> R_right(R, H, true, B, H, H, like);  // · Rᵀ
     for (int64_t s = 0; s < T; ++s) {
       const int64_t t = step_time(s), k = training ? t : 0;
-      scalar_t* gx_t = gx_p + t * B * H;
+      scalar_t* gx_t = steps.step<scalar_t>(s, t);
       scalar_t* gh_t = ln ? gh_p + k * B * H : nullptr;
       if (ln) {
         R_right.multiply(hin_p, H, 0, gh_t, H);  // R h
@@ -65,7 +63,6 @@ struct Rnn {
         for (int64_t b = b0; b < b1; ++b) {
           scalar_t* hb = h_p + b * H;
           scalar_t* yb = y_p + (t * B + b) * H;
-          if (training) std::copy(hb, hb + H, hp_p + (t * B + b) * H);
           if (!valid(t, b)) {
             std::fill(yb, yb + H, scalar_t(0));
             continue;
@@ -102,7 +99,7 @@ struct Rnn {
 
     std::vector<Tensor> out = {y, h, Tensor()};
     if (training) {
-      saved[kGates] = h_tilde, saved[kHiddenPrev] = hidden_prev;
+      saved[kGates] = h_tilde, saved[kOutput] = y;
       if (ln) saved[kRecurrentRaw] = gh, saved[kRecurrentMean] = stats[0], saved[kRecurrentRstd] = stats[1];
       out.insert(out.end(), saved.begin(), saved.end());
     }
@@ -119,7 +116,7 @@ struct Rnn {
     Tensor dgh = ln ? new_buffer({T, B, H}, like) : dA;
     Tensor acc_ln_h = ln ? zero_buffer({2, B, H}, like) : Tensor();
 
-    const Tensor h_tilde = slot(saved, kGates), hidden_prev = slot(saved, kHiddenPrev);
+    const Tensor h_tilde = slot(saved, kGates), hidden_prev = hidden_entering<scalar_t>(a, slot(saved, kOutput));
     const scalar_t *dy_p = dy.data_ptr<scalar_t>(), *ht_p = h_tilde.data_ptr<scalar_t>();
     const scalar_t* gh_p = ln ? slot(saved, kRecurrentRaw).data_ptr<scalar_t>() : nullptr;
     const scalar_t* mh_p = ln ? slot(saved, kRecurrentMean).data_ptr<scalar_t>() : nullptr;
