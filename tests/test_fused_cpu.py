@@ -261,6 +261,11 @@ def test_vectorized_activations_are_accurate(dtype):
         big = want.abs() > 1e-30
         assert err[big].max().item() < limit
         assert torch.isfinite(got).all()
+    # NaN stays NaN (a poisoned buffer must not come out finite); ±inf saturate.
+    s, t = ext.activations(torch.tensor([float("nan"), float("inf"), -float("inf")] * 7, dtype=dtype))
+    assert s[0::3].isnan().all() and t[0::3].isnan().all()
+    assert (s[1::3] == 1).all() and (s[2::3] >= 0).all() and (s[2::3] < 1e-37).all()
+    assert (t[1::3] == 1).all() and (t[2::3] == -1).all()
 
 
 SAVED_BUDGET = {

@@ -13,8 +13,6 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
-#include <ATen/ops/native_layer_norm.h>
-#include <ATen/ops/native_layer_norm_backward.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 
@@ -133,18 +131,56 @@ inline at::vec::Vectorized<float> fast_reciprocal(const at::vec::Vectorized<floa
 #endif
 }
 
-// float σ: 1 / (1 + exp(−x)) with x clamped to ±88 (exp stays finite, σ(−88) rounds to 0).
+// float exp(x), inline: x = n·ln2 + r (ln2 split in two for an exact reduction), exp(r) by
+// Cephes' degree-7 polynomial (≤ 1 ulp on |r| ≤ ln2/2), 2ⁿ built in the exponent bits. x is
+// clamped to [−87, 88] so 2ⁿ stays a normal float (min / max take the constant first: a NaN x
+// passes through them and comes out NaN).
+// Sleef's exp is an out-of-line call, and was 15% of a small LSTM's inference.
+inline at::vec::Vectorized<float> fast_exp(const at::vec::Vectorized<float>& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 x0 = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-87.f), v));
+  const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(1.44269504088896341f)));
+  const __m512 fn = _mm512_cvtepi32_ps(n);
+  __m512 x = _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), x0);
+  x = _mm512_fnmadd_ps(fn, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), x, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 x0 = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), v));
+  const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(x0, _mm256_set1_ps(1.44269504088896341f)));
+  const __m256 fn = _mm256_cvtepi32_ps(n);
+  __m256 x = _mm256_fnmadd_ps(fn, _mm256_set1_ps(0.693359375f), x0);
+  x = _mm256_fnmadd_ps(fn, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500e-4f), x, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+#else
+  return v.exp();
+#endif
+}
+
+// float σ: 1 / (1 + exp(−x)); fast_exp's clamp keeps exp(−x) finite (σ(−88) rounds to 0).
 template <>
 inline void sigmoid_inplace<float>(float* v, int64_t n) {
   using Vec = at::vec::Vectorized<float>;
-  const Vec one(1.f), lo(-88.f), hi(88.f);
+  const Vec one(1.f);
   vec_loop<float>(n, [&](int64_t j, int64_t count) {
-    const Vec x = at::vec::minimum(at::vec::maximum(vload(v + j, count), lo), hi);
-    vstore(fast_reciprocal(one + x.neg().exp()), v + j, count);
+    vstore(fast_reciprocal(one + fast_exp(vload(v + j, count).neg())), v + j, count);
   });
 }
 
-// float tanh: sign(x) (1 − t) / (1 + t) with t = exp(−2|x|) (Sleef's 1-ulp exp, the division by
+// float tanh: sign(x) (1 − t) / (1 + t) with t = exp(−2|x|) (fast_exp above, the division by
 // fast_reciprocal), and its Taylor series to x⁹ below |x| = 0.25 where 1 − t would cancel:
 // ≤ 3e-7 relative error against float64 and ≤ 1 ulp near ±1 (tested in test_fused_cpu.py), about
 // 3× faster than Sleef's tanhf_u10, which was 15% of a small LSTM's inference. (A rational
@@ -153,15 +189,21 @@ inline void sigmoid_inplace<float>(float* v, int64_t n) {
 inline at::vec::Vectorized<float> fast_tanh(const at::vec::Vectorized<float>& x) {
   using Vec = at::vec::Vectorized<float>;
   const Vec one(1.f), ax = x.abs();
-  const Vec t = (ax * Vec(-2.f)).exp();
+  const Vec t = fast_exp(ax * Vec(-2.f));
   const Vec far = (one - t) * fast_reciprocal(one + t);
   const Vec x2 = x * x;  // x − x³/3 + 2x⁵/15 − 17x⁷/315 + 62x⁹/2835
   Vec p = at::vec::fmadd(x2, Vec(62.f / 2835.f), Vec(-17.f / 315.f));
   p = at::vec::fmadd(x2, p, Vec(2.f / 15.f));
   p = at::vec::fmadd(x2, p, Vec(-1.f / 3.f));
   const Vec near = at::vec::fmadd(x * x2, p, x);
-  const Vec signed_far = Vec::blendv(far, far.neg(), x < Vec(0.f));
+  const Vec signed_far = far | (x & Vec(-0.f));  // far ≥ 0 takes x's sign bit
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.25f), _CMP_LT_OQ), signed_far, near);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_blendv_ps(signed_far, near, _mm256_cmp_ps(ax, _mm256_set1_ps(0.25f), _CMP_LT_OQ));
+#else
   return Vec::blendv(signed_far, near, ax < Vec(0.25f));
+#endif
 }
 
 template <>
@@ -172,18 +214,37 @@ inline void tanh_inplace<float>(float* v, int64_t n) {
   if (j < n) fast_tanh(Vec::loadu(v + j, n - j)).store(v + j, n - j);
 }
 
-// Mean and 1/sqrt(var + eps) of one row (biased variance): two passes, double sums, so
-// float32 rows of thousands of values keep float32 accuracy; `omp simd` lets the compiler
-// vectorize the sums (it may not reorder them otherwise).
+// The sum of a row's values through four SIMD accumulators (each lane sums n / (4·width)
+// values: float32 rows of thousands of values keep float32 accuracy), `term(j, count)` giving
+// the Vec of terms at j; the lanes are added in double.
+template <typename scalar_t, typename F>
+inline double vec_sum(int64_t n, const F& term) {
+  using Vec = at::vec::Vectorized<scalar_t>;
+  constexpr int64_t w = Vec::size();
+  Vec s0(0), s1(0), s2(0), s3(0);
+  int64_t j = 0;
+  for (; j + 4 * w <= n; j += 4 * w) {
+    s0 = s0 + term(j, w), s1 = s1 + term(j + w, w), s2 = s2 + term(j + 2 * w, w), s3 = s3 + term(j + 3 * w, w);
+  }
+  for (; j < n; j += w) s0 = s0 + term(j, std::min(w, n - j));
+  scalar_t lanes[w];
+  ((s0 + s1) + (s2 + s3)).store(lanes);
+  double total = 0;
+  for (int64_t k = 0; k < w; ++k) total += double(lanes[k]);
+  return total;
+}
+
+// Mean and 1/sqrt(var + eps) of one row (biased variance), two passes (the second sums
+// squared deviations from the mean, so no cancellation).
 template <typename scalar_t>
 inline void row_stats(const scalar_t* v, int64_t n, scalar_t& mean, scalar_t& rstd) {
-  double sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) sum += double(v[j]);
-  const double m = sum / double(n);
-  double sq = 0;
-#pragma omp simd reduction(+ : sq)
-  for (int64_t j = 0; j < n; ++j) sq += (double(v[j]) - m) * (double(v[j]) - m);
+  using Vec = at::vec::Vectorized<scalar_t>;
+  const double m = vec_sum<scalar_t>(n, [&](int64_t j, int64_t c) { return vload(v + j, c); }) / double(n);
+  const Vec vm = Vec(scalar_t(m));
+  const double sq = vec_sum<scalar_t>(n, [&](int64_t j, int64_t c) {
+    const Vec d = vload(v + j, c) - vm;
+    return c == Vec::size() ? d * d : Vec::set(Vec(0), d * d, c);  // the tail's unread lanes stay 0
+  });
   mean = scalar_t(m);
   rstd = scalar_t(1.0 / std::sqrt(sq / double(n) + kLayerNormEps));
 }
@@ -194,21 +255,21 @@ template <typename scalar_t>
 inline void row_layer_norm_backward(const scalar_t* dout, const scalar_t* v, int64_t n, scalar_t mean,
                                     scalar_t rstd, const scalar_t* gain, scalar_t* dv, scalar_t* dgain,
                                     scalar_t* dshift) {
-  double sum_dxh = 0, sum_dxh_xh = 0;
-#pragma omp simd reduction(+ : sum_dxh, sum_dxh_xh)
-  for (int64_t j = 0; j < n; ++j) {
-    const scalar_t xh = (v[j] - mean) * rstd;
-    const scalar_t dxh = dout[j] * gain[j];
-    sum_dxh += double(dxh);
-    sum_dxh_xh += double(dxh) * double(xh);
-    dgain[j] += dout[j] * xh;
-    dshift[j] += dout[j];
-  }
-  const scalar_t mean_dxh = scalar_t(sum_dxh / double(n)), mean_dxh_xh = scalar_t(sum_dxh_xh / double(n));
-  for (int64_t j = 0; j < n; ++j) {
-    const scalar_t xh = (v[j] - mean) * rstd;
-    dv[j] = rstd * (dout[j] * gain[j] - mean_dxh - xh * mean_dxh_xh);
-  }
+  using Vec = at::vec::Vectorized<scalar_t>;
+  const Vec vm(mean), vr(rstd);
+  auto xh = [&](int64_t j, int64_t c) { return (vload(v + j, c) - vm) * vr; };
+  auto dxh = [&](int64_t j, int64_t c) { return vload(dout + j, c) * vload(gain + j, c); };
+  vec_loop<scalar_t>(n, [&](int64_t j, int64_t c) {
+    const Vec d = vload(dout + j, c);
+    vstore(at::vec::fmadd(d, xh(j, c), vload(dgain + j, c)), dgain + j, c);
+    vstore(vload(dshift + j, c) + d, dshift + j, c);
+  });
+  // vload zero-fills a tail's unread lanes, so partial vectors add nothing extra to the sums.
+  const Vec mean_dxh(scalar_t(vec_sum<scalar_t>(n, dxh) / double(n)));
+  const Vec mean_dxh_xh(scalar_t(vec_sum<scalar_t>(n, [&](int64_t j, int64_t c) { return dxh(j, c) * xh(j, c); }) / double(n)));
+  vec_loop<scalar_t>(n, [&](int64_t j, int64_t c) {
+    vstore(vr * (dxh(j, c) - mean_dxh - xh(j, c) * mean_dxh_xh), dv + j, c);
+  });
 }
 
 // Zoneout keep-old coefficient d at (t, b): the training indicators [T, B, n], the
@@ -280,37 +341,33 @@ Tensor hidden_entering(const PassArgs& a, const Tensor& y) {
   return out;
 }
 
-// The hoisted input projection LN_x(W x) + bias for all steps: [T·B, G·H]. With layer norm
-// and training it keeps (raw W x, mean, rstd) for the backward.
-Tensor input_projection(const PassArgs& a, const Tensor& bias, bool training, Tensor& raw, Tensor& mean,
-                        Tensor& rstd);
-
-// The input projection of the steps a forward loop runs. Training: all T steps at once (the
-// backward reads them; the LSTM overwrites them with its gates). Inference: chunks of about
-// kChunkRows rows, computed when the loop reaches them, so its memory does not grow with T
-// while each GEMM stays large.
+// The input projection LN_x(W x) + bias of the steps a forward loop runs, computed a chunk of
+// steps at a time just before the loop reaches them, so the rows each step reads are still in
+// cache (one projection of all T steps up front left them in memory: a small layer-norm LSTM
+// ran 10% slower). Training writes the chunks into one [T·B, G·H] buffer the backward reads
+// (the LSTM overwrites it with its gates) and, with layer norm, keeps the raw W x and its row
+// statistics; inference reuses one chunk buffer, so its memory does not grow with T.
 class InputSteps {
  public:
-  static constexpr int64_t kChunkRows = 2048;
   InputSteps(const PassArgs& a, const Tensor& bias, bool training, Tensor& raw, Tensor& mean, Tensor& rstd);
   // The [B, G·H] rows of time step t, the s-th step the loop runs (s = 0, 1, ... in order).
   template <typename scalar_t>
   scalar_t* step(int64_t s, int64_t t) {
-    if (!all_.defined() && (s % chunk_steps_ == 0)) compute_chunk(s);
-    const Tensor& block = all_.defined() ? all_ : chunk_;
-    return block.data_ptr<scalar_t>() + (t - first_) * a_.B * a_.GH;
+    if (s % chunk_steps_ == 0) compute_chunk(s);
+    return out_.data_ptr<scalar_t>() + (training_ ? t : t - first_) * a_.B * a_.GH;
   }
-  // Training: the whole [T·B, G·H] projection (undefined in inference).
-  const Tensor& all() const { return all_; }
+  // Training: the whole [T·B, G·H] projection, complete once the loop has run every step.
+  const Tensor& all() const { return out_; }
 
  private:
   void compute_chunk(int64_t s);
   const PassArgs& a_;
-  Tensor bias_, all_, chunk_;
+  bool training_;
+  Tensor bias_, out_, raw_, mean_, rstd_;
   int64_t chunk_steps_ = 1, first_ = 0;
 };
 
-// Backward of input_projection from dA [T·B, G·H] (the gradient of its output):
+// Backward of the input projection from dA [T·B, G·H] (the gradient of its output):
 // returns dx (undefined unless need_dx), dW, d ln_x gain, d ln_x shift (undefined without LN).
 std::vector<Tensor> input_projection_backward(const PassArgs& a, const Tensor& dA, const Tensor& raw,
                                               const Tensor& mean, const Tensor& rstd, bool need_dx);
