@@ -214,6 +214,11 @@ inline void tanh_inplace<float>(float* v, int64_t n) {
   if (j < n) fast_tanh(Vec::loadu(v + j, n - j)).store(v + j, n - j);
 }
 
+// tanh of one SIMD vector as tanh_inplace computes it (float: fast_tanh; double: Sleef), for
+// loops that fuse it with other pointwise work.
+inline at::vec::Vectorized<float> vtanh(const at::vec::Vectorized<float>& x) { return fast_tanh(x); }
+inline at::vec::Vectorized<double> vtanh(const at::vec::Vectorized<double>& x) { return x.tanh(); }
+
 // The sum of a row's values through four SIMD accumulators (each lane sums n / (4·width)
 // values: float32 rows of thousands of values keep float32 accuracy), `term(j, count)` giving
 // the Vec of terms at j; the lanes are added in double.
@@ -250,25 +255,33 @@ inline void row_stats(const scalar_t* v, int64_t n, scalar_t& mean, scalar_t& rs
 }
 
 // LN backward of one row: given dout (grad of γ·x̂ + β) and the raw input v, writes dv and
-// accumulates dγ, dβ. dout and dv may alias.
+// accumulates dγ, dβ. dout and dv may alias. Two passes: the sums (with dγ, dβ), then dv.
 template <typename scalar_t>
 inline void row_layer_norm_backward(const scalar_t* dout, const scalar_t* v, int64_t n, scalar_t mean,
                                     scalar_t rstd, const scalar_t* gain, scalar_t* dv, scalar_t* dgain,
                                     scalar_t* dshift) {
   using Vec = at::vec::Vectorized<scalar_t>;
+  constexpr int64_t w = Vec::size();
   const Vec vm(mean), vr(rstd);
-  auto xh = [&](int64_t j, int64_t c) { return (vload(v + j, c) - vm) * vr; };
-  auto dxh = [&](int64_t j, int64_t c) { return vload(dout + j, c) * vload(gain + j, c); };
-  vec_loop<scalar_t>(n, [&](int64_t j, int64_t c) {
-    const Vec d = vload(dout + j, c);
-    vstore(at::vec::fmadd(d, xh(j, c), vload(dgain + j, c)), dgain + j, c);
-    vstore(vload(dshift + j, c) + d, dshift + j, c);
-  });
-  // vload zero-fills a tail's unread lanes, so partial vectors add nothing extra to the sums.
-  const Vec mean_dxh(scalar_t(vec_sum<scalar_t>(n, dxh) / double(n)));
-  const Vec mean_dxh_xh(scalar_t(vec_sum<scalar_t>(n, [&](int64_t j, int64_t c) { return dxh(j, c) * xh(j, c); }) / double(n)));
-  vec_loop<scalar_t>(n, [&](int64_t j, int64_t c) {
-    vstore(vr * (dxh(j, c) - mean_dxh - xh(j, c) * mean_dxh_xh), dv + j, c);
+  // vload zero-fills a tail's unread lanes: there d = 0, so dxh and dxh·x̂ add nothing.
+  Vec s_dxh0(0), s_dxh1(0), s_x0(0), s_x1(0);
+  int64_t j = 0;
+  auto pass = [&](int64_t k, int64_t c, Vec& s_dxh, Vec& s_x) {
+    const Vec d = vload(dout + k, c), xh = (vload(v + k, c) - vm) * vr, dxh = d * vload(gain + k, c);
+    s_dxh = s_dxh + dxh, s_x = at::vec::fmadd(dxh, xh, s_x);
+    vstore(at::vec::fmadd(d, xh, vload(dgain + k, c)), dgain + k, c);
+    vstore(vload(dshift + k, c) + d, dshift + k, c);
+  };
+  for (; j + 2 * w <= n; j += 2 * w) pass(j, w, s_dxh0, s_x0), pass(j + w, w, s_dxh1, s_x1);
+  for (; j < n; j += w) pass(j, std::min(w, n - j), s_dxh0, s_x0);
+  scalar_t lanes_dxh[w], lanes_x[w];
+  (s_dxh0 + s_dxh1).store(lanes_dxh), (s_x0 + s_x1).store(lanes_x);
+  double sum_dxh = 0, sum_x = 0;
+  for (int64_t k = 0; k < w; ++k) sum_dxh += double(lanes_dxh[k]), sum_x += double(lanes_x[k]);
+  const Vec mean_dxh(scalar_t(sum_dxh / double(n))), mean_dxh_xh(scalar_t(sum_x / double(n)));
+  vec_loop<scalar_t>(n, [&](int64_t k, int64_t c) {
+    const Vec xh = (vload(v + k, c) - vm) * vr, dxh = vload(dout + k, c) * vload(gain + k, c);
+    vstore(vr * (dxh - mean_dxh - xh * mean_dxh_xh), dv + k, c);
   });
 }
 
@@ -369,6 +382,7 @@ class InputSteps {
 
 // Backward of the input projection from dA [T·B, G·H] (the gradient of its output):
 // returns dx (undefined unless need_dx), dW, d ln_x gain, d ln_x shift (undefined without LN).
+// With layer norm, dA is overwritten with the gradient of W x (callers read dA before).
 std::vector<Tensor> input_projection_backward(const PassArgs& a, const Tensor& dA, const Tensor& raw,
                                               const Tensor& mean, const Tensor& rstd, bool need_dx);
 

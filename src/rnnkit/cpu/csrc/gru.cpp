@@ -298,6 +298,7 @@ struct Gru {
                     at::mm(dA2.narrow(1, 2 * H, H).t(), reset_hidden(gates, h_in).view({TB, H}))});
       db_R = at::sum(dA2, 0);
     }
+    const Tensor db_W = or_undefined(a.b_W.defined(), at::sum(dA2, 0));  // before dA2 turns into dL/d(W x)
     auto inp = input_projection_backward(a, dA2, slot(saved, kInputRaw), slot(saved, kInputMean),
                                          slot(saved, kInputRstd), need_dx);
     Tensor d_ln_h = ln ? acc_ln_h.sum(1) : Tensor();
@@ -306,7 +307,7 @@ struct Gru {
             Tensor(),
             inp[1],
             dR,
-            or_undefined(a.b_W.defined(), at::sum(dA2, 0)),
+            db_W,
             or_undefined(a.b_R.defined(), db_R),
             Tensor(),
             Tensor(),

@@ -87,7 +87,7 @@ struct Lstm {
     Tensor h_in = rm ? h * a.recurrent_mask : h;  // what enters R
     // Per-step buffers: the whole sequence when training (backward reads them), one step otherwise.
     const int64_t keep = training ? T : 1;
-    Tensor m = new_buffer({B, H}, like), cell_tmp = new_buffer({B, H}, like);  // m; clipped c̃ -> tanh(LN_c(c̃))
+    Tensor m = new_buffer({B, H}, like), cell_tmp = new_buffer({B, H}, like);  // m; clipped c̃
     Tensor h_tilde = proj ? new_buffer({B, P}, like) : Tensor();
     Tensor clipped = proj && proj_clip > 0 && training ? at::empty({T, B, P}, like.options().dtype(at::kBool)) : Tensor();
     Tensor gh = ln ? new_buffer({keep, B, GH}, like) : Tensor();
@@ -145,25 +145,27 @@ struct Lstm {
         R_right.multiply(hin_p, Hr, 1, gx_t, GH);  // W x + R h
       }
       for_rows(B, GH * 8, [&](int64_t b0, int64_t b1) {
+        using Vec = at::vec::Vectorized<scalar_t>;
         for (int64_t b = b0; b < b1; ++b) {
           scalar_t* cb = c_p + b * H;
           if (training) std::copy(cb, cb + H, cp_p + (t * B + b) * H);
           if (!valid(t, b)) continue;
           scalar_t* gate = gx_t + b * GH;  // W x (+ R h) -> the gates, in place
           scalar_t* mb = m_p + b * H;
-          if (ln) {
+          if (ln) {  // gate += bias + LN_h(R h)
             const scalar_t* ghb = gh_t + b * GH;
             scalar_t mh, rh;
             row_stats(ghb, GH, mh, rh);
             st_p[k * B + b] = mh, st_p[stat_stride + k * B + b] = rh;
-            if (bias_p) {
-              for (int64_t q = 0; q < GH; ++q)
-                gate[q] += bias_p[q] + ((ghb[q] - mh) * rh * ln_h_gain[q] + ln_h_shift[q]);
-            } else {
-              for (int64_t q = 0; q < GH; ++q) gate[q] += (ghb[q] - mh) * rh * ln_h_gain[q] + ln_h_shift[q];
-            }
+            const Vec vm(mh), vr(rh);
+            vec_loop<scalar_t>(GH, [&](int64_t q, int64_t n) {
+              Vec v = vload(gate + q, n) + at::vec::fmadd((vload(ghb + q, n) - vm) * vr, vload(ln_h_gain + q, n),
+                                                          vload(ln_h_shift + q, n));
+              if (bias_p) v = v + vload(bias_p + q, n);
+              vstore(v, gate + q, n);
+            });
           } else if (bias_p) {
-            for (int64_t q = 0; q < GH; ++q) gate[q] += bias_p[q];
+            vec_loop<scalar_t>(GH, [&](int64_t q, int64_t n) { vstore(vload(gate + q, n) + vload(bias_p + q, n), gate + q, n); });
           }
           if (peep) {  // i and f peek at c_{t-1}
             for (int64_t j = 0; j < H; ++j) gate[gi + j] += p_i[j] * cb[j];
@@ -172,20 +174,23 @@ struct Lstm {
           }
           sigmoid_inplace(gate + gi, gf < 0 ? H : 2 * H);  // i (and f, stored next to it)
           tanh_inplace(gate + gg, H);
-          scalar_t* cc = tmp_p + b * H;  // clipped c̃, then tanh(LN_c(c̃))
+          scalar_t* cc = tmp_p + b * H;  // clipped c̃
           cell_candidate(gate, cb, nullptr, cc);
           zone_into(cb, cc, zc.row(t, b), zc.p, H);
           if (peep)  // o peeks at the new c
             for (int64_t j = 0; j < H; ++j) gate[go + j] += p_o[j] * cc[j];
           sigmoid_inplace(gate + go, H);
+          scalar_t mc = 0, rc = 1;
           if (ln) {
-            scalar_t mc, rc;
             row_stats(cc, H, mc, rc);
             st_p[2 * stat_stride + k * B + b] = mc, st_p[3 * stat_stride + k * B + b] = rc;
-            for (int64_t j = 0; j < H; ++j) cc[j] = (cc[j] - mc) * rc * ln_c_gain[j] + ln_c_shift[j];
           }
-          tanh_inplace(cc, H);
-          for (int64_t j = 0; j < H; ++j) mb[j] = gate[go + j] * cc[j];
+          const Vec vm(mc), vr(rc);
+          vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) {  // m = o ∘ tanh(LN_c(c̃))
+            Vec v = vload(cc + j, n);
+            if (ln) v = at::vec::fmadd((v - vm) * vr, vload(ln_c_gain + j, n), vload(ln_c_shift + j, n));
+            vstore(vload(gate + go + j, n) * vtanh(v), mb + j, n);
+          });
         }
         if (!proj) finish_h(t, b0, b1);
       });
@@ -298,8 +303,15 @@ struct Lstm {
         scalar_t mc = 0, rc = 0;
         if (ln) mc = mc_p[row], rc = rc_p[row];
         cell_candidate(gate, cprev, craw, cc);
-        for (int64_t j = 0; j < H; ++j) tc[j] = ln ? (cc[j] - mc) * rc * ln_c_gain[j] + ln_c_shift[j] : cc[j];
-        tanh_inplace(tc, H);
+        {
+          using Vec = at::vec::Vectorized<scalar_t>;
+          const Vec vm(mc), vr(rc);
+          vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) {
+            Vec v = vload(cc + j, n);
+            if (ln) v = at::vec::fmadd((v - vm) * vr, vload(ln_c_gain + j, n), vload(ln_c_shift + j, n));
+            vstore(vtanh(v), tc + j, n);
+          });
+        }
         if (proj)
           for (int64_t j = 0; j < H; ++j) mall_p[row * H + j] = gate[go + j] * tc[j];
         if (ln) {

@@ -166,13 +166,12 @@ std::vector<Tensor> input_projection_backward(const PassArgs& a, const Tensor& d
   if (a.ln_x_gain.defined()) {
     // LN_x's backward row by row; each thread accumulates dγ, dβ in its own row of `acc`.
     const int64_t rows = dA.size(0), n = a.GH;
-    dpre = new_buffer({rows, n}, dA);
     Tensor acc = zero_buffer({at::get_num_threads(), 2, n}, dA);
     AT_DISPATCH_FLOATING_TYPES(dA.scalar_type(), "rnnkit_input_layer_norm_backward", [&] {
       const scalar_t *d = dA.data_ptr<scalar_t>(), *v = raw.data_ptr<scalar_t>();
       const scalar_t *m = mean.data_ptr<scalar_t>(), *r = rstd.data_ptr<scalar_t>();
       const scalar_t* gain = a.ln_x_gain.data_ptr<scalar_t>();
-      scalar_t *out = dpre.data_ptr<scalar_t>(), *acc_p = acc.data_ptr<scalar_t>();
+      scalar_t *out = dA.data_ptr<scalar_t>(), *acc_p = acc.data_ptr<scalar_t>();  // in place
       at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t r0, int64_t r1) {
         scalar_t* mine = acc_p + at::get_thread_num() * 2 * n;
         for (int64_t i = r0; i < r1; ++i)
