@@ -306,9 +306,9 @@ def test_training_saves_at_most_g_plus_1_values_per_step(case):
     pytest.param("rnn_tanh", dict(layer_norm=True), id="rnn"),
 ])
 def test_inference_in_chunks_matches_reference(mode, options):
-    """Inference projects the input in chunks of ~2048 rows as the loop reaches them (memory flat
-    in T): B=64 makes 32-step chunks, so T=70 spans three, the last partial, in both directions
-    and with lengths (one of them the full 70)."""
+    """Inference projects the input in chunks as the loop reaches them (memory flat in T):
+    chunks of ~256 KB of gates make 18-step chunks here (B=64, G·H=28, float64), so T=70 spans
+    four, the last partial, in both directions and with lengths (one of them the full 70)."""
     module = make_module(mode, 5, 7, torch.float64, bidirectional=True, **options).eval()
     x = torch.randn(70, 64, 5, dtype=torch.float64)
     lengths = torch.randint(1, 71, (64,)).tolist()
@@ -321,3 +321,17 @@ def test_inference_in_chunks_matches_reference(mode, options):
             outputs[backend] = [y] + flatten(hy)
     for k, (got, want) in enumerate(zip(outputs["fused"], outputs["reference"])):
         assert_close(got, want, f"output {k}")
+
+
+@pytest.mark.parametrize("mode, B, options", [
+    pytest.param("lstm", 64, dict(peephole=True, layer_norm=True, zoneout=0.2), id="lstm"),  # 18-step chunks
+    pytest.param("gru", 64, dict(layer_norm=True), id="gru"),  # 24-step chunks
+    pytest.param("rnn_tanh", 160, dict(layer_norm=True), id="rnn"),  # 29-step chunks
+])
+def test_training_projects_in_chunks(mode, B, options):
+    """Training also projects the input a chunk at a time (~256 KB of gates, into the buffer the
+    backward reads, with layer norm's raw sums and statistics sliced the same way): T=41 spans
+    two or three chunks in both directions; outputs and every gradient match the reference."""
+    lengths = torch.randint(1, 42, (B,)).tolist()
+    lengths[0] = 41
+    assert_fused_matches(mode, T=41, B=B, lengths=lengths, training=True, bidirectional=True, **options)

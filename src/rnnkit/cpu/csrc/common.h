@@ -170,7 +170,9 @@ inline at::vec::Vectorized<float> fast_exp(const at::vec::Vectorized<float>& v) 
 #endif
 }
 
-// float σ: 1 / (1 + exp(−x)); fast_exp's clamp keeps exp(−x) finite (σ(−88) rounds to 0).
+// float σ: 1 / (1 + exp(−x)); fast_exp's clamp keeps exp(−x) finite (σ(x ≤ −88) ≈ 6e-39).
+// (An extra at::vec::minimum / maximum clamp here, NaN-propagating compare-and-blend, made the
+// loop 4× slower as built with the default -mtune: measured 1.6 vs 0.3-0.5 ns per value.)
 template <>
 inline void sigmoid_inplace<float>(float* v, int64_t n) {
   using Vec = at::vec::Vectorized<float>;

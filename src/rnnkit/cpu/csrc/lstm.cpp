@@ -159,10 +159,9 @@ struct Lstm {
             st_p[k * B + b] = mh, st_p[stat_stride + k * B + b] = rh;
             const Vec vm(mh), vr(rh);
             vec_loop<scalar_t>(GH, [&](int64_t q, int64_t n) {
-              Vec v = vload(gate + q, n) + at::vec::fmadd((vload(ghb + q, n) - vm) * vr, vload(ln_h_gain + q, n),
-                                                          vload(ln_h_shift + q, n));
-              if (bias_p) v = v + vload(bias_p + q, n);
-              vstore(v, gate + q, n);
+              Vec v = at::vec::fmadd((vload(ghb + q, n) - vm) * vr, vload(ln_h_gain + q, n), vload(ln_h_shift + q, n));
+              if (bias_p) v = vload(bias_p + q, n) + v;
+              vstore(vload(gate + q, n) + v, gate + q, n);
             });
           } else if (bias_p) {
             vec_loop<scalar_t>(GH, [&](int64_t q, int64_t n) { vstore(vload(gate + q, n) + vload(bias_p + q, n), gate + q, n); });
