@@ -221,6 +221,27 @@ inline void tanh_inplace<float>(float* v, int64_t n) {
 inline at::vec::Vectorized<float> vtanh(const at::vec::Vectorized<float>& x) { return fast_tanh(x); }
 inline at::vec::Vectorized<double> vtanh(const at::vec::Vectorized<double>& x) { return x.tanh(); }
 
+// The lanes of v added in double.
+template <typename scalar_t>
+inline double lane_sum(const at::vec::Vectorized<scalar_t>& v) {
+  constexpr int64_t w = at::vec::Vectorized<scalar_t>::size();
+  scalar_t lanes[w];
+  v.store(lanes);
+  double total = 0;
+  for (int64_t k = 0; k < w; ++k) total += double(lanes[k]);
+  return total;
+}
+
+// γ ∘ (v − mean) · rstd + β for the `count` values at j: the one expression (and rounding order)
+// every layer-norm apply uses, forward and recomputed.
+template <typename scalar_t>
+inline at::vec::Vectorized<scalar_t> layer_norm_apply(const at::vec::Vectorized<scalar_t>& v,
+                                                      const at::vec::Vectorized<scalar_t>& mean,
+                                                      const at::vec::Vectorized<scalar_t>& rstd, const scalar_t* gain,
+                                                      const scalar_t* shift, int64_t j, int64_t count) {
+  return at::vec::fmadd((v - mean) * rstd, vload(gain + j, count), vload(shift + j, count));
+}
+
 // The sum of a row's values through four SIMD accumulators (each lane sums n / (4·width)
 // values: float32 rows of thousands of values keep float32 accuracy), `term(j, count)` giving
 // the Vec of terms at j; the lanes are added in double.
@@ -234,11 +255,7 @@ inline double vec_sum(int64_t n, const F& term) {
     s0 = s0 + term(j, w), s1 = s1 + term(j + w, w), s2 = s2 + term(j + 2 * w, w), s3 = s3 + term(j + 3 * w, w);
   }
   for (; j < n; j += w) s0 = s0 + term(j, std::min(w, n - j));
-  scalar_t lanes[w];
-  ((s0 + s1) + (s2 + s3)).store(lanes);
-  double total = 0;
-  for (int64_t k = 0; k < w; ++k) total += double(lanes[k]);
-  return total;
+  return lane_sum<scalar_t>((s0 + s1) + (s2 + s3));
 }
 
 // Mean and 1/sqrt(var + eps) of one row (biased variance), two passes (the second sums
@@ -276,11 +293,8 @@ inline void row_layer_norm_backward(const scalar_t* dout, const scalar_t* v, int
   };
   for (; j + 2 * w <= n; j += 2 * w) pass(j, w, s_dxh0, s_x0), pass(j + w, w, s_dxh1, s_x1);
   for (; j < n; j += w) pass(j, std::min(w, n - j), s_dxh0, s_x0);
-  scalar_t lanes_dxh[w], lanes_x[w];
-  (s_dxh0 + s_dxh1).store(lanes_dxh), (s_x0 + s_x1).store(lanes_x);
-  double sum_dxh = 0, sum_x = 0;
-  for (int64_t k = 0; k < w; ++k) sum_dxh += double(lanes_dxh[k]), sum_x += double(lanes_x[k]);
-  const Vec mean_dxh(scalar_t(sum_dxh / double(n))), mean_dxh_xh(scalar_t(sum_x / double(n)));
+  const Vec mean_dxh(scalar_t(lane_sum<scalar_t>(s_dxh0 + s_dxh1) / double(n)));
+  const Vec mean_dxh_xh(scalar_t(lane_sum<scalar_t>(s_x0 + s_x1) / double(n)));
   vec_loop<scalar_t>(n, [&](int64_t k, int64_t c) {
     const Vec xh = (vload(v + k, c) - vm) * vr, dxh = vload(dout + k, c) * vload(gain + k, c);
     vstore(vr * (dxh - mean_dxh - xh * mean_dxh_xh), dv + k, c);

@@ -42,6 +42,14 @@ struct Lstm {
     zh = a.zone_h<scalar_t>(), zc = a.zone_c<scalar_t>();
   }
 
+  // tanh(LN_c(c̃)) of the n values at j of a clipped-c̃ row (LN_c with mean / rstd only under
+  // layer norm): the forward's m = o ∘ this, and the backward's recomputation of it.
+  at::vec::Vectorized<scalar_t> cell_tanh(const scalar_t* cc, const at::vec::Vectorized<scalar_t>& mean,
+                                          const at::vec::Vectorized<scalar_t>& rstd, int64_t j, int64_t n) const {
+    const at::vec::Vectorized<scalar_t> v = vload(cc + j, n);
+    return vtanh(ln ? layer_norm_apply(v, mean, rstd, ln_c_gain, ln_c_shift, j, n) : v);
+  }
+
   int64_t step_time(int64_t s) const { return a.reverse ? T - 1 - s : s; }
   bool valid(int64_t t, int64_t b) const { return mask == nullptr || mask[t * B + b]; }
 
@@ -159,7 +167,7 @@ struct Lstm {
             st_p[k * B + b] = mh, st_p[stat_stride + k * B + b] = rh;
             const Vec vm(mh), vr(rh);
             vec_loop<scalar_t>(GH, [&](int64_t q, int64_t n) {
-              Vec v = at::vec::fmadd((vload(ghb + q, n) - vm) * vr, vload(ln_h_gain + q, n), vload(ln_h_shift + q, n));
+              Vec v = layer_norm_apply(vload(ghb + q, n), vm, vr, ln_h_gain, ln_h_shift, q, n);
               if (bias_p) v = vload(bias_p + q, n) + v;
               vstore(vload(gate + q, n) + v, gate + q, n);
             });
@@ -186,9 +194,7 @@ struct Lstm {
           }
           const Vec vm(mc), vr(rc);
           vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) {  // m = o ∘ tanh(LN_c(c̃))
-            Vec v = vload(cc + j, n);
-            if (ln) v = at::vec::fmadd((v - vm) * vr, vload(ln_c_gain + j, n), vload(ln_c_shift + j, n));
-            vstore(vload(gate + go + j, n) * vtanh(v), mb + j, n);
+            vstore(vload(gate + go + j, n) * cell_tanh(cc, vm, vr, j, n), mb + j, n);
           });
         }
         if (!proj) finish_h(t, b0, b1);
@@ -302,15 +308,8 @@ struct Lstm {
         scalar_t mc = 0, rc = 0;
         if (ln) mc = mc_p[row], rc = rc_p[row];
         cell_candidate(gate, cprev, craw, cc);
-        {
-          using Vec = at::vec::Vectorized<scalar_t>;
-          const Vec vm(mc), vr(rc);
-          vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) {
-            Vec v = vload(cc + j, n);
-            if (ln) v = at::vec::fmadd((v - vm) * vr, vload(ln_c_gain + j, n), vload(ln_c_shift + j, n));
-            vstore(vtanh(v), tc + j, n);
-          });
-        }
+        const at::vec::Vectorized<scalar_t> vm(mc), vr(rc);
+        vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) { vstore(cell_tanh(cc, vm, vr, j, n), tc + j, n); });
         if (proj)
           for (int64_t j = 0; j < H; ++j) mall_p[row * H + j] = gate[go + j] * tc[j];
         if (ln) {

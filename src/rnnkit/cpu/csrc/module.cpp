@@ -110,7 +110,7 @@ static void layer_norm_rows(const scalar_t* v, int64_t rows, int64_t n, const sc
       if (mean) mean[r] = m, rstd[r] = rs;
       const Vec vm(m), vrs(rs);
       vec_loop<scalar_t>(n, [&](int64_t j, int64_t cnt) {
-        Vec y = at::vec::fmadd((vload(vr + j, cnt) - vm) * vrs, vload(gain + j, cnt), vload(shift + j, cnt));
+        Vec y = layer_norm_apply(vload(vr + j, cnt), vm, vrs, gain, shift, j, cnt);
         if (bias) y = y + vload(bias + j, cnt);
         vstore(y, o + j, cnt);
       });
@@ -162,7 +162,7 @@ void InputSteps::compute_chunk(int64_t s) {
 
 std::vector<Tensor> input_projection_backward(const PassArgs& a, const Tensor& dA, const Tensor& raw,
                                               const Tensor& mean, const Tensor& rstd, bool need_dx) {
-  Tensor dpre = dA, dgain, dshift;
+  Tensor dgain, dshift;
   if (a.ln_x_gain.defined()) {
     // LN_x's backward row by row; each thread accumulates dγ, dβ in its own row of `acc`.
     const int64_t rows = dA.size(0), n = a.GH;
@@ -182,8 +182,8 @@ std::vector<Tensor> input_projection_backward(const PassArgs& a, const Tensor& d
     dgain = sums[0], dshift = sums[1];
   }
   const Tensor x2 = a.x.view({a.T * a.B, a.I});
-  Tensor dW = at::mm(dpre.t(), x2);  // [G·H, I]
-  Tensor dx = need_dx ? at::mm(dpre, a.W).view({a.T, a.B, a.I}) : Tensor();
+  Tensor dW = at::mm(dA.t(), x2);  // [G·H, I]
+  Tensor dx = need_dx ? at::mm(dA, a.W).view({a.T, a.B, a.I}) : Tensor();
   return {dx, dW, dgain, dshift};
 }
 
