@@ -72,6 +72,7 @@ def main(argv=None) -> None:
         charlm.atomic_write(out / "weights.safetensors", charlm.require_safetensors().save(weights))
         print(f"{world} process(es), {args.steps} steps: validation {bpc:.3f} bits/char; weights in {out}")
     if distributed:
+        dist.barrier()  # no rank leaves while another still talks to it (gloo aborts on a vanished peer)
         dist.destroy_process_group()
 
 

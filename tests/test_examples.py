@@ -55,12 +55,14 @@ def test_ddp_two_processes_match_one(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(SENTENCE * 100, encoding="utf-8")
     flags = ["--text", str(corpus), "--steps", "3", "--hidden", "32", "--batch", "4", "--bptt", "16"]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-              "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    logs = tmp_path / "logs"  # each rank's own stdout/stderr: torchrun's summary alone hides why a rank died
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--log-dir", str(logs),
+              "--tee", "3", "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     for command, out in ((launch, "two"), ([sys.executable], "one")):
         result = subprocess.run([*command, str(EXAMPLES / "ddp.py"), *flags, "--out", str(tmp_path / out)],
                                 capture_output=True, text=True, timeout=300, env=one_thread_env())
-        assert result.returncode == 0, result.stderr[-2000:]
+        ranks = "".join(f"--- {log.relative_to(logs)}\n{log.read_text()[-1500:]}\n" for log in sorted(logs.rglob("*.log")))
+        assert result.returncode == 0, ranks + result.stderr[-1500:]
     one, two = load_file(str(tmp_path / "one" / "weights.safetensors")), load_file(str(tmp_path / "two" / "weights.safetensors"))
     assert one.keys() == two.keys()
     for key in one:
