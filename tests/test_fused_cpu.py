@@ -8,6 +8,9 @@ for torch.empty), so an unwritten value fails the comparison.
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -155,6 +158,21 @@ def test_awkward_shapes(mode, options, shape):
     assert_fused_matches(mode, **{**options, **AWKWARD[shape]})
 
 
+BATCH_OF_ONE = [  # float32 B = 1 runs the kernels' own matrix-vector loops instead of BLAS
+    pytest.param("lstm", dict(peephole=True, layer_norm=True, proj_size=5, bidirectional=True), id="lstm-proj"),
+    pytest.param("lstm", dict(num_layers=2, recurrent_dropout=0.2, zoneout=0.1), id="lstm-stack"),
+    pytest.param("gru", dict(bidirectional=True), id="gru"),
+    pytest.param("gru", dict(reset_after=False, dropconnect=0.2), id="gru_reset_before"),
+    pytest.param("rnn_relu", dict(layer_norm=True), id="rnn"),
+]
+
+
+@pytest.mark.parametrize("H", [37, 200])  # 37: row and column tails; 200: large enough to split across threads
+@pytest.mark.parametrize("mode, options", BATCH_OF_ONE)
+def test_batch_of_one_fp32(mode, options, H):
+    assert_fused_matches(mode, dtype=torch.float32, T=7, B=1, I=11, H=H, training=True, lengths=[5], **options)
+
+
 GRADCHECK = {
     "lstm-peephole_ln_proj": ("lstm", dict(peephole=True, layer_norm=True, proj_size=2, cell_clip=5.0)),
     "lstm-coupled_zoneout": ("lstm", dict(coupled_gates=True, zoneout=(0.3, 0.2))),
@@ -217,6 +235,42 @@ def test_repeated_calls_do_not_leak():
         call()
     gc.collect()
     assert _rss_bytes() - before < 24 * 2**20
+
+
+def _train_call(module, x):
+    y, (h, c) = module(x)
+    (y.sum() + h.sum() + c.sum()).backward()
+    return y.detach()
+
+
+def test_freed_buffers_are_reused_then_released():
+    from rnnkit import cpu
+    module = make_module("lstm", 64, 128, torch.float32, layer_norm=True, backend="fused").train()
+    x = torch.randn(50, 16, 64, requires_grad=True)  # gates [50, 16, 512]: 1.6 MB buffers, cached
+    cpu.release_cached_buffers()
+    assert cpu.cached_buffer_bytes() == 0
+    _train_call(module, x), _train_call(module, x)
+    kept = cpu.cached_buffer_bytes()
+    assert kept > 2**20
+    for _ in range(3):
+        _train_call(module, x)
+        assert cpu.cached_buffer_bytes() == kept  # each call took its buffers from the cache and gave them back
+    y = _train_call(module, x)
+    expected = y.clone()
+    cpu.release_cached_buffers()
+    assert cpu.cached_buffer_bytes() == 0
+    assert torch.equal(y, expected)  # a live output keeps its memory through a release
+    y.resize_(2, y.numel())  # and is an ordinary, resizable tensor
+    assert torch.equal(y[0], expected.flatten())
+
+
+def test_buffer_cache_can_be_turned_off():
+    code = ("import torch, rnnkit; from rnnkit import cpu; m = rnnkit.LSTM(64, 128, backend='fused');"
+            "y, _ = m(torch.randn(50, 16, 64)); y.sum().backward(); print(cpu.cached_buffer_bytes())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "RNNKIT_CPU_CACHE_MB": "0"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "0"
 
 
 @pytest.mark.parametrize("where, expect", [

@@ -19,6 +19,22 @@ from .launcher import fused_pass
 _DTYPES = (torch.float32, torch.float64)
 
 
+def cached_buffer_bytes() -> int:
+    """Bytes of freed kernel buffers kept for reuse (0 when the fused backend is not built).
+
+    Buffers of 256 KB and more come from blocks that earlier calls freed: fresh memory costs a
+    page fault per 4 KB page on first touch. At most RNNKIT_CPU_CACHE_MB (default 512; 0 turns
+    the cache off) is kept; ``release_cached_buffers()`` gives it back to the system.
+    """
+    return build.extension().cached_buffer_bytes() if build.failure() is None else 0
+
+
+def release_cached_buffers() -> None:
+    """Give the kernels' kept buffers back to the system (tensors still in use are not affected)."""
+    if build.failure() is None:
+        build.extension().release_cached_buffers()
+
+
 class FusedCPUBackend:
     """Compiled C++ passes on ATen for CPU tensors in float32 / float64; differentiable."""
 

@@ -33,6 +33,11 @@ constexpr double kLayerNormEps = 1e-5;
 // before it is written shows up as a NaN in the outputs or gradients.
 bool& poison_flag();
 
+// Uninitialized, from the cache of freed large buffers (module.cpp) when at least 256 KB.
+Tensor cached_empty(at::IntArrayRef sizes, const Tensor& like);
+size_t cached_buffer_bytes();
+void release_cached_buffers();
+
 // A buffer that is always fully written before it is read (NaN-filled under poison_flag()).
 Tensor new_buffer(at::IntArrayRef sizes, const Tensor& like);
 // A buffer that must start at zero (accumulators).

@@ -2,9 +2,16 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/accumulate.h>
 
+#include <cstdlib>
 #include <limits>
+#include <map>
+#include <mutex>
 
 #include "common.h"
 #include "passes.h"
@@ -25,21 +32,106 @@ void sgemm_compute_(const char* ta, const char* tb, const int* m, const int* n, 
 
 namespace rnnkit {
 
+namespace {
+using FVec = at::vec::Vectorized<float>;
+
+// One batch row (B = 1, streaming): C = x · op(M) is a matrix-vector product that reads all of M
+// per step. These two loops stream a 1 MB M from L2 at ~140 GB/s here, MKL's packed GEMM and its
+// gemv at ~100 and ~70 (C++ microbenchmark, H = 256 LSTM's R). Both read M once, in order.
+// Threads split the output when M is large enough to pay for them.
+constexpr int64_t kGemvGrain = 1 << 16;  // matrix values per thread, at least
+
+inline float hsum(const FVec& v) {
+  return at::vec::vec_reduce_all<float>([](const FVec& a, const FVec& b) { return a + b; }, v);
+}
+
+inline void put(float* c, float value, float beta) { *c = beta == 0 ? value : value + beta * *c; }
+
+// C[n] = Σ_k x[k]·M[n, k] + beta·C[n] for n in [0, N): dot products, four rows of M at a time.
+void gemv_rows(const float* M, int64_t ldm, int64_t N, int64_t K, const float* x, float beta, float* C) {
+  at::parallel_for(0, (N + 3) / 4, std::max<int64_t>(1, kGemvGrain / (4 * K)), [&](int64_t begin, int64_t end) {
+    const int64_t stop = std::min(N, 4 * end);
+    int64_t n = 4 * begin;
+    for (; n + 4 <= stop; n += 4) {
+      const float* m = M + n * ldm;
+      FVec s0(0), s1(0), s2(0), s3(0);
+      vec_loop<float>(K, [&](int64_t k, int64_t count) {
+        const FVec xv = FVec::loadu(x + k, count);
+        s0 = at::vec::fmadd(FVec::loadu(m + k, count), xv, s0);
+        s1 = at::vec::fmadd(FVec::loadu(m + ldm + k, count), xv, s1);
+        s2 = at::vec::fmadd(FVec::loadu(m + 2 * ldm + k, count), xv, s2);
+        s3 = at::vec::fmadd(FVec::loadu(m + 3 * ldm + k, count), xv, s3);
+      });
+      put(C + n, hsum(s0), beta), put(C + n + 1, hsum(s1), beta);
+      put(C + n + 2, hsum(s2), beta), put(C + n + 3, hsum(s3), beta);
+    }
+    for (; n < stop; ++n) {
+      FVec s(0);
+      vec_loop<float>(K, [&](int64_t k, int64_t count) {
+        s = at::vec::fmadd(FVec::loadu(M + n * ldm + k, count), FVec::loadu(x + k, count), s);
+      });
+      put(C + n, hsum(s), beta);
+    }
+  });
+}
+
+// C[n] = Σ_k x[k]·M[k, n] + beta·C[n]: rows of M scaled and summed into four SIMD registers'
+// worth of columns at a time.
+void gemv_columns(const float* M, int64_t ldm, int64_t N, int64_t K, const float* x, float beta, float* C) {
+  constexpr int64_t w = FVec::size(), block = 4 * w;
+  at::parallel_for(0, (N + block - 1) / block, std::max<int64_t>(1, kGemvGrain / (block * K)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin * block; n < std::min(N, end * block); n += block) {
+      const int64_t width = std::min(block, N - n);
+      FVec acc[4] = {FVec(0), FVec(0), FVec(0), FVec(0)};
+      if (width == block) {
+        for (int64_t k = 0; k < K; ++k) {
+          const FVec xk(x[k]);
+          const float* m = M + k * ldm + n;
+          for (int j = 0; j < 4; ++j) acc[j] = at::vec::fmadd(FVec::loadu(m + j * w), xk, acc[j]);
+        }
+      } else {
+        for (int64_t k = 0; k < K; ++k) {
+          const FVec xk(x[k]);
+          const float* m = M + k * ldm + n;
+          for (int64_t j = 0; j * w < width; ++j) {
+            acc[j] = at::vec::fmadd(FVec::loadu(m + j * w, std::min(w, width - j * w)), xk, acc[j]);
+          }
+        }
+      }
+      for (int64_t j = 0; j * w < width; ++j) {
+        const int64_t count = std::min(w, width - j * w);
+        float* c = C + n + j * w;
+        const FVec out = beta == 0 ? acc[j] : at::vec::fmadd(FVec(beta), FVec::loadu(c, count), acc[j]);
+        out.store(c, count);
+      }
+    }
+  });
+}
+}  // namespace
+
 // In column-major terms Cᵀ[N, rows] = op(M)ᵀ[N, K] · Xᵀ[K, rows]: op(M)ᵀ is BLAS's packed "A".
+// One row needs no packing: multiply() runs the matrix-vector loops above on M itself.
 template <>
 PackedRight<float>::PackedRight(const float* M, int64_t ldm, bool trans, int64_t rows, int64_t N, int64_t K,
                                 const Tensor& like)
     : rows_(rows), N_(N), K_(K), ldm_(ldm), matrix_(M), trans_(trans) {
+  if (rows == 1) return;
   const char id = 'A', ta = trans ? 'T' : 'N';
   const int m = int(N), n = int(rows), k = int(K), ld = int(ldm);
   const float one = 1;
   const size_t bytes = sgemm_pack_get_size_(&id, &m, &n, &k);
-  storage_ = at::empty({int64_t(bytes / sizeof(float) + 1)}, like.options());
+  storage_ = cached_empty({int64_t(bytes / sizeof(float) + 1)}, like);
   sgemm_pack_(&id, &ta, &m, &n, &k, &one, M, &ld, storage_.data_ptr<float>());
 }
 
 template <>
 void PackedRight<float>::multiply(const float* X, int64_t ldx, float beta, float* C, int64_t ldc) const {
+  if (rows_ == 1) {
+    // op(M) = Mᵀ: M is [N, K] and C[n] = M[n, :]·x; otherwise M is [K, N] and C = Σ_k x[k]·M[k, :].
+    (trans_ ? gemv_rows : gemv_columns)(matrix_, ldm_, N_, K_, X, beta, C);
+    return;
+  }
   const char ta = 'P', tb = 'N';
   const int m = int(N_), n = int(rows_), k = int(K_), lda = int(ldm_), ldb = int(ldx), lc = int(ldc);
   sgemm_compute_(&ta, &tb, &m, &n, &k, storage_.data_ptr<float>(), &lda, X, &ldb, &beta, C, &lc);
@@ -64,13 +156,96 @@ bool& poison_flag() {
   return on;
 }
 
+// Large buffers come from blocks that earlier passes freed. A fresh block from the system costs
+// a page fault per 4 KB page on first touch: a small LN-LSTM's training call (T 100, B 16, H 128,
+// 2 layers) faults on ~25 MB of buffers, ~13% of its time here. The blocks are a tensor's storage
+// like any other (resizable; freed into this cache when the tensor dies); the cache keeps at most
+// `limit` bytes (RNNKIT_CPU_CACHE_MB, default 512; 0 turns it off) and release() gives them back.
+class BufferCache final : public c10::Allocator {
+ public:
+  static BufferCache& get() {
+    static BufferCache* cache = new BufferCache();  // never destroyed: storages may outlive static destruction
+    return *cache;
+  }
+
+  c10::DataPtr allocate(size_t bytes) override {
+    const size_t size = (std::max<size_t>(bytes, 1) + kGranule - 1) / kGranule * kGranule;
+    char* block = static_cast<char*>(take(size));
+    if (!block) block = static_cast<char*>(c10::alloc_cpu(size + kHeader));
+    *reinterpret_cast<size_t*>(block) = size;
+    return {block + kHeader, block, &BufferCache::free_block, at::Device(at::kCPU)};
+  }
+
+  void copy_data(void* dest, const void* src, size_t count) const override { default_copy_data(dest, src, count); }
+
+  size_t cached() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return cached_;
+  }
+
+  void release() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    for (auto& entry : free_) c10::free_cpu(entry.second);
+    free_.clear();
+    cached_ = 0;
+  }
+
+  static constexpr size_t kMinBytes = 256 << 10;  // smaller buffers: malloc's heap has them without faults
+
+ private:
+  static constexpr size_t kGranule = 64 << 10, kHeader = 64;  // the header keeps the data 64-byte aligned
+
+  BufferCache() {
+    const char* mb = std::getenv("RNNKIT_CPU_CACHE_MB");
+    limit_ = size_t(mb ? std::max(0L, std::atol(mb)) : 512) << 20;
+  }
+
+  void* take(size_t size) {  // the smallest cached block that fits without wasting over a quarter of it
+    std::lock_guard<std::mutex> guard(mutex_);
+    auto it = free_.lower_bound(size);
+    if (it == free_.end() || it->first > size + size / 4) return nullptr;
+    void* block = it->second;
+    cached_ -= it->first;
+    free_.erase(it);
+    return block;
+  }
+
+  static void free_block(void* block) {
+    BufferCache& cache = get();
+    const size_t size = *static_cast<size_t*>(block);
+    {
+      std::lock_guard<std::mutex> guard(cache.mutex_);
+      if (cache.cached_ + size <= cache.limit_) {
+        cache.free_.emplace(size, block);
+        cache.cached_ += size;
+        return;
+      }
+    }
+    c10::free_cpu(block);
+  }
+
+  std::mutex mutex_;
+  std::multimap<size_t, void*> free_;  // block size -> block
+  size_t cached_ = 0, limit_ = 0;
+};
+
+Tensor cached_empty(at::IntArrayRef sizes, const Tensor& like) {
+  const int64_t bytes = c10::multiply_integers(sizes) * int64_t(like.element_size());
+  if (bytes < int64_t(BufferCache::kMinBytes)) return at::empty(sizes, like.options());
+  return at::detail::empty_generic(sizes, &BufferCache::get(), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                   like.scalar_type(), std::nullopt);
+}
+
+size_t cached_buffer_bytes() { return BufferCache::get().cached(); }
+void release_cached_buffers() { BufferCache::get().release(); }
+
 Tensor new_buffer(at::IntArrayRef sizes, const Tensor& like) {
-  Tensor t = at::empty(sizes, like.options());
+  Tensor t = cached_empty(sizes, like);
   if (poison_flag()) t.fill_(std::numeric_limits<double>::quiet_NaN());
   return t;
 }
 
-Tensor zero_buffer(at::IntArrayRef sizes, const Tensor& like) { return at::zeros(sizes, like.options()); }
+Tensor zero_buffer(at::IntArrayRef sizes, const Tensor& like) { return cached_empty(sizes, like).zero_(); }
 
 static Tensor opt(const std::vector<OptTensor>& tensors, size_t i) {
   return (i < tensors.size() && tensors[i].has_value()) ? *tensors[i] : Tensor();
@@ -192,6 +367,8 @@ std::vector<Tensor> input_projection_backward(const PassArgs& a, const Tensor& d
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "rnnkit fused CPU passes (LSTM, GRU, RNN): forward and backward time loops";
   m.def("set_poison", [](bool on) { rnnkit::poison_flag() = on; }, "NaN-fill every buffer the kernels allocate");
+  m.def("cached_buffer_bytes", &rnnkit::cached_buffer_bytes, "bytes of freed buffers the kernels keep for reuse");
+  m.def("release_cached_buffers", &rnnkit::release_cached_buffers, "give the kept buffers back to the system");
   m.def(
       "activations",
       [](const at::Tensor& v) {  // σ(v) and tanh(v) as the passes compute them (tests)
