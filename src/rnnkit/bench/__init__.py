@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + ", ".join(available_names()))
     parser.add_argument("--modes", nargs="+", metavar="MODE", help=f"default both: {', '.join(MODES)}")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per runner, median reported (default 5)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed calls per runner first (default 1)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls per runner first (default 3; 1 with --quick)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for every runner (default: all cores)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
@@ -98,7 +98,7 @@ def _plan(args: argparse.Namespace) -> Plan:
     runner_names = _names(args.runners) or [n for n in available_names() if n not in DEFAULT_EXCLUDED]
     runner_names = ["torch.nn"] + [n for n in dict.fromkeys(runner_names) if n != "torch.nn"]
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 5)
-    warmup = args.warmup if args.warmup is not None else 1
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     if repeats < 1 or warmup < 0:
         raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {repeats} and {warmup}")
     return Plan(
