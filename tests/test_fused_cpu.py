@@ -264,6 +264,40 @@ def test_freed_buffers_are_reused_then_released():
     assert torch.equal(y[0], expected.flatten())
 
 
+def test_buffer_cache_keeps_true_sizes_and_evicts_the_largest():
+    code = """
+import warnings
+from rnnkit.cpu import build
+ext = build.extension()
+MB = 2**20
+a = ext.cached_bytes_buffer(int(1.2 * MB)); del a
+first = ext.cached_buffer_bytes()  # 1.25 MB: sizes go up to whole 64 KB
+assert first == 20 * 2**16, first
+b = ext.cached_bytes_buffer(1 * MB)  # reuses that block (within 1.25x) ...
+assert ext.cached_buffer_bytes() == 0
+del b                               # ... and returns it at its true size
+assert ext.cached_buffer_bytes() == first, (ext.cached_buffer_bytes(), first)
+big, small = ext.cached_bytes_buffer(int(1.5 * MB)), ext.cached_bytes_buffer(MB)
+ext.release_cached_buffers()
+del big  # limit 2 MB: 1.5 MB kept
+assert ext.cached_buffer_bytes() == int(1.5 * MB), ext.cached_buffer_bytes()
+del small  # small holds the reused 1.25 MB block: 2.75 MB would not fit, so the largest kept block goes
+assert ext.cached_buffer_bytes() == first, ext.cached_buffer_bytes()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "RNNKIT_CPU_CACHE_MB": "2"})
+    assert out.returncode == 0 and out.stdout.split()[-1] == "ok", out.stderr
+
+
+def test_buffer_cache_setting_must_be_a_number():
+    code = "from rnnkit.cpu import build; build.extension().cached_bytes_buffer(2**20); print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "RNNKIT_CPU_CACHE_MB": "lots"})
+    assert out.returncode == 0 and out.stdout.split()[-1] == "ok", out.stderr
+    assert "RNNKIT_CPU_CACHE_MB must be a whole number of MB" in out.stderr and "'lots'" in out.stderr
+
+
 def test_buffer_cache_can_be_turned_off():
     code = ("import torch, rnnkit; from rnnkit import cpu; m = rnnkit.LSTM(64, 128, backend='fused');"
             "y, _ = m(torch.randn(50, 16, 64)); y.sum().backward(); print(cpu.cached_buffer_bytes())")

@@ -20,19 +20,22 @@ _DTYPES = (torch.float32, torch.float64)
 
 
 def cached_buffer_bytes() -> int:
-    """Bytes of freed kernel buffers kept for reuse (0 when the fused backend is not built).
+    """Bytes of freed kernel buffers kept for reuse (0 until the fused kernels have run).
 
     Buffers of 256 KB and more come from blocks that earlier calls freed: fresh memory costs a
     page fault per 4 KB page on first touch. At most RNNKIT_CPU_CACHE_MB (default 512; 0 turns
-    the cache off) is kept; ``release_cached_buffers()`` gives it back to the system.
+    the cache off) is kept; when a freed block does not fit, the largest kept blocks go first.
     """
-    return build.extension().cached_buffer_bytes() if build.failure() is None else 0
+    extension = build.loaded()
+    return extension.cached_buffer_bytes() if extension is not None else 0
 
 
 def release_cached_buffers() -> None:
-    """Give the kernels' kept buffers back to the system (tensors still in use are not affected)."""
-    if build.failure() is None:
-        build.extension().release_cached_buffers()
+    """Give the kept buffers back to the system. Tensors still alive keep their memory, and
+    their blocks return to the cache when they die."""
+    extension = build.loaded()
+    if extension is not None:
+        extension.release_cached_buffers()
 
 
 class FusedCPUBackend:

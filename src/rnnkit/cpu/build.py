@@ -89,6 +89,11 @@ def extension():
         return _extension
 
 
+def loaded():
+    """The compiled module if it is already built and loaded, else None (never builds)."""
+    return _extension
+
+
 def failure() -> Optional[str]:
     """None when the kernels are built (building them now if needed), else why they can't be."""
     try:

@@ -12,6 +12,9 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <unordered_map>
+
+#include <pthread.h>
 
 #include "common.h"
 #include "passes.h"
@@ -159,8 +162,9 @@ bool& poison_flag() {
 // Large buffers come from blocks that earlier passes freed. A fresh block from the system costs
 // a page fault per 4 KB page on first touch: a small LN-LSTM's training call (T 100, B 16, H 128,
 // 2 layers) faults on ~25 MB of buffers, ~13% of its time here. The blocks are a tensor's storage
-// like any other (resizable; freed into this cache when the tensor dies); the cache keeps at most
-// `limit` bytes (RNNKIT_CPU_CACHE_MB, default 512; 0 turns it off) and release() gives them back.
+// like any other (resizable; back into this cache when the tensor dies). The cache keeps at most
+// RNNKIT_CPU_CACHE_MB (default 512; 0 turns it off), dropping its largest blocks first when a
+// freed one does not fit; release() gives the kept blocks back to the system.
 class BufferCache final : public c10::Allocator {
  public:
   static BufferCache& get() {
@@ -168,12 +172,24 @@ class BufferCache final : public c10::Allocator {
     return *cache;
   }
 
+  bool on() const { return limit_ > 0; }
+
   c10::DataPtr allocate(size_t bytes) override {
-    const size_t size = (std::max<size_t>(bytes, 1) + kGranule - 1) / kGranule * kGranule;
-    char* block = static_cast<char*>(take(size));
-    if (!block) block = static_cast<char*>(c10::alloc_cpu(size + kHeader));
-    *reinterpret_cast<size_t*>(block) = size;
-    return {block + kHeader, block, &BufferCache::free_block, at::Device(at::kCPU)};
+    const size_t want = (std::max<size_t>(bytes, 1) + kGranule - 1) / kGranule * kGranule;
+    std::unique_lock<std::mutex> lock(mutex_);
+    void* block = nullptr;
+    auto it = free_.lower_bound(want);  // the smallest kept block that fits, if it wastes at most a quarter
+    if (it != free_.end() && it->first <= want + want / 4) {
+      block = it->second;
+      cached_ -= it->first;
+      free_.erase(it);
+    } else {
+      lock.unlock();
+      block = c10::alloc_cpu(want);  // 64-byte aligned
+      lock.lock();
+      size_of_[block] = want;
+    }
+    return {block, block, &BufferCache::free_block, at::Device(at::kCPU)};
   }
 
   void copy_data(void* dest, const void* src, size_t count) const override { default_copy_data(dest, src, count); }
@@ -185,55 +201,63 @@ class BufferCache final : public c10::Allocator {
 
   void release() {
     std::lock_guard<std::mutex> guard(mutex_);
-    for (auto& entry : free_) c10::free_cpu(entry.second);
-    free_.clear();
-    cached_ = 0;
+    while (!free_.empty()) drop(free_.begin());
   }
 
   static constexpr size_t kMinBytes = 256 << 10;  // smaller buffers: malloc's heap has them without faults
 
  private:
-  static constexpr size_t kGranule = 64 << 10, kHeader = 64;  // the header keeps the data 64-byte aligned
+  static constexpr size_t kGranule = 64 << 10;
 
   BufferCache() {
-    const char* mb = std::getenv("RNNKIT_CPU_CACHE_MB");
-    limit_ = size_t(mb ? std::max(0L, std::atol(mb)) : 512) << 20;
+    limit_ = size_t(512) << 20;
+    if (const char* text = std::getenv("RNNKIT_CPU_CACHE_MB")) {
+      char* end = nullptr;
+      const long mb = std::strtol(text, &end, 10);
+      if (end != text && *end == '\0' && mb >= 0 && mb <= (1L << 30)) {
+        limit_ = size_t(mb) << 20;
+      } else {
+        TORCH_WARN("rnnkit: RNNKIT_CPU_CACHE_MB must be a whole number of MB (0 turns the cache off), got '",
+                   text, "'; using 512");
+      }
+    }
+    // A child forked while another thread held the lock would wait on it forever.
+    pthread_atfork(nullptr, nullptr, [] { new (&get().mutex_) std::mutex(); });
   }
 
-  void* take(size_t size) {  // the smallest cached block that fits without wasting over a quarter of it
-    std::lock_guard<std::mutex> guard(mutex_);
-    auto it = free_.lower_bound(size);
-    if (it == free_.end() || it->first > size + size / 4) return nullptr;
-    void* block = it->second;
+  void drop(std::multimap<size_t, void*>::iterator it) {  // mutex_ held
     cached_ -= it->first;
+    size_of_.erase(it->second);
+    c10::free_cpu(it->second);
     free_.erase(it);
-    return block;
   }
 
   static void free_block(void* block) {
     BufferCache& cache = get();
-    const size_t size = *static_cast<size_t*>(block);
-    {
-      std::lock_guard<std::mutex> guard(cache.mutex_);
-      if (cache.cached_ + size <= cache.limit_) {
-        cache.free_.emplace(size, block);
-        cache.cached_ += size;
-        return;
-      }
+    std::lock_guard<std::mutex> guard(cache.mutex_);
+    const size_t size = cache.size_of_.at(block);
+    while (!cache.free_.empty() && cache.cached_ + size > cache.limit_) cache.drop(std::prev(cache.free_.end()));
+    if (cache.cached_ + size <= cache.limit_) {
+      cache.free_.emplace(size, block);
+      cache.cached_ += size;
+    } else {
+      cache.size_of_.erase(block);
+      c10::free_cpu(block);
     }
-    c10::free_cpu(block);
   }
 
   std::mutex mutex_;
-  std::multimap<size_t, void*> free_;  // block size -> block
+  std::multimap<size_t, void*> free_;         // kept blocks: size -> block
+  std::unordered_map<void*, size_t> size_of_;  // every block this cache made, in use or kept
   size_t cached_ = 0, limit_ = 0;
 };
 
 Tensor cached_empty(at::IntArrayRef sizes, const Tensor& like) {
   const int64_t bytes = c10::multiply_integers(sizes) * int64_t(like.element_size());
-  if (bytes < int64_t(BufferCache::kMinBytes)) return at::empty(sizes, like.options());
-  return at::detail::empty_generic(sizes, &BufferCache::get(), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                   like.scalar_type(), std::nullopt);
+  BufferCache& cache = BufferCache::get();
+  if (bytes < int64_t(BufferCache::kMinBytes) || !cache.on()) return at::empty(sizes, like.options());
+  return at::detail::empty_generic(sizes, &cache, c10::DispatchKeySet(c10::DispatchKey::CPU), like.scalar_type(),
+                                   std::nullopt);
 }
 
 size_t cached_buffer_bytes() { return BufferCache::get().cached(); }
@@ -369,6 +393,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_poison", [](bool on) { rnnkit::poison_flag() = on; }, "NaN-fill every buffer the kernels allocate");
   m.def("cached_buffer_bytes", &rnnkit::cached_buffer_bytes, "bytes of freed buffers the kernels keep for reuse");
   m.def("release_cached_buffers", &rnnkit::release_cached_buffers, "give the kept buffers back to the system");
+  m.def(
+      "cached_bytes_buffer",
+      [](int64_t n) { return rnnkit::cached_empty({n}, at::empty({0}, at::kByte)); },
+      "an uninitialized uint8 buffer of n bytes, from the buffer cache when large enough (tests)");
   m.def(
       "activations",
       [](const at::Tensor& v) {  // σ(v) and tanh(v) as the passes compute them (tests)
