@@ -289,10 +289,11 @@ struct Gru {
     Tensor dh0 = dh_dir + (rm ? dh_rec * a.recurrent_mask : dh_rec);
     Tensor h_in = (rm ? hidden_prev * a.recurrent_mask : hidden_prev).view({TB, H});
     Tensor dA2 = dA.view({TB, GH});
+    Tensor d_ln_h = ln ? acc_ln_h.sum(1) : Tensor();
     Tensor dR, db_R;
     if (after) {
       dR = at::mm(dgh.view({TB, GH}).t(), h_in);
-      db_R = at::sum(dAh.view({TB, GH}), 0);
+      db_R = ln ? d_ln_h[1].clone() : at::sum(dAh.view({TB, GH}), 0);  // b_R sits beside LN_h's β: summed already
     } else {
       dR = at::cat({at::mm(dA2.narrow(1, 0, 2 * H).t(), h_in),
                     at::mm(dA2.narrow(1, 2 * H, H).t(), reset_hidden(gates, h_in).view({TB, H}))});
@@ -301,7 +302,6 @@ struct Gru {
     const Tensor db_W = or_undefined(a.b_W.defined(), at::sum(dA2, 0));  // before dA2 turns into dL/d(W x)
     auto inp = input_projection_backward(a, dA2, slot(saved, kInputRaw), slot(saved, kInputMean),
                                          slot(saved, kInputRstd), need_dx);
-    Tensor d_ln_h = ln ? acc_ln_h.sum(1) : Tensor();
     return {inp[0],
             dh0,
             Tensor(),

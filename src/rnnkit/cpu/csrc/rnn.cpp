@@ -170,10 +170,10 @@ struct Rnn {
     Tensor h_in = rm ? hidden_prev * a.recurrent_mask : hidden_prev;
     Tensor dR = at::mm(dgh.view({TB, H}).t(), h_in.view({TB, H}));
     Tensor dA2 = dA.view({TB, H});
-    Tensor db = at::sum(dA2, 0);
+    Tensor d_ln_h = ln ? acc_ln_h.sum(1) : Tensor();
+    Tensor db = ln ? d_ln_h[1].clone() : at::sum(dA2, 0);  // the bias sits beside LN_h's β: summed already
     auto inp = input_projection_backward(a, dA2, slot(saved, kInputRaw), slot(saved, kInputMean),
                                          slot(saved, kInputRstd), need_dx);
-    Tensor d_ln_h = ln ? acc_ln_h.sum(1) : Tensor();
     return {inp[0],
             dh0,
             Tensor(),
