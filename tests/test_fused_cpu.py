@@ -268,16 +268,19 @@ def test_buffer_cache_keeps_true_sizes_and_evicts_the_largest():
     code = """
 import warnings
 from rnnkit.cpu import build
+import torch
 ext = build.extension()
 MB = 2**20
-a = ext.cached_bytes_buffer(int(1.2 * MB)); del a
+def buffer(n):
+    return ext.cached_empty([n], torch.empty(0, dtype=torch.uint8))
+a = buffer(int(1.2 * MB)); del a
 first = ext.cached_buffer_bytes()  # 1.25 MB: sizes go up to whole 64 KB
 assert first == 20 * 2**16, first
-b = ext.cached_bytes_buffer(1 * MB)  # reuses that block (within 1.25x) ...
+b = buffer(1 * MB)  # reuses that block (within 1.25x) ...
 assert ext.cached_buffer_bytes() == 0
 del b                               # ... and returns it at its true size
 assert ext.cached_buffer_bytes() == first, (ext.cached_buffer_bytes(), first)
-big, small = ext.cached_bytes_buffer(int(1.5 * MB)), ext.cached_bytes_buffer(MB)
+big, small = buffer(int(1.5 * MB)), buffer(MB)
 ext.release_cached_buffers()
 del big  # limit 2 MB: 1.5 MB kept
 assert ext.cached_buffer_bytes() == int(1.5 * MB), ext.cached_buffer_bytes()
@@ -291,7 +294,8 @@ print("ok")
 
 
 def test_buffer_cache_setting_must_be_a_number():
-    code = "from rnnkit.cpu import build; build.extension().cached_bytes_buffer(2**20); print('ok')"
+    code = ("import torch; from rnnkit.cpu import build;"
+            "build.extension().cached_empty([2**20], torch.empty(0)); print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "RNNKIT_CPU_CACHE_MB": "lots"})
     assert out.returncode == 0 and out.stdout.split()[-1] == "ok", out.stderr

@@ -101,7 +101,9 @@ def _weight_block(w: PassWeights):
     if hi - lo != total or any(a + n != b for (a, n), (b, _) in zip(starts, starts[1:])):
         return None
     first = lo - base.storage_offset()
-    block = base[first : first + total]
+    # The whole buffer (one layer-direction) is passed as itself: a slice of it would make autograd
+    # build a zero-filled buffer-sized gradient and copy the block's gradient into it.
+    block = base if first == 0 and total == base.numel() else base[first : first + total]
     places = [None if t is None else (t.storage_offset() - lo, t.numel(), tuple(t.shape)) for t in slots]
     return block, places
 
@@ -132,7 +134,7 @@ class FusedPassBlock(torch.autograd.Function):
         g = getattr(ext, f"{ctx.family}_backward")(pack, ctx.scalars, saved, list(grads), need_dx)
         dblock = None
         if ctx.needs_input_grad[-1]:
-            dblock = torch.empty(ctx.numel, dtype=grads[0].dtype, device=grads[0].device)
+            dblock = ext.cached_empty([ctx.numel], grads[0])  # from the kernels' buffer cache
             for p, gw in zip(ctx.places, g[3:]):
                 if p is None:
                     continue

@@ -35,6 +35,8 @@ bool& poison_flag();
 
 // Uninitialized, from the cache of freed large buffers (module.cpp) when at least 256 KB.
 Tensor cached_empty(at::IntArrayRef sizes, const Tensor& like);
+// a · b into a buffer from that cache (the weight gradients: freed again once copied out).
+Tensor mm_cached(const Tensor& a, const Tensor& b);
 size_t cached_buffer_bytes();
 void release_cached_buffers();
 

@@ -292,11 +292,13 @@ struct Gru {
     Tensor d_ln_h = ln ? acc_ln_h.sum(1) : Tensor();
     Tensor dR, db_R;
     if (after) {
-      dR = at::mm(dgh.view({TB, GH}).t(), h_in);
+      dR = mm_cached(dgh.view({TB, GH}).t(), h_in);
       db_R = ln ? d_ln_h[1].clone() : at::sum(dAh.view({TB, GH}), 0);  // b_R sits beside LN_h's β: summed already
     } else {
-      dR = at::cat({at::mm(dA2.narrow(1, 0, 2 * H).t(), h_in),
-                    at::mm(dA2.narrow(1, 2 * H, H).t(), reset_hidden(gates, h_in).view({TB, H}))});
+      dR = cached_empty({GH, H}, like);  // [R_rz; R_n]
+      Tensor dR_rz = dR.narrow(0, 0, 2 * H), dR_n = dR.narrow(0, 2 * H, H);
+      at::mm_out(dR_rz, dA2.narrow(1, 0, 2 * H).t(), h_in);
+      at::mm_out(dR_n, dA2.narrow(1, 2 * H, H).t(), reset_hidden(gates, h_in).view({TB, H}));
       db_R = at::sum(dA2, 0);
     }
     const Tensor db_W = or_undefined(a.b_W.defined(), at::sum(dA2, 0));  // before dA2 turns into dL/d(W x)

@@ -378,14 +378,14 @@ struct Lstm {
     Tensor dh0 = dh_dir + (rm ? dh_rec * a.recurrent_mask : dh_rec);
     Tensor hidden_prev = hidden_entering<scalar_t>(a, slot(saved, kOutput));
     Tensor h_in = rm ? hidden_prev.mul_(a.recurrent_mask) : hidden_prev;
-    Tensor dR = at::mm(dgh.view({TB, GH}).t(), h_in.view({TB, Hr}));
+    Tensor dR = mm_cached(dgh.view({TB, GH}).t(), h_in.view({TB, Hr}));
     Tensor dA2 = dA.view({TB, GH});
     Tensor d_ln_h = ln ? acc_ln_h.sum(1) : Tensor(), d_ln_c = ln ? acc_ln_c.sum(1) : Tensor();
     // The bias sits beside LN_h's β: the loop has summed its gradient already.
     Tensor db = ln ? d_ln_h[1].clone() : at::sum(dA2, 0);
     auto inp = input_projection_backward(a, dA2, slot(saved, kInputRaw), slot(saved, kInputMean),
                                          slot(saved, kInputRstd), need_dx);
-    Tensor dW_hr = proj ? at::mm(dht.view({TB, P}).t(), m_all.view({TB, H})) : Tensor();
+    Tensor dW_hr = proj ? mm_cached(dht.view({TB, P}).t(), m_all.view({TB, H})) : Tensor();
     Tensor dpeep = peep ? acc_peep.sum(0) : Tensor();
     return {inp[0],
             dh0,

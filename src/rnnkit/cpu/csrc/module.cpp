@@ -260,6 +260,12 @@ Tensor cached_empty(at::IntArrayRef sizes, const Tensor& like) {
                                    std::nullopt);
 }
 
+Tensor mm_cached(const Tensor& a, const Tensor& b) {
+  Tensor out = cached_empty({a.size(0), b.size(1)}, a);
+  at::mm_out(out, a, b);
+  return out;
+}
+
 size_t cached_buffer_bytes() { return BufferCache::get().cached(); }
 void release_cached_buffers() { BufferCache::get().release(); }
 
@@ -381,8 +387,8 @@ std::vector<Tensor> input_projection_backward(const PassArgs& a, const Tensor& d
     dgain = sums[0], dshift = sums[1];
   }
   const Tensor x2 = a.x.view({a.T * a.B, a.I});
-  Tensor dW = at::mm(dA.t(), x2);  // [G·H, I]
-  Tensor dx = need_dx ? at::mm(dA, a.W).view({a.T, a.B, a.I}) : Tensor();
+  Tensor dW = mm_cached(dA.t(), x2);  // [G·H, I]
+  Tensor dx = need_dx ? mm_cached(dA, a.W).view({a.T, a.B, a.I}) : Tensor();
   return {dx, dW, dgain, dshift};
 }
 
@@ -394,9 +400,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cached_buffer_bytes", &rnnkit::cached_buffer_bytes, "bytes of freed buffers the kernels keep for reuse");
   m.def("release_cached_buffers", &rnnkit::release_cached_buffers, "give the kept buffers back to the system");
   m.def(
-      "cached_bytes_buffer",
-      [](int64_t n) { return rnnkit::cached_empty({n}, at::empty({0}, at::kByte)); },
-      "an uninitialized uint8 buffer of n bytes, from the buffer cache when large enough (tests)");
+      "cached_empty",
+      [](std::vector<int64_t> sizes, const at::Tensor& like) { return rnnkit::cached_empty(sizes, like); },
+      "an uninitialized tensor of like's dtype, from the buffer cache when 256 KB or more");
   m.def(
       "activations",
       [](const at::Tensor& v) {  // σ(v) and tanh(v) as the passes compute them (tests)

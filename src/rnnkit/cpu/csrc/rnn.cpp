@@ -168,7 +168,7 @@ struct Rnn {
     const int64_t TB = T * B;
     Tensor dh0 = dh_dir + (rm ? dh_rec * a.recurrent_mask : dh_rec);
     Tensor h_in = rm ? hidden_prev * a.recurrent_mask : hidden_prev;
-    Tensor dR = at::mm(dgh.view({TB, H}).t(), h_in.view({TB, H}));
+    Tensor dR = mm_cached(dgh.view({TB, H}).t(), h_in.view({TB, H}));
     Tensor dA2 = dA.view({TB, H});
     Tensor d_ln_h = ln ? acc_ln_h.sum(1) : Tensor();
     Tensor db = ln ? d_ln_h[1].clone() : at::sum(dA2, 0);  // the bias sits beside LN_h's β: summed already
