@@ -37,8 +37,6 @@ bool& poison_flag();
 Tensor cached_empty(at::IntArrayRef sizes, const Tensor& like);
 // a · b into a buffer from that cache (the weight gradients: freed again once copied out).
 Tensor mm_cached(const Tensor& a, const Tensor& b);
-size_t cached_buffer_bytes();
-void release_cached_buffers();
 
 // A buffer that is always fully written before it is read (NaN-filled under poison_flag()).
 Tensor new_buffer(at::IntArrayRef sizes, const Tensor& like);

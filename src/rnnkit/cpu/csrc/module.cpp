@@ -266,8 +266,6 @@ Tensor mm_cached(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-size_t cached_buffer_bytes() { return BufferCache::get().cached(); }
-void release_cached_buffers() { BufferCache::get().release(); }
 
 Tensor new_buffer(at::IntArrayRef sizes, const Tensor& like) {
   Tensor t = cached_empty(sizes, like);
@@ -397,8 +395,10 @@ std::vector<Tensor> input_projection_backward(const PassArgs& a, const Tensor& d
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "rnnkit fused CPU passes (LSTM, GRU, RNN): forward and backward time loops";
   m.def("set_poison", [](bool on) { rnnkit::poison_flag() = on; }, "NaN-fill every buffer the kernels allocate");
-  m.def("cached_buffer_bytes", &rnnkit::cached_buffer_bytes, "bytes of freed buffers the kernels keep for reuse");
-  m.def("release_cached_buffers", &rnnkit::release_cached_buffers, "give the kept buffers back to the system");
+  m.def("cached_buffer_bytes", [] { return rnnkit::BufferCache::get().cached(); },
+        "bytes of freed buffers the kernels keep for reuse");
+  m.def("release_cached_buffers", [] { rnnkit::BufferCache::get().release(); },
+        "give the kept buffers back to the system");
   m.def(
       "cached_empty",
       [](std::vector<int64_t> sizes, const at::Tensor& like) { return rnnkit::cached_empty(sizes, like); },
