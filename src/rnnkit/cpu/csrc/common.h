@@ -215,10 +215,7 @@ inline at::vec::Vectorized<float> fast_tanh(const at::vec::Vectorized<float>& x)
 
 template <>
 inline void tanh_inplace<float>(float* v, int64_t n) {
-  using Vec = at::vec::Vectorized<float>;
-  int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) fast_tanh(Vec::loadu(v + j)).store(v + j);
-  if (j < n) fast_tanh(Vec::loadu(v + j, n - j)).store(v + j, n - j);
+  vec_loop<float>(n, [&](int64_t j, int64_t count) { vstore(fast_tanh(vload(v + j, count)), v + j, count); });
 }
 
 // tanh of one SIMD vector as tanh_inplace computes it (float: fast_tanh; double: Sleef), for

@@ -290,6 +290,7 @@ struct Gru {
     Tensor h_in = (rm ? hidden_prev * a.recurrent_mask : hidden_prev).view({TB, H});
     Tensor dA2 = dA.view({TB, GH});
     Tensor d_ln_h = ln ? acc_ln_h.sum(1) : Tensor();
+    const Tensor dA_sum = at::sum(dA2, 0);  // before dA2 turns into dL/d(W x): b_W's gradient (and b_R's, reset before)
     Tensor dR, db_R;
     if (after) {
       dR = mm_cached(dgh.view({TB, GH}).t(), h_in);
@@ -299,9 +300,8 @@ struct Gru {
       Tensor dR_rz = dR.narrow(0, 0, 2 * H), dR_n = dR.narrow(0, 2 * H, H);
       at::mm_out(dR_rz, dA2.narrow(1, 0, 2 * H).t(), h_in);
       at::mm_out(dR_n, dA2.narrow(1, 2 * H, H).t(), reset_hidden(gates, h_in).view({TB, H}));
-      db_R = at::sum(dA2, 0);
+      db_R = dA_sum;
     }
-    const Tensor db_W = or_undefined(a.b_W.defined(), at::sum(dA2, 0));  // before dA2 turns into dL/d(W x)
     auto inp = input_projection_backward(a, dA2, slot(saved, kInputRaw), slot(saved, kInputMean),
                                          slot(saved, kInputRstd), need_dx);
     return {inp[0],
@@ -309,7 +309,7 @@ struct Gru {
             Tensor(),
             inp[1],
             dR,
-            db_W,
+            or_undefined(a.b_W.defined(), dA_sum),
             or_undefined(a.b_R.defined(), db_R),
             Tensor(),
             Tensor(),

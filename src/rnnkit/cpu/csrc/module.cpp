@@ -266,7 +266,6 @@ Tensor mm_cached(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-
 Tensor new_buffer(at::IntArrayRef sizes, const Tensor& like) {
   Tensor t = cached_empty(sizes, like);
   if (poison_flag()) t.fill_(std::numeric_limits<double>::quiet_NaN());
@@ -304,7 +303,7 @@ template <typename scalar_t>
 static void layer_norm_rows(const scalar_t* v, int64_t rows, int64_t n, const scalar_t* gain, const scalar_t* shift,
                             const scalar_t* bias, scalar_t* out, scalar_t* mean, scalar_t* rstd) {
   using Vec = at::vec::Vectorized<scalar_t>;
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
+  for_rows(rows, n, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const scalar_t* vr = v + r * n;
       scalar_t* o = out + r * n;
@@ -375,7 +374,7 @@ std::vector<Tensor> input_projection_backward(const PassArgs& a, const Tensor& d
       const scalar_t *m = mean.data_ptr<scalar_t>(), *r = rstd.data_ptr<scalar_t>();
       const scalar_t* gain = a.ln_x_gain.data_ptr<scalar_t>();
       scalar_t *out = dA.data_ptr<scalar_t>(), *acc_p = acc.data_ptr<scalar_t>();  // in place
-      at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t r0, int64_t r1) {
+      for_rows(rows, n, [&](int64_t r0, int64_t r1) {
         scalar_t* mine = acc_p + at::get_thread_num() * 2 * n;
         for (int64_t i = r0; i < r1; ++i)
           row_layer_norm_backward(d + i * n, v + i * n, n, m[i], r[i], gain, out + i * n, mine, mine + n);
