@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 import rnnkit  # noqa: E402
 from rnnkit import backend as backends  # noqa: E402
-from rnnkit.cuda import TritonBackend  # noqa: E402
+from rnnkit.triton import TritonBackend  # noqa: E402
 from helpers import assert_close, flatten, make_module, run_backend  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def _interpreter_problem():
         return None
     from triton.runtime.interpreter import InterpretedFunction
 
-    from rnnkit.cuda import _kernels_interpreted
+    from rnnkit.triton import _kernels_interpreted
 
     if not isinstance(triton.language.zeros_like, InterpretedFunction):
         return ("triton was imported earlier in this process without TRITON_INTERPRET=1 (torch._dynamo imports "
@@ -222,7 +222,7 @@ def test_import_rnnkit_does_not_import_triton():
     """Not at import, and not when the backend is asked whether it can run."""
     code = (
         "import sys, torch, rnnkit\n"
-        "from rnnkit.cuda import TritonBackend\n"
+        "from rnnkit.triton import TritonBackend\n"
         "rnnkit.backends()\n"
         "spec = rnnkit.RNNSpec('lstm', 3, 4, peephole=True)\n"
         "TritonBackend().unsupported_reason(spec, 'cpu', torch.float32)\n"

@@ -15,8 +15,8 @@ from typing import Dict, List
 
 import torch
 
-from .cpu import FusedCPUBackend
-from .cuda import TritonBackend  # imports triton only on its first pass
+from .fused import FusedCPUBackend
+from .triton import TritonBackend  # imports triton only on its first pass
 from .native import NativeBackend
 from .ref import ReferenceBackend
 from .spec import RNNSpec

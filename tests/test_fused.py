@@ -17,7 +17,7 @@ import torch
 
 import rnnkit
 from rnnkit import backend as backends
-from rnnkit.cpu import build
+from rnnkit.fused import build
 from helpers import assert_close, flatten, make_module, run_backend
 
 
@@ -244,21 +244,21 @@ def _train_call(module, x):
 
 
 def test_freed_buffers_are_reused_then_released():
-    from rnnkit import cpu
+    from rnnkit import fused
     module = make_module("lstm", 64, 128, torch.float32, layer_norm=True, backend="fused").train()
     x = torch.randn(50, 16, 64, requires_grad=True)  # gates [50, 16, 512]: 1.6 MB buffers, cached
-    cpu.release_cached_buffers()
-    assert cpu.cached_buffer_bytes() == 0
+    fused.release_cached_buffers()
+    assert fused.cached_buffer_bytes() == 0
     _train_call(module, x), _train_call(module, x)
-    kept = cpu.cached_buffer_bytes()
+    kept = fused.cached_buffer_bytes()
     assert kept > 2**20
     for _ in range(3):
         _train_call(module, x)
-        assert cpu.cached_buffer_bytes() == kept  # each call took its buffers from the cache and gave them back
+        assert fused.cached_buffer_bytes() == kept  # each call took its buffers from the cache and gave them back
     y = _train_call(module, x)
     expected = y.clone()
-    cpu.release_cached_buffers()
-    assert cpu.cached_buffer_bytes() == 0
+    fused.release_cached_buffers()
+    assert fused.cached_buffer_bytes() == 0
     assert torch.equal(y, expected)  # a live output keeps its memory through a release
     y.resize_(2, y.numel())  # and is an ordinary, resizable tensor
     assert torch.equal(y[0], expected.flatten())
@@ -267,7 +267,7 @@ def test_freed_buffers_are_reused_then_released():
 def test_buffer_cache_keeps_true_sizes_and_evicts_the_largest():
     code = """
 import warnings
-from rnnkit.cpu import build
+from rnnkit.fused import build
 import torch
 ext = build.extension()
 MB = 2**20
@@ -294,7 +294,7 @@ print("ok")
 
 
 def test_buffer_cache_setting_must_be_a_number():
-    code = ("import torch; from rnnkit.cpu import build;"
+    code = ("import torch; from rnnkit.fused import build;"
             "build.extension().cached_empty([2**20], torch.empty(0)); print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "RNNKIT_CPU_CACHE_MB": "lots"})
@@ -303,8 +303,8 @@ def test_buffer_cache_setting_must_be_a_number():
 
 
 def test_buffer_cache_can_be_turned_off():
-    code = ("import torch, rnnkit; from rnnkit import cpu; m = rnnkit.LSTM(64, 128, backend='fused');"
-            "y, _ = m(torch.randn(50, 16, 64)); y.sum().backward(); print(cpu.cached_buffer_bytes())")
+    code = ("import torch, rnnkit; from rnnkit import fused; m = rnnkit.LSTM(64, 128, backend='fused');"
+            "y, _ = m(torch.randn(50, 16, 64)); y.sum().backward(); print(fused.cached_buffer_bytes())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "RNNKIT_CPU_CACHE_MB": "0"})
     assert out.returncode == 0, out.stderr
