@@ -36,8 +36,15 @@ def run_backend(module, backend, x, hx, lengths=None, training=False):
     outputs = [y] + flatten(hy)
     generator = torch.Generator().manual_seed(2)
     upstream = [torch.randn(o.shape, dtype=torch.float64, generator=generator).to(o.device, o.dtype) for o in outputs]
-    grads = torch.autograd.grad(outputs, [x] + flatten(hx) + [module.flat_weights], upstream)
-    return [o.detach() for o in outputs], list(grads)
+    weights = list(module.named_weights().values())  # buffer order
+    grads = torch.autograd.grad(outputs, [x] + flatten(hx) + weights, upstream)
+    n = len(grads) - len(weights)
+    return [o.detach() for o in outputs], list(grads[:n]) + [packed(grads[n:])]
 
 
-__all__ = ["TOLERANCE", "assert_close", "rel_rms", "MODULES", "make_module", "flatten", "run_backend"]
+def packed(grads) -> torch.Tensor:
+    """Per-weight gradients (buffer order) as one packed vector, like flat_weights.grad."""
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+__all__ = ["TOLERANCE", "assert_close", "rel_rms", "MODULES", "make_module", "flatten", "run_backend", "packed"]

@@ -11,7 +11,7 @@ import torch
 from rnnkit import bench
 from rnnkit.bench.measure import Case, flops
 from rnnkit.bench.registry import SHAPES, VARIANTS
-from rnnkit.bench.runners import RnnkitModel, Runner, rnnkit_module
+from rnnkit.bench.runners import Model, Runner, rnnkit_module
 
 RECORD_FIELDS = {"runner", "runner_title", "shape", "variant", "timed_variant", "mode", "status"}
 TIMED_FIELDS = {
@@ -72,7 +72,7 @@ class WrongWeights(Runner):
         module.load_state_dict(case.reference(case.variant.name).state_dict())
         with torch.no_grad():
             module.flat_weights.add_(1e-2)
-        return RnnkitModel(case.variant.name, [module])
+        return Model(case.variant.name, [module])
 
 
 def test_a_wrong_runner_is_reported_failed_and_not_timed(tmp_path):

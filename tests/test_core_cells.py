@@ -40,10 +40,10 @@ def test_cell_matches_torch_nn(kind, dtype):
     upstream = [torch.randn_like(o) for o in out_ref]
     names = [n for n, _ in reference.named_parameters()]
     grads_ref = torch.autograd.grad(out_ref, [x] + states + list(reference.parameters()), upstream)
-    grads = torch.autograd.grad(out, [x] + states + [cell.flat_weights], upstream)
+    grads = torch.autograd.grad(out, [x] + states + list(cell.parameters()), upstream)
     n = 1 + len(states)
     assert_close(grads[:n], grads_ref[:n], "d(x, h, c)")
-    views = cell.layout.named_views(grads[-1])
+    views = dict(zip([name for name, _ in cell.named_parameters()], grads[n:]))
     assert set(views) == set(names)
     for name, grad_ref in zip(names, grads_ref[n:]):
         assert_close(views[name], grad_ref, f"d{name}")

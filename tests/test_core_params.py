@@ -1,9 +1,11 @@
-"""The packed buffer: torch.nn state_dicts both ways, views that stay views, one gradient
-buffer, DistributedDataParallel, and initialization."""
+"""The packed buffer: torch.nn state_dicts both ways, parameters that stay views of one buffer,
+one gradient buffer, DistributedDataParallel, and initialization. (The torch.nn parameter
+idioms, parametrizations and multi-process training: test_core_parameters.py.)"""
 from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -138,7 +140,12 @@ def test_views_stay_views(transform):
     module = rnnkit.LSTM(I, H, 2, proj_size=P, backend=REF)
     out = transform(module)
     _assert_views_alias(out)
-    assert len(list(out.parameters())) == 1
+    assert [n for n, _ in out.named_parameters()] == [e.name for e in out.layout]  # no extras here
+    flat = out.flat_weights
+    for entry in out.layout:
+        p = getattr(out, entry.name)
+        assert isinstance(p, torch.nn.Parameter) and p.is_leaf
+        assert p.data_ptr() == flat.data_ptr() + entry.offset * flat.element_size(), entry.name
     y, (h, c) = out(torch.randn(5, 2, I, dtype=out.flat_weights.dtype))
     assert y.shape == (5, 2, P) and y.dtype == out.flat_weights.dtype
 
@@ -157,24 +164,48 @@ def test_cell_views_alias():
         _assert_views_alias(copy.deepcopy(cell).double())
 
 
-def test_gradients_land_in_the_one_buffer():
-    module = rnnkit.LSTM(I, H, 2, proj_size=P, bidirectional=True, peephole=True, layer_norm=True, backend=REF)
-    params = list(module.parameters())
-    assert len(params) == 1 and params[0] is module.flat_weights
-    assert [n for n, _ in module.named_parameters()] == ["flat_weights"]
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_gradients_land_in_the_one_buffer(backend):
+    module = rnnkit.LSTM(I, H, 2, proj_size=P, bidirectional=True, peephole=True, layer_norm=True, backend=backend)
+    names = [n for n, _ in module.named_parameters()]
+    torch_pieces = [e.name for e in module.layout if e.piece in rnnkit.params.TORCH_PIECES]
+    assert names[: len(torch_pieces)] == torch_pieces  # torch.nn's order, the extras after
+    assert sorted(names) == sorted(e.name for e in module.layout)
+    assert "flat_weights" not in names
     y, (h, c) = module(torch.randn(5, 3, I))
     (y * torch.randn_like(y)).sum().add((h * torch.randn_like(h)).sum()).backward()
     grad = module.flat_weights.grad
     assert grad is not None and grad.shape == module.flat_weights.shape
-    for name, view in module.named_weights().items():
-        assert not view.is_leaf  # a view of the buffer: its gradient is in flat_weights.grad
-        assert module.layout.view(grad, name).abs().sum() > 0, name
+    for name, p in module.named_weights().items():
+        assert p.is_leaf and p.grad is not None, name
+        assert p.grad.data_ptr() == module.layout.view(grad, name).data_ptr(), name  # a view of the packed gradient
+        assert p.grad.abs().sum() > 0, name
+    with torch.no_grad():  # writing through the packed gradient is writing the parameters' gradients
+        module.flat_weights.grad.mul_(0)
+    assert all(p.grad.abs().sum() == 0 for p in module.parameters())
 
 
-def test_views_cannot_be_rebound():
+def test_a_rebound_weight_warns_once_computes_right_and_flatten_packs_again():
     module = rnnkit.LSTM(I, H, backend=REF)
-    with pytest.raises(AttributeError, match="weight_ih_l0"):
-        module.weight_ih_l0 = torch.nn.Parameter(torch.zeros(4 * H, I))
+    twin = copy.deepcopy(module)
+    new = torch.randn(4 * H, I)
+    module.weight_ih_l0 = torch.nn.Parameter(new.clone())
+    with torch.no_grad():
+        twin.weight_ih_l0.copy_(new)
+    x = torch.randn(5, 2, I)
+    with pytest.warns(UserWarning, match="flatten_parameters"):
+        y, _ = module(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning, not one per call
+        y2, _ = module(x)
+    assert_close(y, twin(x)[0], "y with the rebound weight")
+    module.flatten_parameters()
+    flat = module.flat_weights
+    assert module.weight_ih_l0.data_ptr() == flat.data_ptr()
+    assert torch.equal(module.weight_ih_l0, new)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_close(module(x)[0], y, "y after flatten_parameters")
 
 
 def test_distributed_data_parallel_single_process(tmp_path):

@@ -132,10 +132,11 @@ def test_matches_torch_nn(variant, row):
     names = [name for name, _ in reference.named_parameters()]
     grads_ref = torch.autograd.grad([y_ref] + finals_ref, [x] + states + list(reference.parameters()), upstream,
                                     retain_graph=True)  # a packed input's graph is shared
-    grads_kit = torch.autograd.grad([y_kit] + finals_kit, [x] + states + [module.flat_weights], upstream)
+    kit_names = [name for name, _ in module.named_parameters()]
+    grads_kit = torch.autograd.grad([y_kit] + finals_kit, [x] + states + list(module.parameters()), upstream)
     n_data = 1 + len(states)
     assert_close(grads_kit[:n_data], grads_ref[:n_data], "d(x, h0, c0)")
-    kit_weight_grads = module.layout.named_views(grads_kit[-1])
+    kit_weight_grads = dict(zip(kit_names, grads_kit[n_data:]))
     assert set(kit_weight_grads) == set(names)
     for name, grad_ref in zip(names, grads_ref[n_data:]):
         assert_close(kit_weight_grads[name], grad_ref, f"d{name}")
@@ -364,9 +365,9 @@ def test_awkward_shapes_match_torch_nn(variant, steps, batch, hidden):
     assert_close(y, y_ref, "y")
     assert_close(hy, hy_ref, "final states")
     upstream = torch.randn_like(y)
-    grads = torch.autograd.grad(y, [x, module.flat_weights], upstream)
+    grads = torch.autograd.grad(y, [x] + list(module.parameters()), upstream)
     grads_ref = torch.autograd.grad(y_ref, [x] + list(reference.parameters()), upstream)
     assert_close(grads[0], grads_ref[0], "dx")
-    views = module.layout.named_views(grads[1])
+    views = dict(zip([name for name, _ in module.named_parameters()], grads[1:]))
     for (name, _), grad_ref in zip(reference.named_parameters(), grads_ref[1:]):
         assert_close(views[name], grad_ref, f"d{name}")

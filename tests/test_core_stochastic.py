@@ -136,10 +136,10 @@ def test_recurrent_dropout_excludes_the_same_units_at_every_step(cls):
     dropped_any = kept_any = False
     for b in range(B):
         # y[t, b] reaches R's column j only through the masked h_{t-1, j} of sequence b
-        first = torch.autograd.grad(y[0, b].sum(), module.flat_weights, retain_graph=True)[0]
-        last = torch.autograd.grad(y[T - 1, b].sum(), module.flat_weights, retain_graph=True)[0]
-        dropped_at_0 = module.layout.view(first, "weight_hh_l0").abs().sum(0) == 0  # [H]
-        reaches_last = module.layout.view(last, "weight_hh_l0").abs().sum(0) != 0
+        first = torch.autograd.grad(y[0, b].sum(), module.weight_hh_l0, retain_graph=True)[0]
+        last = torch.autograd.grad(y[T - 1, b].sum(), module.weight_hh_l0, retain_graph=True)[0]
+        dropped_at_0 = first.abs().sum(0) == 0  # [H]
+        reaches_last = last.abs().sum(0) != 0
         # dropped at step 0 -> still no path at step T-1, i.e. dropped at EVERY step; kept -> a path
         assert torch.equal(reaches_last, ~dropped_at_0), b
         dropped_any |= bool(dropped_at_0.any())
@@ -155,8 +155,8 @@ def test_recurrent_dropout_is_scaled_and_per_sequence():
     y, h_n = module(x, h0)
     masks = []
     for b in range(B):
-        grad = torch.autograd.grad(y[0, b].sum(), module.flat_weights, retain_graph=True)[0]
-        masks.append((module.layout.view(grad, "weight_hh_l0").abs().sum(0) != 0).to(DT) / (1 - p))
+        grad = torch.autograd.grad(y[0, b].sum(), module.weight_hh_l0, retain_graph=True)[0]
+        masks.append((grad.abs().sum(0) != 0).to(DT) / (1 - p))
     mask = torch.stack(masks)  # [B, H]
     assert len({tuple(m.tolist()) for m in mask}) > 1, "one mask per sequence, not one per batch"
     with torch.no_grad():

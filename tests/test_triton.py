@@ -3,13 +3,13 @@
 Each case runs one module twice on the same weights, inputs and seed (so training masks are
 the same draws): backend="reference", then backend="triton", with random upstream gradients
 on y, h_n and c_n, and compares outputs and every gradient (input, initial states, each
-piece of the packed weights). The whole backend path runs: launcher, autograd.Function,
+piece of the packed weights). The whole backend path runs: the custom ops, autograd,
 kernels. Shapes are tiny because the interpreter runs each kernel program in numpy.
 
-TRITON_INTERPRET=1 is set before triton is imported, so the kernels are defined for the
-interpreter; RNNKIT_TRITON_INTERPRET=1 (which lets the backend accept CPU tensors) is set
-only while these tests run, so that backend="auto" elsewhere in the suite never picks the
-interpreter. On a GPU machine the same comparisons run on CUDA tensors with
+TRITON_INTERPRET=1 is set before triton is imported (conftest.py), so Triton's library and the
+kernels are defined for the interpreter; RNNKIT_TRITON_INTERPRET=1 (which lets the backend
+accept CPU tensors) is set only while these tests run, so that backend="auto" elsewhere in the
+suite never picks the interpreter. On a GPU machine the same comparisons run on CUDA tensors with
 ``RNNKIT_TEST_TRITON_DEVICE=cuda`` (and TRITON_INTERPRET unset).
 """
 from __future__ import annotations
@@ -38,17 +38,9 @@ def _interpreter_problem():
     """Why the kernels cannot run under the interpreter in this process, or None."""
     if DEVICE != "cpu":
         return None
-    from triton.runtime.interpreter import InterpretedFunction
+    from rnnkit.triton import _interpreter_problem as problem
 
-    from rnnkit.triton import _kernels_interpreted
-
-    if not isinstance(triton.language.zeros_like, InterpretedFunction):
-        return ("triton was imported earlier in this process without TRITON_INTERPRET=1 (torch._dynamo imports "
-                "it, e.g. under keras), so its library is compiled for a GPU: set TRITON_INTERPRET=1 before the "
-                "process starts (e.g. at the top of tests/conftest.py) or run this file on its own")
-    if _kernels_interpreted() is False:
-        return "rnnkit's Triton kernels were loaded earlier in this process without TRITON_INTERPRET=1"
-    return None
+    return problem()
 
 
 _PROBLEM = _interpreter_problem()

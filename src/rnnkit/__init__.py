@@ -12,6 +12,10 @@ from .nn import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
 from .params import Layout, PassWeights
 from .spec import CellSpec, RNNSpec
 
+from .interop.onnx_ops import install as _install_onnx_translations
+
+_install_onnx_translations()  # torch.onnx.export of models with rnnkit layers (imports nothing now)
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -2,10 +2,12 @@
 
 A backend is an object with ``name``, ``unavailable_reason()`` (None when it can run on
 this machine), ``unsupported_reason(spec, device, dtype)`` (None when it can run this
-configuration) and either ``run_pass(cell, x, h0, c0, weights, step_mask, reverse, masks)``
+configuration), ``status()`` (a word on its state, e.g. "not built yet": asking never builds
+or loads anything) and either ``run_pass(cell, x, h0, c0, weights, lengths, reverse, masks)``
 (one layer in one direction; functional.run_stack loops over layers and directions) or
-``run_stack(spec, layout, weights, x, h0s, c0s, lengths, training)`` (the whole stack).
-Both must be differentiable. ``"auto"`` tries backends by descending priority:
+``run_stack(spec, weights, x, h0s, c0s, lengths, training)`` (the whole stack; ``weights`` one
+PassWeights per layer-direction). Both must be differentiable. ``"auto"`` tries backends by
+descending priority:
 native (torch's own oneDNN / cuDNN ops, plain configurations) 30, triton (fused GPU
 kernels, CUDA) 25, fused (compiled CPU kernels) 20, reference 0.
 """
@@ -69,16 +71,18 @@ def select(name: str, spec: RNNSpec, device: torch.device, dtype: torch.dtype):
 
 
 def backends() -> Dict[str, Dict[str, object]]:
-    """Every registered backend: whether it is available on this machine, and if not why.
+    """Every registered backend: whether it can run on this machine (and if not why), and its
+    status. Asking builds and loads nothing: the fused kernels report "not built yet" until their
+    first use.
 
     Example:
         >>> rnnkit.backends()["reference"]
-        {'available': True, 'reason': None}
+        {'available': True, 'reason': None, 'status': 'available'}
     """
     report = {}
     for backend in _REGISTRY:
         reason = backend.unavailable_reason()
-        report[backend.name] = {"available": reason is None, "reason": reason}
+        report[backend.name] = {"available": reason is None, "reason": reason, "status": backend.status()}
     return report
 
 

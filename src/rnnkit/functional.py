@@ -15,7 +15,7 @@ import torch
 
 from . import backend as backends_
 from .masks import draw_pass, layer_dropout
-from .params import Layout
+from .params import Layout, PassWeights
 from .spec import RNNSpec
 
 State = Union[torch.Tensor, List[torch.Tensor]]
@@ -68,7 +68,11 @@ def check_input(spec: RNNSpec, input, weights: torch.Tensor, batch_first: bool) 
 
 
 def check_lengths(lengths, T: int, B: int, unbatched: bool) -> Optional[torch.Tensor]:
-    """-> int64 CPU tensor [B] with 1 <= lengths <= T, or None."""
+    """-> int64 CPU tensor [B] with 1 <= lengths <= T, or None.
+
+    Under torch.compile / export the values are not read here (that would break the graph);
+    the kernels check them instead.
+    """
     if lengths is None:
         return None
     if unbatched:
@@ -81,12 +85,16 @@ def check_lengths(lengths, T: int, B: int, unbatched: bool) -> Optional[torch.Te
         raise TypeError(f"lengths: expected a 1-D integer tensor or a list of ints, got {type(lengths).__name__}")
     if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
         raise TypeError(f"lengths: expected an integer dtype (e.g. torch.int64), got {lengths.dtype}")
-    if lengths.dim() != 1 or lengths.numel() != B:
+    if lengths.dim() != 1 or lengths.shape[0] != B:
         raise ValueError(f"lengths: expected shape ({B},), one length per sequence in the batch, got {_shape(lengths)}")
+    if lengths.device.type == "meta":
+        raise ValueError("lengths: expected a tensor holding values (on the CPU or the input's device), got a tensor "
+                         "on the meta device")
     lengths = lengths.to("cpu", torch.int64)
-    low, high = int(lengths.min()), int(lengths.max())
-    if low < 1 or high > T:
-        raise ValueError(f"lengths: expected values in [1, T={T}], got min {low}, max {high}")
+    if B and not torch.compiler.is_compiling():
+        low, high = int(lengths.min()), int(lengths.max())
+        if low < 1 or high > T:
+            raise ValueError(f"lengths: expected values in [1, T={T}], got min {low}, max {high}")
     return lengths
 
 
@@ -153,18 +161,29 @@ def join_states(spec: RNNSpec, hs: List[torch.Tensor], unbatched: bool) -> State
 
 # ---- the stack -----------------------------------------------------------------------
 
-def run_stack(backend, spec, layout, weights, x, h0s, c0s, lengths, training):
+def step_mask_of(lengths: Optional[torch.Tensor], T: int, device) -> Optional[torch.Tensor]:
+    """[T, B] bool, True where t < length (None without lengths)."""
+    if lengths is None:
+        return None
+    return (torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)).to(device)
+
+
+def run_stack(backend, spec: RNNSpec, weights: Sequence[PassWeights], x, h0s, c0s, lengths, training):
     """All layers and directions on time-major x -> (y [T, B, F], h_ns, c_ns).
 
-    h_ns / c_ns are lists over layer-directions of [B, Hr] / [B, H] (c_ns None unless LSTM).
+    ``weights`` has one :class:`PassWeights` per layer-direction (layer by layer, forward
+    first); h_ns / c_ns are lists over layer-directions of [B, Hr] / [B, H] (c_ns None unless
+    LSTM). With lengths, the input's padding is zeroed first, so that nothing a caller leaves
+    there (NaN, inf) reaches an output or a gradient: a batch with lengths equals each sequence
+    run alone.
     """
-    if hasattr(backend, "run_stack"):
-        return backend.run_stack(spec, layout, weights, x, h0s, c0s, lengths, training)
     T, B = x.shape[:2]
-    D = spec.num_directions
-    step_mask = None
     if lengths is not None:
-        step_mask = (torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)).to(x.device)  # [T, B]
+        x = torch.where(step_mask_of(lengths, T, x.device).unsqueeze(2), x, torch.zeros((), dtype=x.dtype,
+                                                                                    device=x.device))
+    if hasattr(backend, "run_stack"):
+        return backend.run_stack(spec, weights, x, h0s, c0s, lengths, training)
+    D = spec.num_directions
     layer_input, h_ns, c_ns = x, [], []
     for layer in range(spec.num_layers):
         cell = spec.cell(layer)
@@ -172,12 +191,12 @@ def run_stack(backend, spec, layout, weights, x, h0s, c0s, lengths, training):
         for direction in range(D):
             i = layer * D + direction
             draw = draw_pass(spec, cell, T, B, x, training)
-            w = layout.pass_weights(weights, layer, direction)
+            w = weights[i]
             if draw.dropconnect is not None:
                 w = w._replace(R=w.R * draw.dropconnect)
             inp = layer_input if draw.input is None else layer_input * draw.input
             c0 = c0s[i] if c0s is not None else None
-            y, h_n, c_n = backend.run_pass(cell, inp, h0s[i], c0, w, step_mask, direction == 1, draw.masks)
+            y, h_n, c_n = backend.run_pass(cell, inp, h0s[i], c0, w, lengths, direction == 1, draw.masks)
             outputs.append(y)
             h_ns.append(h_n)
             c_ns.append(c_n)
@@ -189,6 +208,65 @@ def run_stack(backend, spec, layout, weights, x, h0s, c0s, lengths, training):
             y = layer_dropout(y, spec.dropout)
         layer_input = y
     return layer_input, h_ns, (c_ns if spec.mode == "lstm" else None)
+
+
+def _autocast_dtype(device: torch.device, dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The lower-precision dtype the stack runs in under torch.autocast, or None.
+
+    The policy, the same for every configuration and backend: under ``torch.autocast`` for the
+    input's device, float32 inputs, states and weights are cast to the autocast dtype, the stack
+    runs in that dtype (each backend computes at least as precisely: the fused CPU kernels keep
+    accumulation, pointwise math and the carried state in float32), and y and the final states
+    come back in it, as torch.nn's RNNs do under autocast. float64 is left alone.
+    """
+    if dtype != torch.float32 or device.type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
+def run(
+    spec: RNNSpec,
+    weights: Sequence[PassWeights],
+    input: torch.Tensor,
+    hx=None,
+    lengths=None,
+    *,
+    training: bool,
+    backend: str,
+    batch_first: bool,
+    like: torch.Tensor,
+):
+    """:func:`rnn` with the weights given per pass (the modules' entry) -> (y, hy, backend name).
+
+    ``like`` is a weight tensor: the input must have its dtype and device.
+    """
+    if torch.onnx.is_in_onnx_export():  # the pass ops become standard ONNX LSTM / GRU / RNN nodes
+        from .interop import onnx_ops
+
+        onnx_ops.check_exportable(spec)
+    x, unbatched = check_input(spec, input, like, batch_first)
+    lengths = check_lengths(lengths, x.shape[0], x.shape[1], unbatched)
+    h0s, c0s = split_states(spec, hx, x, unbatched)
+    low = _autocast_dtype(x.device, x.dtype)
+    if low is not None:
+        cast = lambda t: None if t is None else t.to(low)  # noqa: E731
+        x, h0s = cast(x), [cast(h) for h in h0s]
+        c0s = None if c0s is None else [cast(c) for c in c0s]
+        weights = [PassWeights(*map(cast, w)) for w in weights]
+    chosen = backends_.select(backend, spec, x.device, x.dtype)
+    if low is not None:
+        with torch.autocast(x.device.type, enabled=False):
+            y, h_ns, c_ns = run_stack(chosen, spec, weights, x, h0s, c0s, lengths, training)
+    else:
+        y, h_ns, c_ns = run_stack(chosen, spec, weights, x, h0s, c0s, lengths, training)
+    if unbatched:
+        y = y.squeeze(1)
+    elif batch_first:
+        y = y.transpose(0, 1)
+    h_n = join_states(spec, h_ns, unbatched)
+    if spec.mode == "lstm":
+        return y, (h_n, join_states(spec, c_ns, unbatched)), chosen.name
+    return y, h_n, chosen.name
 
 
 def rnn(
@@ -223,19 +301,9 @@ def rnn(
     layout = layout if layout is not None else Layout(spec)
     batch_first = spec.batch_first if batch_first is None else batch_first
     check_weights(spec, weights, layout)
-    x, unbatched = check_input(spec, input, weights, batch_first)
-    lengths = check_lengths(lengths, x.shape[0], x.shape[1], unbatched)
-    h0s, c0s = split_states(spec, hx, x, unbatched)
-    chosen = backends_.select(backend, spec, x.device, x.dtype)
-    y, h_ns, c_ns = run_stack(chosen, spec, layout, weights, x, h0s, c0s, lengths, training)
-    if unbatched:
-        y = y.squeeze(1)
-    elif batch_first:
-        y = y.transpose(0, 1)
-    h_n = join_states(spec, h_ns, unbatched)
-    if spec.mode == "lstm":
-        return y, (h_n, join_states(spec, c_ns, unbatched))
-    return y, h_n
+    y, hy, _ = run(spec, layout.all_pass_weights(weights), input, hx, lengths, training=training, backend=backend,
+                   batch_first=batch_first, like=weights)
+    return y, hy
 
 
 # ---- cuDNN's four calls --------------------------------------------------------------

@@ -1,43 +1,23 @@
 """The native backend: torch's own RNN ops (oneDNN on CPU, cuDNN on GPU) for plain configurations.
 
-What the vendor kernels compute is exactly SPEC.md's plain cell, so for those
-configurations rnnkit hands the packed buffer's views to ``torch._VF.lstm / gru / rnn_*``
-as the weight list. The views are cut from one contiguous buffer in cuDNN's order, so
-nothing is copied or re-packed per call. Everything else (peepholes, layer norm, zoneout,
-variational dropout, ...) is not what these kernels compute and goes to another backend.
+What the vendor kernels compute is exactly the spec's plain cell, so for those configurations
+rnnkit hands the module's parameters to ``torch._VF.lstm / gru / rnn_*`` as the weight list. The
+parameters alias one contiguous buffer in cuDNN's order, so nothing is copied or re-packed per
+call. Everything else (peepholes, layer norm, zoneout, variational dropout, ...) is not what these
+kernels compute and goes to another backend: which options those are is read from the option
+table (``rnnkit.spec.OPTIONS``, column ``native``).
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from .params import TORCH_PIECES
-from .spec import RNNSpec
+from .spec import RNNSpec, options_in_use
 
 _OPS = {"lstm": "lstm", "gru": "gru", "rnn_tanh": "rnn_tanh", "rnn_relu": "rnn_relu"}
-
-
-def _extras(spec: RNNSpec) -> list:
-    """The options of ``spec`` that torch's RNN ops do not compute."""
-    used = {
-        "peephole": spec.peephole,
-        "coupled_gates": spec.coupled_gates,
-        "layer_norm": spec.layer_norm,
-        "cell_clip": spec.cell_clip is not None,
-        "proj_clip": spec.proj_clip is not None,
-        "zoneout": any(spec.zoneout),
-        "input_dropout": spec.input_dropout > 0,
-        "recurrent_dropout": spec.recurrent_dropout > 0,
-        "dropconnect": spec.dropconnect > 0,
-        "reset_after=False": not spec.reset_after,
-        "per-layer sizes": spec.per_layer,
-        "merge='sum'": spec.bidirectional and spec.merge == "sum",
-        f"bias_mode={spec.bias_mode!r}": spec.bias_mode not in ("double", "none"),
-    }
-    return [name for name, on in used.items() if on]
+_TORCH_SLOTS = ("W", "R", "b_W", "b_R", "W_hr")  # torch.nn's _flat_weights order within a pass
 
 
 class NativeBackend:
@@ -48,32 +28,32 @@ class NativeBackend:
     def unavailable_reason(self) -> Optional[str]:
         return None
 
+    def status(self) -> str:
+        return "available"
+
     def unsupported_reason(self, spec: RNNSpec, device, dtype) -> Optional[str]:
-        extras = _extras(spec)
+        extras = options_in_use(spec, native=False)
         if extras:
             return f"torch's RNN kernels compute only the plain cell, not {', '.join(extras)}"
-        if torch.device(device).type not in ("cpu", "cuda"):
+        device = torch.device(device)
+        if device.type not in ("cpu", "cuda"):
             return f"runs on cpu and cuda tensors, got device {device}"
         if not dtype.is_floating_point:
             return f"needs a floating-point dtype, got {dtype}"
+        if device.type == "cpu" and any(spec.proj_sizes):
+            return "proj_size on the CPU: torch runs LSTMP without oneDNN (its slow path); the fused backend computes it"
+        if device.type == "cpu" and torch.compiler.is_compiling():
+            return ("torch.compile / torch.export cannot trace torch's oneDNN RNN op (mkldnn_rnn_layer); the fused "
+                    "backend's custom ops trace")
         return None
 
-    def run_stack(self, spec, layout, weights, x, h0s, c0s, lengths, training):
+    def run_stack(self, spec, weights, x, h0s, c0s, lengths, training):
         """Whole stack through torch._VF -> (y [T, B, F], h_ns, c_ns) as functional.run_stack."""
-        flat_weights = [
-            layout.view(weights, e.name) for e in layout if e.piece in TORCH_PIECES
-        ]  # torch.nn's _flat_weights order, the buffer's order
+        flat_weights = [getattr(w, slot) for w in weights for slot in _TORCH_SLOTS if getattr(w, slot) is not None]
         hx = torch.stack(h0s)
         state = (hx, torch.stack(c0s)) if spec.mode == "lstm" else hx
         op = getattr(torch._VF, _OPS[spec.mode])
         args = (flat_weights, spec.bias_mode == "double", spec.num_layers, spec.dropout, training, spec.bidirectional)
-        with warnings.catch_warnings():
-            # torch says it runs LSTMP without oneDNN; true, and nothing the caller can act on
-            warnings.filterwarnings("ignore", message="LSTM with projections is not supported with oneDNN")
-            return self._run(op, spec, x, state, args, lengths)
-
-    @staticmethod
-    def _run(op, spec, x, state, args, lengths):
         if lengths is None:
             out = op(x, state, *args, False)
         else:

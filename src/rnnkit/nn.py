@@ -1,6 +1,7 @@
 """Drop-in modules ``LSTM``, ``GRU``, ``RNN`` and the one-step cells. Thin: the work is in functional.py."""
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -9,7 +10,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from . import backend as backends_
 from . import functional as F
-from .params import Layout, initialize
+from .params import TORCH_PIECES, Layout, initialize
 from .spec import RNNSpec
 
 
@@ -23,11 +24,87 @@ def _bias_mode(bias, bias_mode: Optional[str]) -> str:
     return bias_mode
 
 
-class _PackedModule(nn.Module):
-    """A module whose parameters live in one packed buffer ``flat_weights``.
+def _standalone(t: torch.Tensor) -> torch.Tensor:
+    """An alias of ``t`` whose storage is exactly ``t``'s memory (through DLPack), for
+    state_dict consumers that refuse a view of a larger storage (safetensors)."""
+    if type(t) is not torch.Tensor or t.device.type not in ("cpu", "cuda"):
+        return t
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return torch.from_dlpack(t)
 
-    The buffer's pieces are reachable as attributes and in ``state_dict`` under torch.nn's
-    names (see params.py), so torch.nn checkpoints load and save without conversion.
+
+def _plain_eager() -> bool:
+    """Eager mode with no torch.func transform and no tracing: data pointers can be read."""
+    return (
+        not torch.compiler.is_compiling()  # first: Dynamo folds it, and must not trace the calls below
+        and not torch.jit.is_tracing()
+        and torch._C._functorch.peek_interpreter_stack() is None
+    )
+
+
+class _Pack(torch.autograd.Function):
+    """The parameters as views of the packed buffer they alias, with ONE packed gradient.
+
+    ``apply(flat, packing, *params)`` -> one view of ``flat`` per parameter. Backward writes the
+    pieces' gradients into one buffer laid out like ``flat`` (no copy when a single pass already
+    returned them so: a one-layer, one-direction module) and hands each parameter a view of it,
+    which autograd keeps as the parameter's ``.grad``: so ``module.flat_weights.grad`` is the
+    packed gradient, and each ``weight_ih_l0.grad`` its slice.
+    """
+
+    @staticmethod
+    def forward(ctx, flat, packing, *params):
+        ctx.packing = packing
+        return tuple(flat[offset:offset + numel].view(shape) for offset, numel, shape in packing)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        packing = ctx.packing
+        needs = ctx.needs_input_grad[2:]
+        if not any(need for need, g in zip(needs, grads) if g is not None):
+            return (None, None) + (None,) * len(grads)
+        total = packing[-1][0] + packing[-1][1]
+        packed = _already_packed(grads, packing, total)
+        if packed is None:
+            like = next(g for g in grads if g is not None)
+            packed = like.new_empty(total)
+            for g, (offset, numel, _) in zip(grads, packing):
+                piece = packed[offset:offset + numel]
+                piece.zero_() if g is None else piece.copy_(g.reshape(-1))
+        return (None, None) + tuple(
+            packed[offset:offset + numel].view(shape) if need else None
+            for need, (offset, numel, shape) in zip(needs, packing)
+        )
+
+
+def _already_packed(grads, packing, total: int) -> Optional[torch.Tensor]:
+    """The buffer the gradients already form, laid out as ``packing`` says, or None."""
+    if any(g is None or not g.is_contiguous() for g in grads):
+        return None
+    storage = grads[0].untyped_storage()
+    start = grads[0].storage_offset() - packing[0][0]
+    if start < 0 or storage.nbytes() < (start + total) * grads[0].element_size():
+        return None
+    for g, (offset, _, _) in zip(grads, packing):
+        if g.untyped_storage().data_ptr() != storage.data_ptr() or g.storage_offset() != start + offset:
+            return None
+    return grads[0].new_empty(0).set_(storage, start, (total,))
+
+
+class _PackedModule(nn.Module):
+    """A module whose parameters alias one packed buffer ``flat_weights``.
+
+    Every weight is an ordinary leaf ``nn.Parameter`` registered under torch.nn's name
+    (``weight_ih_l0``, ``bias_hh_l1_reverse``, ``weight_hr_l0``; the extras after them:
+    ``weight_peephole_l0``, ``layer_norm_ih_weight_l0``, ...), so optimizers, param groups,
+    init-by-name loops, hooks, ``requires_grad_``, parametrizations, ``functional_call`` and
+    state_dicts work as with torch.nn. The parameters are views of one contiguous buffer in the
+    spec's order, which the kernels take with no copy; backward writes one packed gradient and
+    each parameter's ``.grad`` is a view of it. Anything that breaks the aliasing (a
+    parametrization, ``p.data = ...``, ``load_state_dict(assign=True)``, ``set_``) still computes
+    correctly, the parameters then being passed to the kernels one by one, and warns once;
+    :meth:`flatten_parameters` re-establishes it.
     """
 
     spec: RNNSpec
@@ -41,59 +118,172 @@ class _PackedModule(nn.Module):
             reason = backends_.get(backend).unavailable_reason()
             if reason:
                 raise backends_.BackendUnavailableError(f"backend={backend!r} cannot run here: {reason}")
-        self.flat_weights = nn.Parameter(torch.empty(self.layout.numel, device=device, dtype=dtype))
+        self.last_backend: Optional[str] = None
+        entries = self.layout.entries
+        self._names = tuple(e.name for e in entries)  # buffer order
+        self._packing = tuple((e.offset, e.numel, e.shape) for e in entries)
+        flat = torch.empty(self.layout.numel, device=device, dtype=dtype)
+        torch_first = [e for e in entries if e.piece in TORCH_PIECES] + [e for e in entries if e.piece not in TORCH_PIECES]
+        for e in torch_first:  # torch.nn's parameter order, the extras after
+            self.register_parameter(e.name, nn.Parameter(flat[e.offset:e.offset + e.numel].view(e.shape)))
+        self._set_flat(flat)
         self.reset_parameters(forget_bias=forget_bias)
+
+    # ---- the packed buffer -------------------------------------------------------------------
+
+    def _set_flat(self, flat: Optional[torch.Tensor]) -> None:
+        self._flat = flat
+        self._warned_unpacked = False
+        if flat is None:
+            self._expected_ptrs = None
+        else:
+            base, size = flat.data_ptr(), flat.element_size()
+            self._expected_ptrs = [base + offset * size for offset, _, _ in self._packing]
+
+    def _current(self) -> list:
+        """The weights as the module computes with them now (parameters, or parametrized values)."""
+        return [getattr(self, name) for name in self._names]
+
+    def _aliased(self, tensors) -> bool:
+        """Whether ``tensors`` (the weights in buffer order) are exactly the packed buffer's pieces."""
+        return (
+            self._flat is not None
+            and tensors[0].dtype == self._flat.dtype
+            and [t.data_ptr() for t in tensors] == self._expected_ptrs
+        )
+
+    def _note_unpacked(self, tensors) -> None:
+        """Warn once that the parameters no longer alias the packed buffer (unless they were
+        swapped in for one call, as torch.func.functional_call does)."""
+        if self._warned_unpacked:
+            return
+        registered = [self._parameters.get(name) for name in self._names]
+        if all(isinstance(p, nn.Parameter) or p is None for p in registered) and not all(
+            p is None for p in registered
+        ):
+            self._warned_unpacked = True
+            warnings.warn(
+                f"{type(self).__name__}: the weights are not views of one packed buffer any more (a parametrization, "
+                "p.data = ..., load_state_dict(assign=True) or set_ broke the aliasing), so each call passes them "
+                "to the kernels one by one and flat_weights / flat_weights.grad are copies. Call "
+                "flatten_parameters() to pack them again.",
+                stacklevel=3,
+            )
+
+    def _pass_weights(self) -> list:
+        """One PassWeights per layer-direction: views of the packed buffer through :class:`_Pack`
+        when the parameters alias it and a gradient is wanted, else the parameters themselves."""
+        tensors = self._current()
+        if _plain_eager():
+            if not self._aliased(tensors):
+                self._note_unpacked(tensors)
+            elif torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+                tensors = _Pack.apply(self._flat, self._packing, *tensors)
+        return self.layout.group(dict(zip(self._names, tensors)))
+
+    @property
+    def flat_weights(self) -> torch.Tensor:
+        """The packed buffer the parameters alias (the spec's layout; ``rnnkit.Layout(spec)`` gives
+        the offsets), for cuDNN-style code. Its ``.grad`` is the packed gradient: a view that the
+        parameters' ``.grad`` are slices of, after a backward (a copy when they are not).
+
+        It is not itself a parameter and does not require grad: optimize ``module.parameters()``.
+        When the aliasing is broken (see the class docstring) this is a copy of the weights.
+        """
+        tensors = self._current()
+        if self._aliased(tensors):
+            flat = self._flat
+        else:
+            self._note_unpacked(tensors)
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        grads = [getattr(t, "grad", None) for t in tensors]
+        if all(g is None for g in grads):
+            flat.grad = None
+        else:
+            packed = _already_packed(grads, self._packing, flat.numel())
+            if packed is None:
+                packed = torch.cat([(g if g is not None else torch.zeros_like(t)).detach().reshape(-1)
+                                    for g, t in zip(grads, tensors)])
+            flat.grad = packed
+        return flat
+
+    def flatten_parameters(self) -> None:
+        """Pack the parameters into one contiguous buffer and make each a view of it again (the
+        kernels then take the buffer with no copy, and backward writes one packed gradient).
+
+        Needed only after something broke the aliasing (``p.data = ...``,
+        ``load_state_dict(assign=True)``, a removed parametrization); harmless otherwise.
+        Parametrized weights cannot alias the buffer while they are parametrized.
+        """
+        tensors = self._current()
+        if self._aliased(tensors):
+            return
+        params = [self._parameters.get(name) for name in self._names]
+        plain = [p for p in params if p is not None]
+        if not plain or any(type(p.data) is not torch.Tensor for p in plain):
+            return  # e.g. FSDP's sharded DTensors: they are not ours to re-pack
+        first = plain[0]
+        for name, p in zip(self._names, params):
+            if p is not None and (p.dtype != first.dtype or p.device != first.device):
+                raise ValueError(
+                    f"flatten_parameters: every weight must have one dtype and device to share a buffer, "
+                    f"got {name} as {p.dtype} on {p.device} and {self._names[params.index(first)]} as "
+                    f"{first.dtype} on {first.device}"
+                )
+        flat = torch.empty(self.layout.numel, dtype=first.dtype, device=first.device)
+        if first.is_shared():
+            flat.share_memory_()
+        with torch.no_grad():
+            for t, p, (offset, numel, shape) in zip(tensors, params, self._packing):
+                view = flat[offset:offset + numel].view(shape)
+                view.copy_(t)
+                if p is not None:
+                    p.data = view
+        self._set_flat(flat)
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .double(), .half(), .cuda(), to_empty(): torch converts each parameter on its
+        # own; pack them into one buffer of the new dtype / device again (as torch.nn's RNNs do).
+        out = super()._apply(fn, recurse)
+        if self._flat is not None and not self._aliased(self._current()):
+            self._flat = None  # the old buffer: nothing aliases it any more after a conversion
+            self.flatten_parameters()
+        return out
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        # deepcopy clones each parameter on its own: pack them again (a pickle keeps the aliasing)
+        if self._flat is not None and not self._aliased(self._current()):
+            self.flatten_parameters()
 
     def reset_parameters(self, forget_bias: Optional[float] = None) -> None:
         """Re-draw the weights as torch.nn does (uniform ±1/sqrt(H)); LN gains 1, shifts 0."""
-        initialize(self.layout, self.flat_weights.data, forget_bias=forget_bias)
-
-    def __getattr__(self, name: str):
-        layout = self.__dict__.get("layout")
-        if layout is not None and name in layout.index:
-            return layout.view(self.flat_weights, name)
-        return super().__getattr__(name)
-
-    def __setattr__(self, name: str, value) -> None:
-        layout = self.__dict__.get("layout")
-        if layout is not None and name in layout.index:
-            raise AttributeError(
-                f"{name} is a view into the packed buffer flat_weights; copy into it instead: "
-                f"module.{name}.data.copy_(value), or use load_state_dict"
-            )
-        super().__setattr__(name, value)
-
-    def flatten_parameters(self) -> None:
-        """No-op, for code written for torch.nn: the parameters are always one flat buffer."""
+        any_param = next((p for p in (self._parameters.get(n) for n in self._names) if p is not None), None)
+        if any_param is None or any_param.device.type == "meta":
+            return
+        fresh = torch.empty(self.layout.numel, dtype=any_param.dtype, device=any_param.device)
+        initialize(self.layout, fresh, forget_bias=forget_bias)
+        with torch.no_grad():
+            for name, (offset, numel, shape) in zip(self._names, self._packing):
+                p = self._parameters.get(name)
+                if p is not None:
+                    p.copy_(fresh[offset:offset + numel].view(shape))
 
     def named_weights(self):
-        """{torch.nn name: view into flat_weights} for every piece, in buffer order."""
-        return self.layout.named_views(self.flat_weights)
+        """{torch.nn name: weight} for every piece, in buffer order."""
+        return dict(zip(self._names, self._current()))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        for name, view in self.layout.named_views(self.flat_weights).items():
-            destination[prefix + name] = view if keep_vars else view.detach()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not keep_vars:  # each entry its own storage, so safetensors accepts it; still an alias
+            for name in self._names:
+                key = prefix + name
+                if key in destination:
+                    destination[key] = _standalone(destination[key])
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        with torch.no_grad():
-            for entry in self.layout:
-                key = prefix + entry.name
-                if key not in state_dict:
-                    missing_keys.append(key)
-                    continue
-                value = state_dict[key]
-                if not isinstance(value, torch.Tensor) or tuple(value.shape) != entry.shape:
-                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                    error_msgs.append(
-                        f"size mismatch for {key}: copying a param with shape {got} from checkpoint, "
-                        f"the shape in current model is {entry.shape}."
-                    )
-                    continue
-                self.layout.view(self.flat_weights, entry.name).copy_(value)
-        if strict:
-            for key in state_dict:
-                if key.startswith(prefix) and key[len(prefix):] not in self.layout.index and "." not in key[len(prefix):]:
-                    unexpected_keys.append(key)
+    def _backend_note(self) -> str:
+        ran = f", last ran: {self.last_backend}" if self.last_backend and self.backend == "auto" else ""
+        return f"backend={self.backend!r}{ran}" if (self.backend != "auto" or ran) else ""
 
 
 class _Recurrent(_PackedModule):
@@ -147,30 +337,32 @@ class _Recurrent(_PackedModule):
             (output, h_n), or (output, (h_n, c_n)) for LSTM; output is a PackedSequence
             when the input is one.
         """
-        if not isinstance(input, PackedSequence):
-            return F.rnn(
-                self.spec, self.flat_weights, input, hx, lengths,
-                training=self.training, backend=self.backend, layout=self.layout,
-            )
-        if lengths is not None:
-            raise ValueError("lengths: a PackedSequence carries its own lengths; pass lengths=None")
-        padded, lens = pad_packed_sequence(input)  # [T, B, I], batch in original order
-        y, hy = F.rnn(
-            self.spec, self.flat_weights, padded, hx, lens,
-            training=self.training, backend=self.backend, layout=self.layout, batch_first=False,
-        )
-        order = input.sorted_indices
-        if order is not None:
-            y, lens = y.index_select(1, order), lens[order.cpu()]
-        data = pack_padded_sequence(y, lens, enforce_sorted=True).data
-        return PackedSequence(data, input.batch_sizes, input.sorted_indices, input.unsorted_indices), hy
+        weights = self._pass_weights()
+        if isinstance(input, PackedSequence):
+            if lengths is not None:
+                raise ValueError("lengths: a PackedSequence carries its own lengths; pass lengths=None")
+            padded, lens = pad_packed_sequence(input)  # [T, B, I], batch in original order
+            y, hy = self._run(weights, padded, hx, lens, batch_first=False)
+            order = input.sorted_indices
+            if order is not None:
+                y, lens = y.index_select(1, order), lens[order.cpu()]
+            data = pack_padded_sequence(y, lens, enforce_sorted=True).data
+            return PackedSequence(data, input.batch_sizes, input.sorted_indices, input.unsorted_indices), hy
+        return self._run(weights, input, hx, lengths, batch_first=self.spec.batch_first)
+
+    def _run(self, weights, input, hx, lengths, batch_first: bool):
+        y, hy, ran = F.run(self.spec, weights, input, hx, lengths, training=self.training, backend=self.backend,
+                           batch_first=batch_first, like=weights[0].W)
+        if not torch.compiler.is_compiling():
+            self.last_backend = ran
+        return y, hy
 
     @property
     def all_weights(self):
-        """torch.nn's list of per-layer-direction weight lists (views into the buffer)."""
+        """torch.nn's list of per-layer-direction weight lists (torch.nn's pieces, then the extras)."""
         D = self.spec.num_directions
         return [
-            [self.layout.view(self.flat_weights, e.name) for e in self.layout if e.layer * D + e.direction == i]
+            [getattr(self, e.name) for e in self.layout if e.layer * D + e.direction == i]
             for i in range(self.spec.num_layers * D)
         ]
 
@@ -181,9 +373,8 @@ class _Recurrent(_PackedModule):
         for key, value in self.spec.options().items():
             if key not in shown and key != "mode" and value != defaults[key]:
                 parts.append(f"{key}={value!r}")
-        if self.backend != "auto":
-            parts.append(f"backend={self.backend!r}")
-        return ", ".join(parts)
+        note = self._backend_note()
+        return ", ".join(parts + ([note] if note else []))
 
 
 _OPTIONS_DOC = """
@@ -296,24 +487,32 @@ class _Cell(_PackedModule):
             raise ValueError(f"input: expected a 2-D tensor (B, input_size) or 1-D (input_size,), got shape {tuple(input.shape)}")
         if input.shape[-1] != spec.input_size:  # checked here so the message shows the caller's shape
             raise ValueError(f"input: expected feature size input_size={spec.input_size} in the last axis, got shape {tuple(input.shape)}")
+        weights = self._pass_weights()
         unbatched = input.dim() == 1
         B = 1 if unbatched else input.shape[0]
         cell = spec.cell(0)
-        shapes = [("h", (B, cell.output_size))] + ([("c", (B, cell.hidden_size))] if spec.mode == "lstm" else [])
+        lstm = spec.mode == "lstm"
         if hx is not None:
-            parts = hx if spec.mode == "lstm" else (hx,)
-            if spec.mode == "lstm" and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
+            if lstm and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
                 raise TypeError(f"hx: expected a pair (h, c) for an LSTM cell, got {type(hx).__name__}")
+            parts = hx if lstm else (hx,)
+            shapes = [("h", (B, cell.output_size))] + ([("c", (B, cell.hidden_size))] if lstm else [])
             for (name, shape), value in zip(shapes, parts):
-                F.check_tensor(f"hx ({name})", value, shape[1:] if unbatched else shape, self.flat_weights)
+                F.check_tensor(f"hx ({name})", value, shape[1:] if unbatched else shape, weights[0].W)
             hx = tuple(p.reshape(1, B, -1) for p in parts)
-            hx = hx if spec.mode == "lstm" else hx[0]
+            hx = hx if lstm else hx[0]
         x = input.reshape(1, B, -1)
-        _, hy = F.rnn(spec, self.flat_weights, x, hx, training=self.training, backend=self.backend,
-                      layout=self.layout, batch_first=False)
-        parts = hy if spec.mode == "lstm" else (hy,)
+        _, hy, ran = F.run(spec, weights, x, hx, None, training=self.training, backend=self.backend,
+                           batch_first=False, like=weights[0].W)
+        if not torch.compiler.is_compiling():
+            self.last_backend = ran
+        parts = hy if lstm else (hy,)
         out = tuple(p[0, 0] if unbatched else p[0] for p in parts)
-        return out if spec.mode == "lstm" else out[0]
+        return out if lstm else out[0]
+
+    def extra_repr(self) -> str:
+        note = self._backend_note()
+        return f"{self.input_size}, {self.hidden_size}" + (f", {note}" if note else "")
 
 
 class LSTMCell(_Cell):

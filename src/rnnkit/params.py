@@ -44,21 +44,52 @@ class ParamEntry:
         return math.prod(self.shape)
 
 
-class PassWeights(NamedTuple):
-    """The weights of one layer in one direction (views into the packed buffer).
+# The weights of one pass by role (the kernels' argument names), and the packed buffer's piece
+# each one is: also the order of the pieces in the buffer and of a pass's gradient block.
+WEIGHT_SLOTS = (
+    ("W", "weight_ih"), ("R", "weight_hh"), ("b_W", "bias_ih"), ("b_R", "bias_hh"), ("W_hr", "weight_hr"),
+    ("peephole", "weight_peephole"),
+    ("ln_x_gain", "layer_norm_ih_weight"), ("ln_x_shift", "layer_norm_ih_bias"),
+    ("ln_h_gain", "layer_norm_hh_weight"), ("ln_h_shift", "layer_norm_hh_bias"),
+    ("ln_c_gain", "layer_norm_c_weight"), ("ln_c_shift", "layer_norm_c_bias"),
+)
+SLOT_OF_PIECE = {piece: slot for slot, piece in WEIGHT_SLOTS}
 
-    Absent pieces are None. ``ln_x``, ``ln_h``, ``ln_c`` are (gain, shift) pairs.
+
+class PassWeights(NamedTuple):
+    """The weights of one layer in one direction; absent pieces are None.
+
+    ``ln_x``, ``ln_h``, ``ln_c`` give each layer norm's (gain, shift) pair, or None.
     """
 
     W: torch.Tensor  # [G·H, I]
     R: torch.Tensor  # [G·H, Hr]
-    b_W: Optional[torch.Tensor]  # [G·H]
-    b_R: Optional[torch.Tensor]  # [G·H]
-    W_hr: Optional[torch.Tensor]  # [P, H]
-    peephole: Optional[torch.Tensor]  # [3 or 2, H]
-    ln_x: Optional[Tuple[torch.Tensor, torch.Tensor]]
-    ln_h: Optional[Tuple[torch.Tensor, torch.Tensor]]
-    ln_c: Optional[Tuple[torch.Tensor, torch.Tensor]]
+    b_W: Optional[torch.Tensor] = None  # [G·H]
+    b_R: Optional[torch.Tensor] = None  # [G·H]
+    W_hr: Optional[torch.Tensor] = None  # [P, H]
+    peephole: Optional[torch.Tensor] = None  # [3 or 2, H]
+    ln_x_gain: Optional[torch.Tensor] = None  # [G·H]
+    ln_x_shift: Optional[torch.Tensor] = None
+    ln_h_gain: Optional[torch.Tensor] = None  # [G·H]
+    ln_h_shift: Optional[torch.Tensor] = None
+    ln_c_gain: Optional[torch.Tensor] = None  # [H]
+    ln_c_shift: Optional[torch.Tensor] = None
+
+    @property
+    def ln_x(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        return None if self.ln_x_gain is None else (self.ln_x_gain, self.ln_x_shift)
+
+    @property
+    def ln_h(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        return None if self.ln_h_gain is None else (self.ln_h_gain, self.ln_h_shift)
+
+    @property
+    def ln_c(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        return None if self.ln_c_gain is None else (self.ln_c_gain, self.ln_c_shift)
+
+    def present(self) -> List[torch.Tensor]:
+        """The weights that exist, in buffer order."""
+        return [t for t in self if t is not None]
 
 
 def cell_pieces(cell: CellSpec) -> List[Tuple[str, Tuple[int, ...]]]:
@@ -128,23 +159,19 @@ class Layout:
         }
 
     def pass_weights(self, flat: torch.Tensor, layer: int, direction: int) -> PassWeights:
-        p = self.pieces(flat, layer, direction)
-        pair = lambda which: (  # noqa: E731
-            (p[f"layer_norm_{which}_weight"], p[f"layer_norm_{which}_bias"])
-            if f"layer_norm_{which}_weight" in p
-            else None
-        )
-        return PassWeights(
-            W=p["weight_ih"],
-            R=p["weight_hh"],
-            b_W=p.get("bias_ih"),
-            b_R=p.get("bias_hh"),
-            W_hr=p.get("weight_hr"),
-            peephole=p.get("weight_peephole"),
-            ln_x=pair("ih"),
-            ln_h=pair("hh"),
-            ln_c=pair("c"),
-        )
+        """One pass's weights as views of a packed buffer."""
+        return PassWeights(**{SLOT_OF_PIECE[piece]: view for piece, view in self.pieces(flat, layer, direction).items()})
+
+    def all_pass_weights(self, flat: torch.Tensor) -> List[PassWeights]:
+        """Every pass's weights as views of a packed buffer, layer by layer, forward direction first."""
+        return self.group(self.named_views(flat))
+
+    def group(self, tensors: Dict[str, torch.Tensor]) -> List[PassWeights]:
+        """{name: tensor} for every entry -> one PassWeights per pass, layer by layer, forward first."""
+        passes = [{} for _ in range(self.spec.num_layers * self.spec.num_directions)]
+        for e in self.entries:
+            passes[e.layer * self.spec.num_directions + e.direction][SLOT_OF_PIECE[e.piece]] = tensors[e.name]
+        return [PassWeights(**p) for p in passes]
 
     def new_buffer(self, device=None, dtype=None, forget_bias: Optional[float] = None) -> torch.Tensor:
         """A freshly initialized packed buffer (see :func:`initialize`)."""

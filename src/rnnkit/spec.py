@@ -11,12 +11,72 @@ import math
 import numbers
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 MODES = ("rnn_tanh", "rnn_relu", "lstm", "gru")
 BIAS_MODES = ("double", "single_input", "single_recurrent", "none")
 MERGES = ("concat", "sum")
 GATES = {"rnn_tanh": 1, "rnn_relu": 1, "lstm": 4, "gru": 3}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of :class:`RNNSpec`: which cell families take it and which backends compute it.
+
+    ``in_use(spec)`` says whether a spec uses the option (in a way that changes what is computed:
+    ``reset_after`` is "in use" when it is False, ``bias_mode`` when it is neither of torch.nn's two
+    modes); ``label(spec)`` is how messages name that use (``"reset_after=False"``).
+    ``changes_inference`` is False for the training-only options (the dropouts), which converters
+    do not export. Adding an option means: its math in the reference and the kernels, and one
+    row here; the backends' "can I run this?" checks and the converters read this table.
+    """
+
+    name: str
+    families: Tuple[str, ...]
+    in_use: Callable[["RNNSpec"], bool]
+    native: bool = False  # torch's own RNN ops (oneDNN / cuDNN) compute it
+    changes_inference: bool = True
+    label: Optional[Callable[["RNNSpec"], str]] = None
+
+    def describe(self, spec: "RNNSpec") -> str:
+        return self.label(spec) if self.label else self.name
+
+
+ALL_FAMILIES = ("lstm", "gru", "rnn")
+
+OPTIONS: Tuple[Option, ...] = (
+    Option("proj_size", ("lstm",), lambda s: any(s.proj_sizes), native=True),
+    Option("proj_clip", ("lstm",), lambda s: s.proj_clip is not None),
+    Option("cell_clip", ("lstm",), lambda s: s.cell_clip is not None),
+    Option("peephole", ("lstm",), lambda s: s.peephole),
+    Option("coupled_gates", ("lstm",), lambda s: s.coupled_gates),
+    Option("reset_after", ("gru",), lambda s: not s.reset_after,
+           label=lambda s: "reset_after=False"),
+    Option("layer_norm", ALL_FAMILIES, lambda s: s.layer_norm),
+    Option("zoneout", ALL_FAMILIES, lambda s: any(s.zoneout)),
+    Option("bias_mode", ALL_FAMILIES, lambda s: s.bias_mode not in ("double", "none"),
+           label=lambda s: f"bias_mode={s.bias_mode!r}"),
+    Option("merge", ALL_FAMILIES, lambda s: s.bidirectional and s.merge == "sum", label=lambda s: "merge='sum'"),
+    Option("hidden_size", ALL_FAMILIES, lambda s: s.per_layer, label=lambda s: "per-layer sizes"),
+    Option("dropout", ALL_FAMILIES, lambda s: s.dropout > 0, native=True, changes_inference=False),
+    Option("input_dropout", ALL_FAMILIES, lambda s: s.input_dropout > 0, changes_inference=False),
+    Option("recurrent_dropout", ALL_FAMILIES, lambda s: s.recurrent_dropout > 0, changes_inference=False),
+    Option("dropconnect", ALL_FAMILIES, lambda s: s.dropconnect > 0, changes_inference=False),
+)
+
+
+def family(mode: str) -> str:
+    """The cell family of a mode: "lstm", "gru" or "rnn" (rnn_tanh and rnn_relu)."""
+    return "rnn" if mode.startswith("rnn") else mode
+
+
+def options_in_use(spec: "RNNSpec", *, native: Optional[bool] = None, inference_only: bool = False) -> List[str]:
+    """The labels of the options ``spec`` uses, from :data:`OPTIONS`; ``native=False`` keeps only
+    those torch's own RNN ops do not compute, ``inference_only`` drops the training-only ones."""
+    return [
+        o.describe(spec) for o in OPTIONS
+        if o.in_use(spec) and (native is None or o.native == native) and (o.changes_inference or not inference_only)
+    ]
 
 
 @dataclass(frozen=True)
@@ -239,18 +299,10 @@ class RNNSpec:
         return (_probability("zoneout", zoneout), 0.0)
 
     def _check_combinations(self) -> None:
-        lstm_only = {
-            "peephole": self.peephole,
-            "coupled_gates": self.coupled_gates,
-            "cell_clip": self.cell_clip is not None,
-            "proj_size": any(self.proj_sizes),
-            "proj_clip": self.proj_clip is not None,
-        }
-        for name, used in lstm_only.items():
-            if used and self.mode != "lstm":
-                raise ValueError(f"{name}: only LSTM has this option, got mode={self.mode!r}")
-        if not self.reset_after and self.mode != "gru":
-            raise ValueError(f"reset_after=False: only GRU has a reset gate, got mode={self.mode!r}")
+        for option in OPTIONS:
+            if option.in_use(self) and family(self.mode) not in option.families:
+                taking = " and ".join(f.upper() for f in option.families)
+                raise ValueError(f"{option.name}: only {taking} has this option, got mode={self.mode!r}")
         if self.layer_norm and self.mode == "gru" and not self.reset_after:
             raise ValueError(
                 "layer_norm: has no reference definition for GRU with reset_after=False "

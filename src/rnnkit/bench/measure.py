@@ -15,7 +15,7 @@ import torch
 
 from ..testing import TOLERANCE, rel_rms
 from .registry import VARIANTS, Shape, Variant
-from .runners import Model, RnnkitModel, Runner, Unsupported, rnnkit_module
+from .runners import Model, Runner, Unsupported, rnnkit_module
 
 def synchronize(device) -> None:
     if torch.device(device).type == "cuda":
@@ -52,7 +52,7 @@ class Case:
         key = (variant_name, mode)
         if key not in self._expected:
             module = self.reference(variant_name)
-            model = RnnkitModel(variant_name, [module])
+            model = Model(variant_name, [module])
             upstream = None
             if mode == "training":
                 with torch.no_grad():
@@ -62,7 +62,7 @@ class Case:
             outputs, grads = self.run(model, mode, upstream)
             truth = (outputs, grads)
             if self.dtype != torch.float64:  # the same weights, input, upstream and masks, in float64
-                model64 = RnnkitModel(variant_name, [copy.deepcopy(module).double()])
+                model64 = Model(variant_name, [copy.deepcopy(module).double()])
                 upstream64 = None if upstream is None else [u.double() for u in upstream]
                 truth = self.run(model64, mode, upstream64, x=self.x.double())
             self._expected[key] = {"outputs": outputs, "grads": grads, "upstream": upstream, "truth": truth}

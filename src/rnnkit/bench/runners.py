@@ -70,11 +70,6 @@ class Model:
         return {name: g for (name, _), g in zip(self.modules[0].named_parameters(), grads)}
 
 
-class RnnkitModel(Model):
-    def named_grads(self, grads) -> Dict[str, torch.Tensor]:
-        return self.modules[0].layout.named_views(grads[0])
-
-
 class ChainModel(Model):
     """Per-layer sizes in torch.nn: one one-layer module per layer, output of one into the next."""
 
@@ -153,7 +148,7 @@ class RnnkitBackend(Runner):
         except backends_.BackendUnavailableError as error:
             raise Unsupported(str(error)) from None
         module.load_state_dict(case.reference(case.variant.name).state_dict())
-        return RnnkitModel(case.variant.name, [module], {"backend": chosen.name})
+        return Model(case.variant.name, [module], {"backend": chosen.name})
 
 
 class OnnxRuntime(Runner):

@@ -1,8 +1,15 @@
-"""The fused CPU backend: compiled time loops for every cell family and option (issue 3).
+"""The fused CPU backend: compiled time loops for every cell family and option.
 
-Per pass: one GEMM for W·x over all steps, one GEMM per step for R·h (two for GRU with
-reset_after=False, plus the projection's), one fused pointwise pass per step, and a
-compiled backward whose weight gradients are one GEMM per matrix over all steps.
+Per pass: one GEMM for W·x over all steps (in cache-sized chunks), one GEMM per step for R·h
+(two for GRU with reset_after=False, plus the projection's), one fused pointwise pass per step,
+and a compiled backward whose weight gradients are one GEMM per matrix over all steps, written
+straight into the pass's gradient block. The kernels are the custom ops
+``rnnkit::fused_pass_forward`` / ``fused_pass_backward`` (ops.py; C++ in csrc/, built on first
+use by build.py).
+
+float32 and float64 compute natively; bfloat16 and float16 tensors are computed in float32 (the
+weights and inputs as given, accumulation, pointwise math and the carried state in float32) and
+the outputs rounded back.
 
     >>> lstm = rnnkit.LSTM(8, 16, peephole=True, layer_norm=True, backend="fused")
     >>> y, (h_n, c_n) = lstm(torch.randn(5, 3, 8))
@@ -13,10 +20,12 @@ from typing import Optional
 
 import torch
 
+from ..passes import run_pass
 from . import build
-from .launcher import fused_pass
+from .ops import OPS
 
-_DTYPES = (torch.float32, torch.float64)
+_NATIVE = (torch.float32, torch.float64)
+_IN_FLOAT32 = (torch.bfloat16, torch.float16)
 
 
 def cached_buffer_bytes() -> int:
@@ -38,23 +47,38 @@ def release_cached_buffers() -> None:
         extension.release_cached_buffers()
 
 
+def _float32(t):
+    return None if t is None else t.float()
+
+
 class FusedCPUBackend:
-    """Compiled C++ passes on ATen for CPU tensors in float32 / float64; differentiable."""
+    """Compiled C++ passes on ATen for CPU tensors; differentiable."""
 
     name = "fused"
+    ops = OPS
 
     def unavailable_reason(self) -> Optional[str]:
-        return build.failure()
+        return build.unavailable_reason()
+
+    def status(self) -> str:
+        return build.status()
 
     def unsupported_reason(self, spec, device, dtype) -> Optional[str]:
         if torch.device(device).type != "cpu":
             return f"runs on CPU tensors only, got device {device}"
-        if dtype not in _DTYPES:
-            return f"runs in float32 and float64 only, got {dtype}"
+        if dtype not in _NATIVE + _IN_FLOAT32:
+            return f"runs in float32, float64, bfloat16 and float16, got {dtype}"
         return None
 
-    def run_pass(self, cell, x, h0, c0, weights, step_mask, reverse, masks):
-        return fused_pass(cell, x, h0, c0, weights, step_mask, reverse, masks)
+    def run_pass(self, cell, x, h0, c0, weights, lengths, reverse, masks):
+        if x.dtype in _NATIVE:
+            return run_pass(OPS, cell, x, h0, c0, weights, lengths, reverse, masks)
+        dtype = x.dtype
+        masks = masks._replace(**{k: _float32(v) if isinstance(v, torch.Tensor) else v
+                                  for k, v in masks._asdict().items()})
+        out = run_pass(OPS, cell, x.float(), h0.float(), _float32(c0), type(weights)(*map(_float32, weights)),
+                       lengths, reverse, masks)
+        return tuple(None if t is None else t.to(dtype) for t in out)
 
 
-__all__ = ["FusedCPUBackend", "fused_pass"]
+__all__ = ["FusedCPUBackend", "cached_buffer_bytes", "release_cached_buffers"]

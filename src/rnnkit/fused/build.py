@@ -1,43 +1,68 @@
-"""Compiling the fused CPU kernels: once, on first use, into a per-torch-version cache.
+"""Compiling the fused CPU kernels: once, on first use, into a cache keyed by everything that
+changes the build.
 
-``import rnnkit`` compiles nothing; the first call that needs the fused backend does, and
-says so in one line on stderr. A failed build is remembered with its reason, said once, and
-reported by ``FusedCPUBackend.unavailable_reason()`` so that ``backend="auto"`` falls back
-and ``backend="fused"`` raises with it.
+``import rnnkit`` compiles nothing, and neither does asking what can run
+(:func:`unavailable_reason`, ``rnnkit.backends()``, ``rnnkit doctor``, ``backend="auto"``): they
+report "not built yet". The first call that runs a fused pass builds the extension and says so in
+one line on stderr. A failed build is remembered with its reason, said once, and reported from
+then on, so that ``backend="auto"`` moves on and ``backend="fused"`` raises with it.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import subprocess
 import sys
+import sysconfig
 import threading
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-_SOURCES = ("module.cpp", "lstm.cpp", "gru.cpp", "rnn.cpp")
+_SOURCES = ("buffers.cpp", "gemm.cpp", "pass.cpp", "lstm.cpp", "gru.cpp", "rnn.cpp", "ops.cpp")
 _NAME = "rnnkit_fused_cpu"
 _lock = threading.Lock()
 _extension = None
 _failure: Optional[str] = None
+_PROBED = object()
+_missing_tool = _PROBED  # not probed yet; then None or what is missing (compiler, ninja)
 
 
-def _source_digest() -> str:
-    """Hash of the C++ sources and flags: two checkouts with different sources never share a build."""
-    digest = hashlib.sha256(" ".join(_flags()).encode())
+def _compiler() -> Optional[str]:
+    """The C++ compiler torch.utils.cpp_extension will use ($CXX, else c++), if it is on PATH."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def _build_key() -> str:
+    """Hash of what changes the binary: the sources, the flags, the compiler and its version, the
+    torch build (install path and git revision: two environments with the same torch version
+    have different include paths) and the Python ABI. Two environments never share a build."""
+    digest = hashlib.sha256()
+    compiler = _compiler() or ""
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    for part in (
+        " ".join(_flags()), compiler, version, torch.__version__, str(getattr(torch.version, "git_version", "")),
+        str(Path(torch.__file__).parent), sys.implementation.cache_tag, sysconfig.get_platform(),
+    ):
+        digest.update(part.encode() + b"\0")
     for path in sorted(Path(__file__).with_name("csrc").iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
-    return digest.hexdigest()[:12]
+    return digest.hexdigest()[:16]
 
 
 def cache_dir() -> Path:
-    """Where the build lives: $TORCH_EXTENSIONS_DIR or ~/.cache/rnnkit/<torch>/, then rnnkit_fused_cpu/<sources hash>."""
+    """Where the build lives: $TORCH_EXTENSIONS_DIR or ~/.cache/rnnkit/<torch>/, then
+    rnnkit_fused_cpu/<build key> (see :func:`_build_key`)."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root:
-        return Path(root) / _NAME / _source_digest()
+        return Path(root) / _NAME / _build_key()
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "rnnkit" / torch.__version__.replace("+", "_") / _NAME / _source_digest()
+    return base / "rnnkit" / torch.__version__.replace("+", "_") / _NAME / _build_key()
 
 
 def _compile():
@@ -72,8 +97,10 @@ def _flags() -> list:
 
 
 def extension():
-    """The compiled module; raises RuntimeError with the build failure's reason."""
+    """The compiled module, building it on first use; raises RuntimeError with the build failure's reason."""
     global _extension, _failure
+    if _extension is not None:
+        return _extension
     with _lock:
         if _extension is None and _failure is None:
             try:
@@ -94,13 +121,39 @@ def loaded():
     return _extension
 
 
-def failure() -> Optional[str]:
-    """None when the kernels are built (building them now if needed), else why they can't be."""
-    try:
-        extension()
-    except RuntimeError as error:
-        return str(error)
+def _probe_tools() -> Optional[str]:
+    """What the build needs and this machine lacks (a C++ compiler, ninja), or None."""
+    if _compiler() is None:
+        return f"no C++ compiler on PATH ({os.environ.get('CXX', 'c++')}; set CXX to choose one)"
+    if shutil.which("ninja") is None:
+        try:
+            import ninja  # noqa: F401  (the pip package puts the binary on PATH inside its own folder)
+        except ImportError:
+            return "ninja is not installed (pip install ninja)"
     return None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the kernels cannot run here, or None; never builds. Before the first build this checks
+    only (once) that a compiler and ninja are present; a build that then fails is reported from
+    then on. Under torch.compile it reads only what is known (no file system probes in a graph)."""
+    global _missing_tool
+    if _failure is not None:
+        return _failure
+    if _extension is not None:
+        return None
+    if _missing_tool is _PROBED:
+        if torch.compiler.is_compiling():
+            return None  # torch.compile itself needs a C++ compiler on the CPU
+        _missing_tool = _probe_tools()
+    return _missing_tool
+
+
+def status() -> str:
+    """"built", "not built yet" (it builds on first use), or why it cannot run; never builds."""
+    if _extension is not None:
+        return "built"
+    return unavailable_reason() or "not built yet (builds on first use, about a minute)"
 
 
 def set_poison(on: bool) -> None:

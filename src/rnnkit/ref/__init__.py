@@ -1,8 +1,11 @@
 """The reference backend: readable loops that are the executable form of SPEC.md.
 
 Every fused backend is tested against these. Each pass has the signature
-``(cell, x, h0, c0, weights, step_mask, reverse, masks) -> (y, h_n, c_n)``.
+``(cell, x, h0, c0, weights, step_mask, reverse, masks) -> (y, h_n, c_n)``; the backend's
+``run_pass`` takes the lengths and derives the step mask.
 """
+import torch
+
 from .gru import gru_pass
 from .lstm import lstm_pass
 from .rnn import rnn_pass
@@ -18,10 +21,16 @@ class ReferenceBackend:
     def unavailable_reason(self):
         return None
 
+    def status(self) -> str:
+        return "available"
+
     def unsupported_reason(self, spec, device, dtype):
         return None
 
-    def run_pass(self, cell, x, h0, c0, weights, step_mask, reverse, masks):
+    def run_pass(self, cell, x, h0, c0, weights, lengths, reverse, masks):
+        step_mask = None
+        if lengths is not None:
+            step_mask = (torch.arange(x.shape[0]).unsqueeze(1) < lengths.unsqueeze(0)).to(x.device)  # [T, B]
         return PASSES[cell.mode](cell, x, h0, c0, weights, step_mask, reverse, masks)
 
 

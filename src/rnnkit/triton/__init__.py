@@ -12,47 +12,51 @@ from a CUDA graph captured once per shape (graphs.py; untested on hardware so fa
     >>> lstm = rnnkit.LSTM(8, 16, peephole=True, layer_norm=True, backend="triton").cuda()
     >>> y, (h_n, c_n) = lstm(torch.randn(5, 3, 8, device="cuda"))
 
-Without a GPU, ``RNNKIT_TRITON_INTERPRET=1`` makes the backend accept CPU tensors and run
-the whole path (launcher, autograd, kernels) under Triton's interpreter: it sets
-``TRITON_INTERPRET=1`` before the kernels are defined, and must be set before the first
-triton pass of the process. This is how the test suite checks the kernels in CI.
-Importing rnnkit never imports triton; the kernels load on the first triton pass.
+Without a GPU, Triton's interpreter runs the kernels on CPU tensors: set ``TRITON_INTERPRET=1``
+before anything imports triton (Triton reads it when its own library is defined) and
+``RNNKIT_TRITON_INTERPRET=1`` to let this backend accept CPU tensors. rnnkit sets neither (the
+test suite does, in tests/conftest.py). Importing rnnkit never imports triton.
 """
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 from typing import Optional
 
 import torch
 
+from ..passes import run_pass
+from .ops import OPS, interpreting, kernels, loaded
+
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_KERNELS = __name__ + ".launcher"
 
 
-def interpreting() -> bool:
-    """Whether CPU tensors are accepted, to run under Triton's interpreter (RNNKIT_TRITON_INTERPRET=1).
+def _interpreter_problem() -> Optional[str]:
+    """Why Triton's interpreter cannot run the kernels in this process, or None."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
 
-    ``TRITON_INTERPRET=1`` alone is not enough: "auto" would then route every CPU call
-    with options torch's ops lack to the (slow) interpreter.
-    """
-    return os.environ.get("RNNKIT_TRITON_INTERPRET") == "1"
+    if not isinstance(tl.zeros_like, InterpretedFunction):
+        return ("Triton's interpreter needs TRITON_INTERPRET=1 in the environment before triton is first imported "
+                "(torch._dynamo and keras import it too); it was imported without it")
+    if _kernels_interpreted() is False:
+        return "rnnkit's Triton kernels were loaded for the GPU before RNNKIT_TRITON_INTERPRET=1 was set"
+    return None
 
 
 def _kernels_interpreted() -> Optional[bool]:
     """Whether the loaded kernels run under the interpreter; None before they are loaded."""
-    if _KERNELS not in sys.modules:
+    if not loaded():
         return None
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(sys.modules[__name__ + ".common"].sigmoid, InterpretedFunction)
+    return isinstance(kernels()["lstm"].lstm_forward_kernel, InterpretedFunction)
 
 
 class TritonBackend:
     """Fused Triton passes on CUDA tensors (CPU tensors under RNNKIT_TRITON_INTERPRET=1); differentiable."""
 
     name = "triton"
+    ops = OPS
 
     def unavailable_reason(self) -> Optional[str]:
         if importlib.util.find_spec("triton") is None:
@@ -64,12 +68,18 @@ class TritonBackend:
                     "on CPU tensors under Triton's interpreter")
         return None
 
+    def status(self) -> str:
+        reason = self.unavailable_reason()
+        if reason:
+            return reason
+        return "kernels loaded" if loaded() else "kernels load on first use"
+
     def unsupported_reason(self, spec, device, dtype) -> Optional[str]:
         device = torch.device(device)
         if device.type == "cpu" and interpreting():
-            if _kernels_interpreted() is False:
-                return ("RNNKIT_TRITON_INTERPRET=1 was set after the Triton kernels were compiled for the GPU; "
-                        "set it before the first triton pass of the process")
+            problem = _interpreter_problem()
+            if problem:
+                return problem
         elif device.type != "cuda":
             return (f"runs on CUDA tensors, got device {device} (RNNKIT_TRITON_INTERPRET=1 accepts CPU tensors "
                     "under Triton's interpreter)")
@@ -77,12 +87,8 @@ class TritonBackend:
             return f"runs in float32, float64, bfloat16 and float16, got {dtype}"
         return None
 
-    def run_pass(self, cell, x, h0, c0, weights, step_mask, reverse, masks):
-        if _KERNELS not in sys.modules and interpreting():
-            os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined (triton.jit)
-        from .launcher import triton_pass
-
-        return triton_pass(cell, x, h0, c0, weights, step_mask, reverse, masks)
+    def run_pass(self, cell, x, h0, c0, weights, lengths, reverse, masks):
+        return run_pass(OPS, cell, x, h0, c0, weights, lengths, reverse, masks)
 
 
 __all__ = ["TritonBackend", "interpreting"]

@@ -11,9 +11,6 @@ from typing import Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
-from ..masks import PassMasks
-from ..params import PassWeights
-from ..spec import CellSpec
 
 LN_EPS = 1e-5
 
@@ -77,46 +74,47 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _zone_mode(z) -> int:
-    if z is None:
-        return 0
-    return 1 if isinstance(z, torch.Tensor) else 2
-
-
-def make_config(cell: CellSpec, x: torch.Tensor, w: PassWeights, reverse: bool, masks: PassMasks, save: bool,
-                block_size) -> PassConfig:
+def make_config(args: dict, save: bool, block_size) -> PassConfig:
+    """The static description of a pass from the op's named arguments (rnnkit/passes.py)."""
+    x, R, W, W_hr, c0 = args["x"], args["R"], args["W"], args["W_hr"], args["c0"]
     T, B, I = x.shape
-    H, HR = cell.hidden_size, cell.output_size
+    HR = R.shape[1]
+    H = W_hr.shape[1] if W_hr is not None else (c0.shape[1] if c0 is not None else HR)
+    zone = lambda mask, p: 1 if mask is not None else (2 if p else 0)  # noqa: E731
     return PassConfig(
-        mode=cell.mode, T=T, B=B, I=I, H=H, HR=HR, G=cell.gates, reverse=bool(reverse), save=save,
-        has_b_x=w.b_W is not None, has_b_h=w.b_R is not None, peephole=w.peephole is not None,
-        layer_norm=cell.layer_norm, cell_clip=cell.cell_clip is not None, proj=w.W_hr is not None,
-        proj_clip=cell.proj_clip is not None, rmask=masks.recurrent is not None,
-        zone_h=_zone_mode(masks.zoneout_h), zone_c=_zone_mode(masks.zoneout_c),
-        coupled=cell.coupled_gates, reset_after=cell.reset_after, relu=cell.mode == "rnn_relu",
+        mode=args["mode"], T=T, B=B, I=I, H=H, HR=HR, G=W.shape[0] // H, reverse=args["reverse"], save=save,
+        has_b_x=args["b_W"] is not None, has_b_h=args["b_R"] is not None, peephole=args["peephole"] is not None,
+        layer_norm=args["ln_h_gain"] is not None, cell_clip=args["cell_clip"] is not None, proj=W_hr is not None,
+        proj_clip=args["proj_clip"] is not None, rmask=args["recurrent_mask"] is not None,
+        zone_h=zone(args["zoneout_h_mask"], args["zoneout_h"]), zone_c=zone(args["zoneout_c_mask"], args["zoneout_c"]),
+        coupled=args["coupled_gates"], reset_after=args["reset_after"], relu=args["mode"] == "rnn_relu",
         block=block_size(H), block_r=block_size(HR),
     )
 
 
-def make_tensors(cell: CellSpec, x, h0, c0, w: PassWeights, step_mask, masks: PassMasks) -> PassTensors:
+def make_tensors(args: dict) -> PassTensors:
     """Cast and make contiguous once per pass (no-ops for contiguous float32 / float64 inputs)."""
+    x = args["x"]
     dtype = compute_dtype(x.dtype)
     cast = lambda t: None if t is None else t.detach().to(dtype).contiguous()  # noqa: E731
-    pair = lambda ln: None if ln is None else (cast(ln[0]), cast(ln[1]))  # noqa: E731
+    pair = lambda name: None if args[name + "_gain"] is None else (cast(args[name + "_gain"]),  # noqa: E731
+                                                                   cast(args[name + "_shift"]))
     T, B = x.shape[:2]
-    keep = torch.ones(T, B, dtype=dtype, device=x.device) if step_mask is None else cast(step_mask)
-    zone = lambda z: cast(z) if isinstance(z, torch.Tensor) else None  # noqa: E731
-    probability = lambda z: 0.0 if isinstance(z, torch.Tensor) or z is None else float(z)  # noqa: E731
+    lengths = args["lengths"]
+    if lengths is None:
+        keep = torch.ones(T, B, dtype=dtype, device=x.device)
+    else:
+        keep = (torch.arange(T, device=x.device).unsqueeze(1) < lengths.to(x.device).unsqueeze(0)).to(dtype)
     scalars = torch.tensor(
-        [probability(masks.zoneout_h), probability(masks.zoneout_c), cell.cell_clip or 0.0,
-         cell.proj_clip or 0.0, LN_EPS],
+        [args["zoneout_h"], args["zoneout_c"], args["cell_clip"] or 0.0, args["proj_clip"] or 0.0, LN_EPS],
         dtype=dtype, device=x.device,
     )
     return PassTensors(
-        x=cast(x), h0=cast(h0), c0=cast(c0), W=cast(w.W), R=cast(w.R), b_W=cast(w.b_W), b_R=cast(w.b_R),
-        W_hr=cast(w.W_hr), peephole=cast(w.peephole), ln_x=pair(w.ln_x), ln_h=pair(w.ln_h), ln_c=pair(w.ln_c),
-        keep=keep, recurrent=cast(masks.recurrent), zone_h=zone(masks.zoneout_h), zone_c=zone(masks.zoneout_c),
-        scalars=scalars, dummy=torch.zeros(1, dtype=dtype, device=x.device),
+        x=cast(x), h0=cast(args["h0"]), c0=cast(args["c0"]), W=cast(args["W"]), R=cast(args["R"]),
+        b_W=cast(args["b_W"]), b_R=cast(args["b_R"]), W_hr=cast(args["W_hr"]), peephole=cast(args["peephole"]),
+        ln_x=pair("ln_x"), ln_h=pair("ln_h"), ln_c=pair("ln_c"),
+        keep=keep, recurrent=cast(args["recurrent_mask"]), zone_h=cast(args["zoneout_h_mask"]),
+        zone_c=cast(args["zoneout_c_mask"]), scalars=scalars, dummy=torch.zeros(1, dtype=dtype, device=x.device),
     )
 
 

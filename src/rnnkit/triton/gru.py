@@ -217,8 +217,15 @@ def _forward_loop_reset_before(cfg: PassConfig, buf: dict) -> None:
         )
 
 
-def forward(cfg: PassConfig, p: PassTensors, gx: torch.Tensor):
-    """-> (y [T, B, H], h_n [B, H], None, saved) from gx = LN_x(W x) [T, B, 3H]."""
+def saved_buffers(cfg: PassConfig) -> tuple:
+    """The buffers of the forward loop the backward reads."""
+    if cfg.reset_after:
+        return ("hs", "hin", "gates", "rh", "hr_n", "stats_h")
+    return ("hs", "hin", "gates", "r_hin")
+
+
+def forward_buffers(cfg: PassConfig, p: PassTensors, gx: torch.Tensor):
+    """The forward loop's buffers from gx = LN_x(W x) [T, B, 3H] -> (buffers, loop, saved names, write-only names)."""
     T, B, H = cfg.T, cfg.B, cfg.H
     n = T if cfg.save else 1
     new = gx.new_empty
@@ -235,13 +242,12 @@ def forward(cfg: PassConfig, p: PassTensors, gx: torch.Tensor):
             rh=new(n if cfg.layer_norm else 1, B, 3 * H), hr_n=new(n, B, H),
             stats_h=new(n, B, 2) if cfg.layer_norm else absent(p, n),
         )
-        loop, saved = _forward_loop, ("hs", "hin", "gates", "rh", "hr_n", "stats_h")
+        loop = _forward_loop
     else:
         buf.update(R_rz=p.R[: 2 * H], R_n=p.R[2 * H:], rh=new(1, B, 2 * H), nh=new(B, H), r_hin=new(n, B, H))
-        loop, saved = _forward_loop_reset_before, ("hs", "hin", "gates", "r_hin")
+        loop = _forward_loop_reset_before
     fresh = [k for k in ("y", "gates", "rh", "hr_n", "stats_h", "nh", "r_hin") if k in buf]
-    buf = run_loop(loop, cfg, buf, outputs=("y",) + saved, write_only=fresh)
-    return buf["y"], buf["hs"][first_last(cfg)[1]].clone(), None, {k: buf[k] for k in saved}
+    return buf, loop, saved_buffers(cfg), fresh
 
 
 def _backward_loop(cfg: PassConfig, buf: dict) -> None:

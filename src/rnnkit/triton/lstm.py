@@ -254,8 +254,13 @@ def _forward_loop(cfg: PassConfig, buf: dict) -> None:
             )
 
 
-def forward(cfg: PassConfig, p: PassTensors, gx: torch.Tensor):
-    """-> (y [T, B, HR], h_n [B, HR], c_n [B, H], saved) from gx = LN_x(W x) [T, B, G·H]."""
+def saved_buffers(cfg: PassConfig) -> tuple:
+    """The buffers of the forward loop the backward reads."""
+    return ("hs", "hin", "cs", "rh", "gates", "c_tilde", "m", "h_pre", "stats_h", "stats_c")
+
+
+def forward_buffers(cfg: PassConfig, p: PassTensors, gx: torch.Tensor):
+    """The forward loop's buffers from gx = LN_x(W x) [T, B, G·H] -> (buffers, loop, saved names, write-only names)."""
     T, B, H, HR, G = cfg.T, cfg.B, cfg.H, cfg.HR, cfg.G
     n = T if cfg.save else 1
     new = gx.new_empty
@@ -274,11 +279,8 @@ def forward(cfg: PassConfig, p: PassTensors, gx: torch.Tensor):
         m=per_step(cfg.proj, H), h_pre=per_step(cfg.proj, HR),
         stats_h=per_step(cfg.layer_norm, 2), stats_c=per_step(cfg.layer_norm, 2),
     )
-    saved = ("hs", "hin", "cs", "rh", "gates", "c_tilde", "m", "h_pre", "stats_h", "stats_c")
     fresh = ("y", "rh", "gates", "c_tilde", "m", "h_pre", "stats_h", "stats_c")
-    buf = run_loop(_forward_loop, cfg, buf, outputs=("y",) + saved, write_only=fresh)
-    last = first_last(cfg)[1]
-    return buf["y"], buf["hs"][last].clone(), buf["cs"][last].clone(), {k: buf[k] for k in saved}
+    return buf, _forward_loop, saved_buffers(cfg), fresh
 
 
 def _backward_loop(cfg: PassConfig, buf: dict) -> None:

@@ -95,8 +95,13 @@ def _forward_loop(cfg: PassConfig, buf: dict) -> None:
         )
 
 
-def forward(cfg: PassConfig, p: PassTensors, gx: torch.Tensor):
-    """-> (y [T, B, H], h_n [B, H], None, saved) from gx = LN_x(W x) [T, B, H]."""
+def saved_buffers(cfg: PassConfig) -> tuple:
+    """The buffers of the forward loop the backward reads."""
+    return ("hs", "hin", "rh", "act", "stats_h")
+
+
+def forward_buffers(cfg: PassConfig, p: PassTensors, gx: torch.Tensor):
+    """The forward loop's buffers from gx = LN_x(W x) [T, B, H] -> (buffers, loop, saved names, write-only names)."""
     T, B, H = cfg.T, cfg.B, cfg.H
     n = T if cfg.save else 1
     new = gx.new_empty
@@ -109,9 +114,7 @@ def forward(cfg: PassConfig, p: PassTensors, gx: torch.Tensor):
         hs=hs, hin=hin, y=new(T, B, H), rh=new(n if cfg.layer_norm else 1, B, H), act=new(n, B, H),
         stats_h=new(n, B, 2) if cfg.layer_norm else absent(p, n),
     )
-    saved = ("hs", "hin", "rh", "act", "stats_h")
-    buf = run_loop(_forward_loop, cfg, buf, outputs=("y",) + saved, write_only=("y", "rh", "act", "stats_h"))
-    return buf["y"], buf["hs"][first_last(cfg)[1]].clone(), None, {k: buf[k] for k in saved}
+    return buf, _forward_loop, saved_buffers(cfg), ("y", "rh", "act", "stats_h")
 
 
 def _backward_loop(cfg: PassConfig, buf: dict) -> None:

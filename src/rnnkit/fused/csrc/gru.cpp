@@ -3,7 +3,7 @@
 //
 // reset_after=True: one GEMM R h per step; n = tanh(x_n + r ∘ (LN_h(R h)_n + b_Rn)).
 // reset_after=False: R_rz h, then R_n (r ∘ h): the second GEMM needs r, so two per step.
-#include "passes.h"
+#include "pass.h"
 
 namespace rnnkit {
 namespace {
@@ -57,7 +57,7 @@ struct Gru {
     return sum_biases(a.b_W, rz);
   }
 
-  std::vector<Tensor> forward(bool training) {
+  ForwardResult forward(bool training) {
     std::vector<Tensor> saved = saved_slots();
     const Tensor& like = a.x;
     InputSteps steps(a, folded_bias(), training, saved[kInputRaw], saved[kInputMean],
@@ -168,18 +168,18 @@ struct Gru {
 
     std::vector<Tensor> out = {y, h, Tensor()};
     if (training) {
-      saved[kGates] = gates, saved[kOutput] = y;
-      if (ln) saved[kRecurrentRaw] = gh, saved[kRecurrentMean] = stats[0], saved[kRecurrentRstd] = stats[1];
+      saved[kGates] = gates;
+      if (ln) saved[kRecurrentRaw] = gh, saved[kRecurrentMean] = stats[0].clone(), saved[kRecurrentRstd] = stats[1].clone();
       out.insert(out.end(), saved.begin(), saved.end());
     }
     return out;
   }
 
-  std::vector<Tensor> backward(const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads,
-                               bool need_dx) {
+  BackwardResult backward(const Tensor& y, const std::vector<Tensor>& saved, const Tensor& dy_in,
+                          const Tensor& dh_n, const Tensor& dc_n, const GradNeeds& needs) {
     const Tensor& like = a.x;
-    const Tensor dy = grads[0].contiguous();
-    Tensor dh_dir = grads[1].contiguous().clone();
+    const Tensor dy = dy_in.contiguous();
+    Tensor dh_dir = dh_n.contiguous().clone();
     Tensor dh_rec = zero_buffer({B, H}, like);
     Tensor dA = new_buffer({T, B, GH}, like);                       // dL/d input-side pre-activations
     Tensor dAh = after ? new_buffer({T, B, GH}, like) : Tensor();  // dL/d LN_h(R h) + b_R
@@ -187,12 +187,12 @@ struct Gru {
     Tensor drh = after ? Tensor() : new_buffer({B, H}, like);
     Tensor acc_ln_h = ln ? zero_buffer({2, B, GH}, like) : Tensor();
 
-    const Tensor gates = slot(saved, kGates), hidden_prev = hidden_entering<scalar_t>(a, slot(saved, kOutput));
+    const Tensor gates = saved[kGates], hidden_prev = hidden_entering<scalar_t>(a, y);
     const scalar_t *dy_p = dy.data_ptr<scalar_t>(), *gates_p = gates.data_ptr<scalar_t>();
     const scalar_t* hp_p = hidden_prev.data_ptr<scalar_t>();
-    const scalar_t* gh_p = ln ? slot(saved, kRecurrentRaw).data_ptr<scalar_t>() : nullptr;
-    const scalar_t* mh_p = ln ? slot(saved, kRecurrentMean).data_ptr<scalar_t>() : nullptr;
-    const scalar_t* rh_p = ln ? slot(saved, kRecurrentRstd).data_ptr<scalar_t>() : nullptr;
+    const scalar_t* gh_p = ln ? saved[kRecurrentRaw].data_ptr<scalar_t>() : nullptr;
+    const scalar_t* mh_p = ln ? saved[kRecurrentMean].data_ptr<scalar_t>() : nullptr;
+    const scalar_t* rh_p = ln ? saved[kRecurrentRstd].data_ptr<scalar_t>() : nullptr;
     scalar_t *dhd_p = dh_dir.data_ptr<scalar_t>(), *dhr_p = dh_rec.data_ptr<scalar_t>();
     scalar_t* dA_p = dA.data_ptr<scalar_t>();
     scalar_t* dAh_p = after ? dAh.data_ptr<scalar_t>() : nullptr;
@@ -286,52 +286,46 @@ struct Gru {
     }
 
     const int64_t TB = T * B;
+    WeightGrads grads(a);
     Tensor dh0 = dh_dir + (rm ? dh_rec * a.recurrent_mask : dh_rec);
     Tensor h_in = (rm ? hidden_prev * a.recurrent_mask : hidden_prev).view({TB, H});
     Tensor dA2 = dA.view({TB, GH});
-    Tensor d_ln_h = ln ? acc_ln_h.sum(1) : Tensor();
-    const Tensor dA_sum = at::sum(dA2, 0);  // before dA2 turns into dL/d(W x): b_W's gradient (and b_R's, reset before)
-    Tensor dR, db_R;
-    if (after) {
-      dR = mm_cached(dgh.view({TB, GH}).t(), h_in);
-      db_R = ln ? d_ln_h[1].clone() : at::sum(dAh.view({TB, GH}), 0);  // b_R sits beside LN_h's β: summed already
-    } else {
-      dR = cached_empty({GH, H}, like);  // [R_rz; R_n]
+    // before dA2 turns into dL/d(W x): b_W's gradient (and b_R's, reset before)
+    if (a.b_W.defined() || (!after && a.b_R.defined())) {
+      const Tensor dA_sum = at::sum(dA2, 0);
+      grads.put(kBiasW, dA_sum);
+      if (!after) grads.put(kBiasR, dA_sum);
+    }
+    if (ln) {
+      const Tensor d_ln_h = acc_ln_h.sum(1);
+      grads.put(kLnHGain, d_ln_h[0]), grads.put(kLnHShift, d_ln_h[1]);
+      if (after) grads.put(kBiasR, d_ln_h[1]);  // b_R sits beside LN_h's β: summed already
+    } else if (after && a.b_R.defined()) {
+      at::sum_out(grads.slot[kBiasR], dAh.view({TB, GH}), 0);
+    }
+    Tensor& dR = grads.slot[kR];
+    if (!needs.dR) {
+      dR.zero_();
+    } else if (after) {
+      at::mm_out(dR, dgh.view({TB, GH}).t(), h_in);
+    } else {  // [R_rz; R_n]
       Tensor dR_rz = dR.narrow(0, 0, 2 * H), dR_n = dR.narrow(0, 2 * H, H);
       at::mm_out(dR_rz, dA2.narrow(1, 0, 2 * H).t(), h_in);
       at::mm_out(dR_n, dA2.narrow(1, 2 * H, H).t(), reset_hidden(gates, h_in).view({TB, H}));
-      db_R = dA_sum;
     }
-    auto inp = input_projection_backward(a, dA2, slot(saved, kInputRaw), slot(saved, kInputMean),
-                                         slot(saved, kInputRstd), need_dx);
-    return {inp[0],
-            dh0,
-            Tensor(),
-            inp[1],
-            dR,
-            or_undefined(a.b_W.defined(), dA_sum),
-            or_undefined(a.b_R.defined(), db_R),
-            Tensor(),
-            Tensor(),
-            inp[2],
-            inp[3],
-            ln ? d_ln_h[0] : Tensor(),
-            ln ? d_ln_h[1] : Tensor(),
-            Tensor(),
-            Tensor()};
+    Tensor dx = input_projection_backward(a, dA2, saved[kInputRaw], saved[kInputMean], saved[kInputRstd], needs,
+                                          grads);
+    return {dx, dh0, Tensor(), grads.block};
   }
 };
 
 }  // namespace
 
-std::vector<Tensor> gru_forward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
-                                bool training) {
-  return dispatch_forward<Gru>(tensors, scalars, training);
-}
+ForwardResult gru_forward(const PassArgs& a, bool training) { return dispatch_forward<Gru>(a, training); }
 
-std::vector<Tensor> gru_backward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
-                                 const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads, bool need_dx) {
-  return dispatch_backward<Gru>(tensors, scalars, saved, grads, need_dx);
+BackwardResult gru_backward(const PassArgs& a, const Tensor& y, const std::vector<Tensor>& saved, const Tensor& dy,
+                             const Tensor& dh_n, const Tensor& dc_n, const GradNeeds& needs) {
+  return dispatch_backward<Gru>(a, y, saved, dy, dh_n, dc_n, needs);
 }
 
 }  // namespace rnnkit

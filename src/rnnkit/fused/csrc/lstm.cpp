@@ -1,7 +1,7 @@
 // Fused LSTM pass (SPEC.md "Cells": gates i f g o, or i g o with coupled gates), with
 // peepholes, layer norm, cell / projection clips, projection and zoneout. The reference is
 // ref/lstm.py; the inner loops below follow its step line by line.
-#include "passes.h"
+#include "pass.h"
 
 namespace rnnkit {
 namespace {
@@ -81,7 +81,7 @@ struct Lstm {
     });
   }
 
-  std::vector<Tensor> forward(bool training) {
+  ForwardResult forward(bool training) {
     std::vector<Tensor> saved = saved_slots();
     const Tensor& like = a.x;
     // LN_x(W x) [T·B, G·H]; the biases are added in the pointwise pass (an addmm would first
@@ -207,10 +207,10 @@ struct Lstm {
 
     std::vector<Tensor> out = {y, h, c};
     if (training) {
-      saved[kGates] = steps.all().view({T, B, GH}), saved[kCellPrev] = cell_prev, saved[kOutput] = y;
+      saved[kGates] = steps.all().view({T, B, GH}), saved[kCellPrev] = cell_prev;
       if (ln) {
-        saved[kRecurrentRaw] = gh, saved[kRecurrentMean] = stats[0], saved[kRecurrentRstd] = stats[1];
-        saved[kCellMean] = stats[2], saved[kCellRstd] = stats[3];
+        saved[kRecurrentRaw] = gh, saved[kRecurrentMean] = stats[0].clone(), saved[kRecurrentRstd] = stats[1].clone();
+        saved[kCellMean] = stats[2].clone(), saved[kCellRstd] = stats[3].clone();
       }
       saved[kProjClipped] = clipped;
       out.insert(out.end(), saved.begin(), saved.end());
@@ -218,13 +218,13 @@ struct Lstm {
     return out;
   }
 
-  std::vector<Tensor> backward(const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads,
-                               bool need_dx) {
+  BackwardResult backward(const Tensor& y, const std::vector<Tensor>& saved, const Tensor& dy_in,
+                          const Tensor& dh_n, const Tensor& dc_n, const GradNeeds& needs) {
     const Tensor& like = a.x;
-    const Tensor dy = grads[0].contiguous();
-    Tensor dh_dir = grads[1].contiguous().clone();  // dL/dh reaching h directly (zoneout, lengths)
+    const Tensor dy = dy_in.contiguous();
+    Tensor dh_dir = dh_n.contiguous().clone();  // dL/dh reaching h directly (zoneout, lengths)
     Tensor dh_rec = zero_buffer({B, Hr}, like);     // dL/d(h that entered R), from the later step
-    Tensor dc = grads[2].contiguous().clone();
+    Tensor dc = dc_n.contiguous().clone();
     Tensor dA = new_buffer({T, B, GH}, like);  // dL/d pre-activations (after LN, before biases)
     Tensor dgh = ln ? new_buffer({T, B, GH}, like) : dA;  // dL/d(R h)
     Tensor dht = proj ? new_buffer({T, B, P}, like) : Tensor();
@@ -236,16 +236,16 @@ struct Lstm {
     Tensor acc_ln_h = ln ? zero_buffer({2, B, GH}, like) : Tensor();
     Tensor acc_ln_c = ln ? zero_buffer({2, B, H}, like) : Tensor();
 
-    const Tensor gates = slot(saved, kGates), cell_prev = slot(saved, kCellPrev);
-    const Tensor clipped = slot(saved, kProjClipped);
+    const Tensor gates = saved[kGates], cell_prev = saved[kCellPrev];
+    const Tensor clipped = saved[kProjClipped];
     const scalar_t *dy_p = dy.data_ptr<scalar_t>(), *gates_p = gates.data_ptr<scalar_t>();
     const scalar_t* cp_p = cell_prev.data_ptr<scalar_t>();
-    const scalar_t* gh_p = ln ? slot(saved, kRecurrentRaw).data_ptr<scalar_t>() : nullptr;
-    const scalar_t* mh_p = ln ? slot(saved, kRecurrentMean).data_ptr<scalar_t>() : nullptr;
-    const scalar_t* rh_p = ln ? slot(saved, kRecurrentRstd).data_ptr<scalar_t>() : nullptr;
-    const scalar_t* mc_p = ln ? slot(saved, kCellMean).data_ptr<scalar_t>() : nullptr;
-    const scalar_t* rc_p = ln ? slot(saved, kCellRstd).data_ptr<scalar_t>() : nullptr;
-    const bool* clipped_p = clipped.defined() ? clipped.data_ptr<bool>() : nullptr;
+    const scalar_t* gh_p = ln ? saved[kRecurrentRaw].data_ptr<scalar_t>() : nullptr;
+    const scalar_t* mh_p = ln ? saved[kRecurrentMean].data_ptr<scalar_t>() : nullptr;
+    const scalar_t* rh_p = ln ? saved[kRecurrentRstd].data_ptr<scalar_t>() : nullptr;
+    const scalar_t* mc_p = ln ? saved[kCellMean].data_ptr<scalar_t>() : nullptr;
+    const scalar_t* rc_p = ln ? saved[kCellRstd].data_ptr<scalar_t>() : nullptr;
+    const bool* clipped_p = proj && proj_clip > 0 ? clipped.data_ptr<bool>() : nullptr;
     scalar_t *dhd_p = dh_dir.data_ptr<scalar_t>(), *dhr_p = dh_rec.data_ptr<scalar_t>();
     scalar_t *dc_p = dc.data_ptr<scalar_t>(), *dA_p = dA.data_ptr<scalar_t>(), *dgh_p = dgh.data_ptr<scalar_t>();
     scalar_t* dht_p = proj ? dht.data_ptr<scalar_t>() : nullptr;
@@ -375,46 +375,47 @@ struct Lstm {
     }
 
     const int64_t TB = T * B;
+    WeightGrads grads(a);
     Tensor dh0 = dh_dir + (rm ? dh_rec * a.recurrent_mask : dh_rec);
-    Tensor hidden_prev = hidden_entering<scalar_t>(a, slot(saved, kOutput));
-    Tensor h_in = rm ? hidden_prev.mul_(a.recurrent_mask) : hidden_prev;
-    Tensor dR = mm_cached(dgh.view({TB, GH}).t(), h_in.view({TB, Hr}));
+    if (needs.dR) {
+      Tensor hidden_prev = hidden_entering<scalar_t>(a, y);
+      Tensor h_in = rm ? hidden_prev.mul_(a.recurrent_mask) : hidden_prev;
+      at::mm_out(grads.slot[kR], dgh.view({TB, GH}).t(), h_in.view({TB, Hr}));
+    } else {
+      grads.slot[kR].zero_();
+    }
     Tensor dA2 = dA.view({TB, GH});
-    Tensor d_ln_h = ln ? acc_ln_h.sum(1) : Tensor(), d_ln_c = ln ? acc_ln_c.sum(1) : Tensor();
-    // The bias sits beside LN_h's β: the loop has summed its gradient already.
-    Tensor db = ln ? d_ln_h[1].clone() : at::sum(dA2, 0);
-    auto inp = input_projection_backward(a, dA2, slot(saved, kInputRaw), slot(saved, kInputMean),
-                                         slot(saved, kInputRstd), need_dx);
-    Tensor dW_hr = proj ? mm_cached(dht.view({TB, P}).t(), m_all.view({TB, H})) : Tensor();
-    Tensor dpeep = peep ? acc_peep.sum(0) : Tensor();
-    return {inp[0],
-            dh0,
-            dc,
-            inp[1],
-            dR,
-            or_undefined(a.b_W.defined(), db),
-            or_undefined(a.b_R.defined(), db),
-            dW_hr,
-            dpeep,
-            inp[2],
-            inp[3],
-            ln ? d_ln_h[0] : Tensor(),
-            ln ? d_ln_h[1] : Tensor(),
-            ln ? d_ln_c[0] : Tensor(),
-            ln ? d_ln_c[1] : Tensor()};
+    if (ln) {
+      // The bias sits beside LN_h's β: the loop has summed its gradient already.
+      const Tensor d_ln_h = acc_ln_h.sum(1), d_ln_c = acc_ln_c.sum(1);
+      grads.put(kLnHGain, d_ln_h[0]), grads.put(kLnHShift, d_ln_h[1]);
+      grads.put(kLnCGain, d_ln_c[0]), grads.put(kLnCShift, d_ln_c[1]);
+      grads.put(kBiasW, d_ln_h[1]), grads.put(kBiasR, d_ln_h[1]);
+    } else if (a.b_W.defined() || a.b_R.defined()) {
+      const Tensor db = at::sum(dA2, 0);
+      grads.put(kBiasW, db), grads.put(kBiasR, db);
+    }
+    if (proj) {
+      if (needs.dW_hr) {
+        at::mm_out(grads.slot[kWhr], dht.view({TB, P}).t(), m_all.view({TB, H}));
+      } else {
+        grads.slot[kWhr].zero_();
+      }
+    }
+    if (peep) at::sum_out(grads.slot[kPeephole], acc_peep, 0);
+    Tensor dx = input_projection_backward(a, dA2, saved[kInputRaw], saved[kInputMean], saved[kInputRstd], needs,
+                                          grads);
+    return {dx, dh0, dc, grads.block};
   }
 };
 
 }  // namespace
 
-std::vector<Tensor> lstm_forward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
-                                 bool training) {
-  return dispatch_forward<Lstm>(tensors, scalars, training);
-}
+ForwardResult lstm_forward(const PassArgs& a, bool training) { return dispatch_forward<Lstm>(a, training); }
 
-std::vector<Tensor> lstm_backward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
-                                  const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads, bool need_dx) {
-  return dispatch_backward<Lstm>(tensors, scalars, saved, grads, need_dx);
+BackwardResult lstm_backward(const PassArgs& a, const Tensor& y, const std::vector<Tensor>& saved, const Tensor& dy,
+                             const Tensor& dh_n, const Tensor& dc_n, const GradNeeds& needs) {
+  return dispatch_backward<Lstm>(a, y, saved, dy, dh_n, dc_n, needs);
 }
 
 }  // namespace rnnkit

@@ -1,6 +1,6 @@
 // Fused Elman RNN pass (SPEC.md "Cells": h = act(W x + b_W + R h + b_R), tanh or relu), with
 // layer norm and zoneout. The reference is ref/rnn.py.
-#include "passes.h"
+#include "pass.h"
 
 namespace rnnkit {
 namespace {
@@ -28,7 +28,7 @@ struct Rnn {
   int64_t step_time(int64_t s) const { return a.reverse ? T - 1 - s : s; }
   bool valid(int64_t t, int64_t b) const { return mask == nullptr || mask[t * B + b]; }
 
-  std::vector<Tensor> forward(bool training) {
+  ForwardResult forward(bool training) {
     std::vector<Tensor> saved = saved_slots();
     const Tensor& like = a.x;
     InputSteps steps(a, sum_biases(a.b_W, a.b_R), training, saved[kInputRaw], saved[kInputMean],
@@ -99,28 +99,28 @@ struct Rnn {
 
     std::vector<Tensor> out = {y, h, Tensor()};
     if (training) {
-      saved[kGates] = h_tilde, saved[kOutput] = y;
-      if (ln) saved[kRecurrentRaw] = gh, saved[kRecurrentMean] = stats[0], saved[kRecurrentRstd] = stats[1];
+      saved[kGates] = h_tilde;
+      if (ln) saved[kRecurrentRaw] = gh, saved[kRecurrentMean] = stats[0].clone(), saved[kRecurrentRstd] = stats[1].clone();
       out.insert(out.end(), saved.begin(), saved.end());
     }
     return out;
   }
 
-  std::vector<Tensor> backward(const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads,
-                               bool need_dx) {
+  BackwardResult backward(const Tensor& y, const std::vector<Tensor>& saved, const Tensor& dy_in,
+                          const Tensor& dh_n, const Tensor& dc_n, const GradNeeds& needs) {
     const Tensor& like = a.x;
-    const Tensor dy = grads[0].contiguous();
-    Tensor dh_dir = grads[1].contiguous().clone();
+    const Tensor dy = dy_in.contiguous();
+    Tensor dh_dir = dh_n.contiguous().clone();
     Tensor dh_rec = zero_buffer({B, H}, like);
     Tensor dA = new_buffer({T, B, H}, like);
     Tensor dgh = ln ? new_buffer({T, B, H}, like) : dA;
     Tensor acc_ln_h = ln ? zero_buffer({2, B, H}, like) : Tensor();
 
-    const Tensor h_tilde = slot(saved, kGates), hidden_prev = hidden_entering<scalar_t>(a, slot(saved, kOutput));
+    const Tensor h_tilde = saved[kGates], hidden_prev = hidden_entering<scalar_t>(a, y);
     const scalar_t *dy_p = dy.data_ptr<scalar_t>(), *ht_p = h_tilde.data_ptr<scalar_t>();
-    const scalar_t* gh_p = ln ? slot(saved, kRecurrentRaw).data_ptr<scalar_t>() : nullptr;
-    const scalar_t* mh_p = ln ? slot(saved, kRecurrentMean).data_ptr<scalar_t>() : nullptr;
-    const scalar_t* rh_p = ln ? slot(saved, kRecurrentRstd).data_ptr<scalar_t>() : nullptr;
+    const scalar_t* gh_p = ln ? saved[kRecurrentRaw].data_ptr<scalar_t>() : nullptr;
+    const scalar_t* mh_p = ln ? saved[kRecurrentMean].data_ptr<scalar_t>() : nullptr;
+    const scalar_t* rh_p = ln ? saved[kRecurrentRstd].data_ptr<scalar_t>() : nullptr;
     scalar_t *dhd_p = dh_dir.data_ptr<scalar_t>(), *dhr_p = dh_rec.data_ptr<scalar_t>();
     scalar_t *dA_p = dA.data_ptr<scalar_t>(), *dgh_p = dgh.data_ptr<scalar_t>();
     scalar_t* alh_p = ln ? acc_ln_h.data_ptr<scalar_t>() : nullptr;
@@ -166,42 +166,36 @@ struct Rnn {
     }
 
     const int64_t TB = T * B;
+    WeightGrads grads(a);
     Tensor dh0 = dh_dir + (rm ? dh_rec * a.recurrent_mask : dh_rec);
-    Tensor h_in = rm ? hidden_prev * a.recurrent_mask : hidden_prev;
-    Tensor dR = mm_cached(dgh.view({TB, H}).t(), h_in.view({TB, H}));
+    if (needs.dR) {
+      Tensor h_in = rm ? hidden_prev * a.recurrent_mask : hidden_prev;
+      at::mm_out(grads.slot[kR], dgh.view({TB, H}).t(), h_in.view({TB, H}));
+    } else {
+      grads.slot[kR].zero_();
+    }
     Tensor dA2 = dA.view({TB, H});
-    Tensor d_ln_h = ln ? acc_ln_h.sum(1) : Tensor();
-    Tensor db = ln ? d_ln_h[1].clone() : at::sum(dA2, 0);  // the bias sits beside LN_h's β: summed already
-    auto inp = input_projection_backward(a, dA2, slot(saved, kInputRaw), slot(saved, kInputMean),
-                                         slot(saved, kInputRstd), need_dx);
-    return {inp[0],
-            dh0,
-            Tensor(),
-            inp[1],
-            dR,
-            or_undefined(a.b_W.defined(), db),
-            or_undefined(a.b_R.defined(), db),
-            Tensor(),
-            Tensor(),
-            inp[2],
-            inp[3],
-            ln ? d_ln_h[0] : Tensor(),
-            ln ? d_ln_h[1] : Tensor(),
-            Tensor(),
-            Tensor()};
+    if (ln) {
+      const Tensor d_ln_h = acc_ln_h.sum(1);
+      grads.put(kLnHGain, d_ln_h[0]), grads.put(kLnHShift, d_ln_h[1]);
+      grads.put(kBiasW, d_ln_h[1]), grads.put(kBiasR, d_ln_h[1]);  // the bias sits beside LN_h's β: summed already
+    } else if (a.b_W.defined() || a.b_R.defined()) {
+      const Tensor db = at::sum(dA2, 0);
+      grads.put(kBiasW, db), grads.put(kBiasR, db);
+    }
+    Tensor dx = input_projection_backward(a, dA2, saved[kInputRaw], saved[kInputMean], saved[kInputRstd], needs,
+                                          grads);
+    return {dx, dh0, Tensor(), grads.block};
   }
 };
 
 }  // namespace
 
-std::vector<Tensor> rnn_forward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
-                                bool training) {
-  return dispatch_forward<Rnn>(tensors, scalars, training);
-}
+ForwardResult rnn_forward(const PassArgs& a, bool training) { return dispatch_forward<Rnn>(a, training); }
 
-std::vector<Tensor> rnn_backward(const std::vector<OptTensor>& tensors, const std::vector<double>& scalars,
-                                 const std::vector<OptTensor>& saved, const std::vector<Tensor>& grads, bool need_dx) {
-  return dispatch_backward<Rnn>(tensors, scalars, saved, grads, need_dx);
+BackwardResult rnn_backward(const PassArgs& a, const Tensor& y, const std::vector<Tensor>& saved, const Tensor& dy,
+                             const Tensor& dh_n, const Tensor& dc_n, const GradNeeds& needs) {
+  return dispatch_backward<Rnn>(a, y, saved, dy, dh_n, dc_n, needs);
 }
 
 }  // namespace rnnkit

@@ -1,0 +1,29 @@
+// The right operand of the per-step GEMMs, packed once per pass into BLAS's internal layout
+// (MKL's packed GEMM) so that T steps do not re-pack the same weights T times:
+// row-major C[rows, N] = X[rows, K] · op(M) + beta · C, op(M) = Mᵀ when `trans`.
+// With one row (batch of one) it packs nothing and runs the kernels' own matrix-vector loops.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace rnnkit {
+
+using at::Tensor;
+
+template <typename scalar_t>
+class PackedRight {
+ public:
+  PackedRight(const scalar_t* M, int64_t ldm, bool trans, int64_t rows, int64_t N, int64_t K, const Tensor& like);
+  void multiply(const scalar_t* X, int64_t ldx, scalar_t beta, scalar_t* C, int64_t ldc) const;
+
+ private:
+  Tensor storage_;
+  int64_t rows_, N_, K_, ldm_;
+  const scalar_t* matrix_;
+  bool trans_;
+};
+
+// C[N] = M[N, K] · x[K] (+ beta · C): one row times Mᵀ, the matrix-vector loop of PackedRight.
+void gemv_rows(const float* M, int64_t ldm, int64_t N, int64_t K, const float* x, float beta, float* C);
+
+}  // namespace rnnkit

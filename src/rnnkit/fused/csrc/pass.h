@@ -1,0 +1,221 @@
+// One layer-direction pass: what it receives (PassArgs, filled by name from the op schema of
+// rnnkit/passes.py), what its training forward keeps for the backward (Saved), the gradient block
+// its backward writes (WeightGrads), and the pieces the three cell families share.
+//
+// Layout of every pass (docs/spec.md): x [T, B, I], h [B, Hr], c [B, H], gates stacked along the
+// feature axis in the spec's order. All matrices are row-major and contiguous.
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
+
+#include <array>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "buffers.h"
+#include "gemm.h"
+#include "layer_norm.h"
+#include "simd.h"
+
+namespace rnnkit {
+
+// The weights of a pass in the packed buffer's order (params.py, cell_pieces): also the order of
+// the one gradient block a backward returns.
+enum WeightSlot : int {
+  kW, kR, kBiasW, kBiasR, kWhr, kPeephole,
+  kLnXGain, kLnXShift, kLnHGain, kLnHShift, kLnCGain, kLnCShift,
+  kNumWeightSlots
+};
+
+// Slots of the saved list (an empty tensor where a configuration keeps nothing); no two alias each
+// other (they are the outputs of a custom op). The output y is saved by the caller and handed back
+// to the backward beside this list.
+enum Saved : int {
+  kInputRaw, kInputMean, kInputRstd,  // W x before LN_x [T·B, G·H], its row statistics [T·B, 1]
+  kGates,                             // post-activation gates [T, B, ·]
+  kCellPrev,                          // LSTM: c entering each step [T, B, H]
+  kRecurrentRaw, kRecurrentMean, kRecurrentRstd,  // R h before LN_h [T, B, G·H], its statistics [T, B]
+  kCellMean, kCellRstd,               // LSTM: LN_c statistics [T, B]
+  kProjClipped,                       // LSTM: |W_hr m| > proj_clip [T, B, P] (bool; with a proj clip)
+  kNumSaved
+};
+
+// Zoneout keep-old coefficient d at (t, b): the training indicators [T, B, n], the
+// evaluation probability p, or 0 when off.
+template <typename scalar_t>
+struct Zoneout {
+  const scalar_t* d = nullptr;  // [T, B, n] or null
+  scalar_t p = 0;
+  int64_t B = 0, n = 0;
+  bool on() const { return d != nullptr || p != 0; }
+  // Row pointer, or null when the coefficient is the constant p.
+  const scalar_t* row(int64_t t, int64_t b) const { return d ? d + (t * B + b) * n : nullptr; }
+};
+
+// Everything one pass receives. ops.cpp fills the named fields from the op's arguments and
+// calls finish(), which checks them and derives the sizes and the step mask.
+struct PassArgs {
+  std::string mode;  // "lstm", "gru", "rnn_tanh", "rnn_relu"
+  Tensor x, h0, c0;
+  Tensor W, R, b_W, b_R, W_hr, peephole;
+  Tensor ln_x_gain, ln_x_shift, ln_h_gain, ln_h_shift, ln_c_gain, ln_c_shift;
+  Tensor lengths, recurrent_mask, zoneout_h, zoneout_c;
+  double zoneout_h_p = 0, zoneout_c_p = 0, cell_clip = 0, proj_clip = 0;  // clips: 0 = off
+  bool coupled = false, reset_after = true, reverse = false, relu = false;
+  // derived by finish()
+  Tensor step_mask;  // [T, B] bool, true where t < length (undefined without lengths)
+  int64_t T = 0, B = 0, I = 0, H = 0, Hr = 0, GH = 0;
+
+  void finish();
+  const Tensor& weight(WeightSlot slot) const;
+  bool layer_norm() const { return ln_h_gain.defined(); }
+  // Step t of row b runs (not past the sequence's length).
+  const bool* mask_ptr() const { return step_mask.defined() ? step_mask.data_ptr<bool>() : nullptr; }
+  template <typename scalar_t>
+  Zoneout<scalar_t> zone_h() const {
+    return make_zone<scalar_t>(zoneout_h, zoneout_h_p, Hr);
+  }
+  template <typename scalar_t>
+  Zoneout<scalar_t> zone_c() const {
+    return make_zone<scalar_t>(zoneout_c, zoneout_c_p, H);
+  }
+
+ private:
+  template <typename scalar_t>
+  Zoneout<scalar_t> make_zone(const Tensor& d, double p, int64_t n) const {
+    Zoneout<scalar_t> z;
+    z.d = d.defined() ? d.data_ptr<scalar_t>() : nullptr;
+    z.p = scalar_t(p);
+    z.B = B;
+    z.n = n;
+    return z;
+  }
+};
+
+// Which gradients a backward computes; the others' work is skipped (their block slices are zero).
+struct GradNeeds {
+  bool dx = true, dW = true, dR = true, dW_hr = true;
+};
+
+// The one gradient block of a pass's weights, [numel of the present weights] in WeightSlot order,
+// with a view per present slot that the backward writes into (so nothing is copied afterwards).
+struct WeightGrads {
+  explicit WeightGrads(const PassArgs& a);
+  Tensor block;
+  std::array<Tensor, kNumWeightSlots> slot;  // views of block; undefined where a weight is absent
+  // Write `value` into a slot if the weight is present.
+  void put(WeightSlot s, const Tensor& value) {
+    if (slot[s].defined()) slot[s].copy_(value);
+  }
+};
+
+// h entering each step [T, B, Hr], rebuilt by a backward from the pass's output y and h0 (so
+// the forward saves no copy of it): the previous step's y where that step ran for the row,
+// else h0 (the reverse direction starts at each sequence's length from h0).
+template <typename scalar_t>
+Tensor hidden_entering(const PassArgs& a, const Tensor& y) {
+  const int64_t T = a.T, B = a.B, n = y.size(2);
+  Tensor out = new_buffer({T, B, n}, a.x);
+  const scalar_t *y_p = y.data_ptr<scalar_t>(), *h0_p = a.h0.data_ptr<scalar_t>();
+  const bool* mask = a.mask_ptr();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t prev = a.reverse ? t + 1 : t - 1;
+      for (int64_t b = 0; b < B; ++b) {
+        const bool ran = prev >= 0 && prev < T && (mask == nullptr || mask[prev * B + b]);
+        const scalar_t* src = ran ? y_p + (prev * B + b) * n : h0_p + b * n;
+        std::copy(src, src + n, o + (t * B + b) * n);
+      }
+    }
+  });
+  return out;
+}
+
+// The input projection LN_x(W x) + bias of the steps a forward loop runs, computed a chunk of
+// steps at a time just before the loop reaches them, so the rows each step reads are still in
+// cache (one projection of all T steps up front left them in memory: a small layer-norm LSTM
+// ran 10% slower). Training writes the chunks into one [T·B, G·H] buffer the backward reads
+// (the LSTM overwrites it with its gates) and, with layer norm, keeps the raw W x and its row
+// statistics; inference reuses one chunk buffer, so its memory does not grow with T.
+class InputSteps {
+ public:
+  InputSteps(const PassArgs& a, const Tensor& bias, bool training, Tensor& raw, Tensor& mean, Tensor& rstd);
+  // The [B, G·H] rows of time step t, the s-th step the loop runs (s = 0, 1, ... in order).
+  template <typename scalar_t>
+  scalar_t* step(int64_t s, int64_t t) {
+    if (s % chunk_steps_ == 0) compute_chunk(s);
+    return out_.data_ptr<scalar_t>() + (training_ ? t : t - first_) * a_.B * a_.GH;
+  }
+  // Training: the whole [T·B, G·H] projection, complete once the loop has run every step.
+  const Tensor& all() const { return out_; }
+
+ private:
+  void compute_chunk(int64_t s);
+  const PassArgs& a_;
+  bool training_;
+  Tensor bias_, out_, raw_, mean_, rstd_;
+  int64_t chunk_steps_ = 1, first_ = 0;
+};
+
+// Backward of the input projection from dA [T·B, G·H] (the gradient of its output): writes W's
+// gradient and LN_x's gain / shift gradients into `grads` and returns dx (undefined unless
+// needs.dx). With layer norm, dA is overwritten with the gradient of W x (callers read dA before).
+Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tensor& raw, const Tensor& mean,
+                                 const Tensor& rstd, const GradNeeds& needs, WeightGrads& grads);
+
+// The sum of optional bias pieces (undefined when none): folded into the input projection.
+Tensor sum_biases(const Tensor& first, const Tensor& second);
+
+// A pass's results: y, h_n, c_n (undefined unless LSTM), then kNumSaved saved tensors (undefined
+// where nothing is kept; all undefined in inference).
+using ForwardResult = std::vector<Tensor>;
+
+// A backward's results: dx (undefined unless needed), dh0, dc0 (undefined unless LSTM), and the
+// weights' gradient block.
+struct BackwardResult {
+  Tensor dx, dh0, dc0, dweights;
+};
+
+// The cell families (lstm.cpp, gru.cpp, rnn.cpp): forward(training) and backward(y, saved,
+// dy, dh_n, dc_n) on float / double.
+ForwardResult lstm_forward(const PassArgs& a, bool training);
+BackwardResult lstm_backward(const PassArgs& a, const Tensor& y, const std::vector<Tensor>& saved, const Tensor& dy,
+                             const Tensor& dh_n, const Tensor& dc_n, const GradNeeds& needs);
+ForwardResult gru_forward(const PassArgs& a, bool training);
+BackwardResult gru_backward(const PassArgs& a, const Tensor& y, const std::vector<Tensor>& saved, const Tensor& dy,
+                            const Tensor& dh_n, const Tensor& dc_n, const GradNeeds& needs);
+ForwardResult rnn_forward(const PassArgs& a, bool training);
+BackwardResult rnn_backward(const PassArgs& a, const Tensor& y, const std::vector<Tensor>& saved, const Tensor& dy,
+                            const Tensor& dh_n, const Tensor& dc_n, const GradNeeds& needs);
+
+// The entry points of a cell family: dispatch on float / double.
+template <template <typename> class Cell>
+ForwardResult dispatch_forward(const PassArgs& a, bool training) {
+  ForwardResult out;
+  AT_DISPATCH_FLOATING_TYPES(a.x.scalar_type(), "rnnkit_forward", [&] { out = Cell<scalar_t>(a).forward(training); });
+  return out;
+}
+
+template <template <typename> class Cell>
+BackwardResult dispatch_backward(const PassArgs& a, const Tensor& y, const std::vector<Tensor>& saved,
+                                 const Tensor& dy, const Tensor& dh_n, const Tensor& dc_n, const GradNeeds& needs) {
+  BackwardResult out;
+  AT_DISPATCH_FLOATING_TYPES(a.x.scalar_type(), "rnnkit_backward",
+                             [&] { out = Cell<scalar_t>(a).backward(y, saved, dy, dh_n, dc_n, needs); });
+  return out;
+}
+
+// Saved-list helper shared by the three families.
+inline std::vector<Tensor> saved_slots() { return std::vector<Tensor>(kNumSaved); }
+
+}  // namespace rnnkit

@@ -1,0 +1,314 @@
+"""The kernel boundary: one named description of a pass, registered as ``torch.library`` custom ops.
+
+A pass is one layer in one direction (docs/spec.md). Every compiled backend (``fused`` on CPU,
+``triton`` on CUDA) exposes the same two ops, with the same named schema::
+
+    rnnkit::<backend>_pass_forward(<PASS_ARGUMENTS>, bool training) -> (y, h_n, c_n, saved)
+    rnnkit::<backend>_pass_backward(<PASS_ARGUMENTS>, y, saved, dy, dh_n, dc_n, need_dx, need_dW,
+                                    need_dR, need_dW_hr) -> (dx, dh0, dc0, dweights)
+
+``PASS_ARGUMENTS`` (below) is written once: tensors by role (x, h0, c0, the weights by the slot
+names of :data:`rnnkit.params.WEIGHT_SLOTS`, lengths and the random masks), then the cell's
+scalars, all derived from :class:`~rnnkit.spec.CellSpec` by :func:`pass_arguments`. ``c_n`` and
+``dc0`` are empty tensors for GRU/RNN; ``saved`` is what the training forward keeps (empty tensors
+where a configuration keeps nothing); ``dweights`` is ONE gradient block holding the present
+weights' gradients in the packed buffer's order.
+
+Each op has a fake implementation (shapes for ``torch.compile`` / ``torch.export``), and one
+autograd path, :class:`PassFunction` (a ``torch.autograd.Function`` with ``setup_context``, which
+``torch.func`` and ``torch.compile`` both accept), calls the backward op under ``no_grad``. When a
+backward must itself be differentiable (``create_graph=True``: gradient penalties, Hessian-vector
+products, ``torch.func.grad``), it is computed by recomputing the pass with the reference backend
+under autograd, so higher-order gradients are exact on every backend.
+
+In eager mode, with plain tensors and no transform active, the ops' implementations are called
+directly: the dispatcher's Python round trip costs more than a whole one-step pass (B = 1).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, NamedTuple, Optional, Sequence
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from .masks import PassMasks
+from .params import WEIGHT_SLOTS, PassWeights
+from .spec import CellSpec
+
+# ---- the one description of a pass ------------------------------------------------------------
+
+SLOTS = tuple(slot for slot, _ in WEIGHT_SLOTS)
+
+PASS_ARGUMENTS = (
+    ("x", "Tensor"),  # [T, B, I]
+    ("h0", "Tensor"),  # [B, Hr]
+    ("c0", "Tensor?"),  # [B, H], LSTM
+    *((slot, "Tensor" if slot in ("W", "R") else "Tensor?") for slot in SLOTS),
+    ("lengths", "Tensor?"),  # [B] int64, each in [1, T]
+    ("recurrent_mask", "Tensor?"),  # [B, Hr] variational mask on the h entering R, scaled
+    ("zoneout_h_mask", "Tensor?"),  # [T, B, Hr] keep-old indicators (training)
+    ("zoneout_c_mask", "Tensor?"),  # [T, B, H]
+    ("mode", "str"),  # "lstm", "gru", "rnn_tanh", "rnn_relu"
+    ("zoneout_h", "float"),  # keep-old probability in evaluation (the expectation); 0 when masks are given
+    ("zoneout_c", "float"),
+    ("cell_clip", "float?"),
+    ("proj_clip", "float?"),
+    ("coupled_gates", "bool"),
+    ("reset_after", "bool"),
+    ("reverse", "bool"),
+)
+FORWARD_ARGUMENTS = PASS_ARGUMENTS + (("training", "bool"),)
+BACKWARD_ARGUMENTS = PASS_ARGUMENTS + (
+    ("y", "Tensor"),
+    ("saved", "Tensor[]"),
+    ("dy", "Tensor"),
+    ("dh_n", "Tensor"),
+    ("dc_n", "Tensor?"),
+    ("need_dx", "bool"),
+    ("need_dW", "bool"),
+    ("need_dR", "bool"),
+    ("need_dW_hr", "bool"),
+)
+FORWARD_NAMES = tuple(name for name, _ in FORWARD_ARGUMENTS)
+BACKWARD_NAMES = tuple(name for name, _ in BACKWARD_ARGUMENTS)
+_MASKS = ("lengths", "recurrent_mask", "zoneout_h_mask", "zoneout_c_mask")
+
+
+def _schema(arguments, returns: str) -> str:
+    return "(" + ", ".join(f"{kind} {name}" for name, kind in arguments) + ") -> " + returns
+
+
+FORWARD_SCHEMA = _schema(FORWARD_ARGUMENTS, "(Tensor y, Tensor h_n, Tensor c_n, Tensor[] saved)")
+BACKWARD_SCHEMA = _schema(BACKWARD_ARGUMENTS, "(Tensor dx, Tensor dh0, Tensor dc0, Tensor dweights)")
+
+
+class PassScalars(NamedTuple):
+    """The non-tensor arguments of a pass (the schema's str / float / bool part)."""
+
+    mode: str
+    zoneout_h: float
+    zoneout_c: float
+    cell_clip: Optional[float]
+    proj_clip: Optional[float]
+    coupled_gates: bool
+    reset_after: bool
+    reverse: bool
+
+
+def pass_scalars(cell: CellSpec, reverse: bool, masks: PassMasks) -> PassScalars:
+    """A pass's scalars from its cell, direction and masks (zoneout's probability in evaluation)."""
+    probability = lambda z: 0.0 if z is None or isinstance(z, torch.Tensor) else float(z)  # noqa: E731
+    return PassScalars(
+        mode=cell.mode, zoneout_h=probability(masks.zoneout_h), zoneout_c=probability(masks.zoneout_c),
+        cell_clip=cell.cell_clip, proj_clip=cell.proj_clip, coupled_gates=cell.coupled_gates,
+        reset_after=cell.reset_after, reverse=bool(reverse),
+    )
+
+
+def mask_tensors(lengths, masks: PassMasks) -> tuple:
+    """(lengths, recurrent_mask, zoneout_h_mask, zoneout_c_mask), None where absent."""
+    tensor = lambda z: z if isinstance(z, torch.Tensor) else None  # noqa: E731
+    return (lengths, masks.recurrent, tensor(masks.zoneout_h), tensor(masks.zoneout_c))
+
+
+def pass_arguments(scalars: PassScalars, x, h0, c0, weights: Sequence, mask_args: Sequence) -> Dict[str, object]:
+    """The named arguments of a pass op (without ``training``): the one place they are assembled."""
+    return dict(x=x, h0=h0, c0=c0, **dict(zip(SLOTS, weights)), **dict(zip(_MASKS, mask_args)), **scalars._asdict())
+
+
+# ---- fake implementations (shapes only) ---------------------------------------------------------
+
+def output_shapes(args: Dict[str, object]):
+    """(T, B, H, Hr) of a pass from its arguments."""
+    x, R, W_hr, c0 = args["x"], args["R"], args["W_hr"], args["c0"]
+    Hr = R.shape[1]
+    H = W_hr.shape[1] if W_hr is not None else (c0.shape[1] if c0 is not None else Hr)
+    return x.shape[0], x.shape[1], H, Hr
+
+
+def _fake_forward(saved_shapes: Callable) -> Callable:
+    def fake(*values):
+        args = dict(zip(FORWARD_NAMES, values))
+        x = args["x"]
+        T, B, H, Hr = output_shapes(args)
+        c_n = x.new_empty(B, H) if args["mode"] == "lstm" else x.new_empty(0)
+        saved = [x.new_empty(shape, dtype=dtype) for shape, dtype in saved_shapes(args)] if args["training"] else []
+        return x.new_empty(T, B, Hr), x.new_empty(B, Hr), c_n, saved
+
+    return fake
+
+
+def _fake_backward(*values):
+    args = dict(zip(BACKWARD_NAMES, values))
+    x, h0, c0 = args["x"], args["h0"], args["c0"]
+    dx = torch.empty_like(x) if args["need_dx"] else x.new_empty(0)
+    dc0 = torch.empty_like(c0) if c0 is not None else x.new_empty(0)
+    numel = sum(args[slot].numel() for slot in SLOTS if args[slot] is not None)
+    return dx, torch.empty_like(h0), dc0, args["W"].new_empty(numel)
+
+
+# ---- the ops of one backend --------------------------------------------------------------------
+
+def _direct(x: torch.Tensor) -> bool:
+    """Whether an op's implementation can be called without the dispatcher: eager, plain tensors,
+    no torch.func transform, no dispatch mode (fake tensors, export), no tracing."""
+    return (
+        not torch.compiler.is_compiling()  # first: Dynamo folds it, and must not trace the calls below
+        and not torch.jit.is_tracing()
+        and type(x) is torch.Tensor
+        and torch._C._functorch.peek_interpreter_stack() is None
+        and _get_current_dispatch_mode() is None
+    )
+
+
+class PassOps:
+    """The forward and backward ops of one backend, ``rnnkit::<backend>_pass_forward`` / ``_backward``.
+
+    Args:
+        backend: the backend's name (the ops' name prefix).
+        forward_impl, backward_impl: the kernels, called with the schema's arguments by name
+            and returning (y, h_n, c_n, saved) / (dx, dh0, dc0, dweights).
+        saved_shapes: ``args -> [(shape, dtype), ...]``, what the training forward saves (for the fake).
+        device_types: where the implementations run ("cpu", "cuda").
+    """
+
+    def __init__(self, backend: str, forward_impl: Callable, backward_impl: Callable, saved_shapes: Callable,
+                 device_types: Sequence[str]):
+        self.backend = backend
+        self.forward_impl, self.backward_impl = forward_impl, backward_impl
+        names = {}
+        for which, schema, impl, fake, arg_names in (
+            ("forward", FORWARD_SCHEMA, forward_impl, _fake_forward(saved_shapes), FORWARD_NAMES),
+            ("backward", BACKWARD_SCHEMA, backward_impl, _fake_backward, BACKWARD_NAMES),
+        ):
+            qualname = f"rnnkit::{backend}_pass_{which}"
+            torch.library.define(qualname, schema)
+            by_position = (lambda impl_, names_: lambda *values: impl_(**dict(zip(names_, values))))(impl, arg_names)
+            torch.library.impl(qualname, tuple(device_types))(by_position)
+            torch.library.register_fake(qualname)(fake)
+            names[which] = getattr(torch.ops.rnnkit, f"{backend}_pass_{which}").default
+        self.forward_op, self.backward_op = names["forward"], names["backward"]
+
+    def forward(self, **args):
+        if _direct(args["x"]):
+            return self.forward_impl(**args)
+        return self.forward_op(*[args[name] for name in FORWARD_NAMES])
+
+    def backward(self, **args):
+        if _direct(args["x"]):
+            return self.backward_impl(**args)
+        return self.backward_op(*[args[name] for name in BACKWARD_NAMES])
+
+
+# ---- autograd -----------------------------------------------------------------------------------
+
+class PassFunction(torch.autograd.Function):
+    """One pass through a backend's ops, differentiable in x, h0, c0 and every weight.
+
+    ``apply(ops, scalars, x, h0, c0, lengths, recurrent_mask, zoneout_h_mask, zoneout_c_mask,
+    *weights)`` with the weights in slot order (None where absent) -> (y, h_n, c_n, *saved).
+    """
+
+    @staticmethod
+    def forward(ops, scalars, x, h0, c0, *rest):
+        mask_args, weights = rest[:4], rest[4:]
+        y, h_n, c_n, saved = ops.forward(**pass_arguments(scalars, x, h0, c0, weights, mask_args), training=True)
+        return (y, h_n, c_n, *saved)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ops, scalars, x, h0, c0 = inputs[:5]
+        mask_args, weights = inputs[5:9], inputs[9:]
+        y, c_n, saved = output[0], output[2], output[3:]
+        ctx.ops, ctx.scalars = ops, scalars
+        ctx.n_saved = len(saved)
+        ctx.mark_non_differentiable(*saved)
+        if c0 is None:
+            ctx.mark_non_differentiable(c_n)
+        ctx.save_for_backward(x, h0, c0, *mask_args, *weights, y, *saved)
+
+    @staticmethod
+    def backward(ctx, dy, dh_n, dc_n, *_):
+        stored = ctx.saved_tensors
+        x, h0, c0 = stored[:3]
+        mask_args, weights = stored[3:7], stored[7:7 + len(SLOTS)]
+        y, saved = stored[7 + len(SLOTS)], list(stored[8 + len(SLOTS):])
+        needs = ctx.needs_input_grad
+        need_x, need_h0, need_c0 = needs[2:5]
+        need_weights = needs[9:]
+        if torch.is_grad_enabled():  # create_graph: gradients that are themselves differentiable
+            return (None, None) + _reference_backward(ctx.scalars, x, h0, c0, weights, mask_args, dy, dh_n, dc_n,
+                                                      (need_x, need_h0, need_c0) + tuple(need_weights))
+        dy = torch.zeros_like(y) if dy is None else dy
+        dh_n = torch.zeros_like(h0) if dh_n is None else dh_n
+        if c0 is not None and dc_n is None:
+            dc_n = torch.zeros_like(c0)
+        args = pass_arguments(ctx.scalars, x, h0, c0, weights, mask_args)
+        dx, dh0, dc0, dweights = ctx.ops.backward(
+            **args, y=y, saved=saved, dy=dy, dh_n=dh_n, dc_n=dc_n if c0 is not None else None,
+            need_dx=bool(need_x), need_dW=bool(need_weights[0]), need_dR=bool(need_weights[1]),
+            need_dW_hr=bool(need_weights[SLOTS.index("W_hr")]),
+        )
+        grads, offset = [], 0
+        for w, need in zip(weights, need_weights):
+            if w is None:
+                grads.append(None)
+                continue
+            n = w.numel()
+            grads.append(dweights[offset:offset + n].view(w.shape) if need else None)
+            offset += n
+        return (None, None, dx if need_x else None, dh0 if need_h0 else None,
+                dc0 if (need_c0 and c0 is not None) else None, None, None, None, None, *grads)
+
+
+def _reference_backward(scalars: PassScalars, x, h0, c0, weights, mask_args, dy, dh_n, dc_n, needs) -> tuple:
+    """The gradients of a pass as a differentiable computation: the pass recomputed by the
+    reference backend under autograd, differentiated with ``create_graph=True``."""
+    from .ref import PASSES
+    from .spec import CellSpec
+
+    lengths, recurrent, zone_h, zone_c = mask_args
+    T = x.shape[0]
+    step_mask = None if lengths is None else torch.arange(T, device=x.device).unsqueeze(1) < lengths.to(x.device)
+    masks = PassMasks(recurrent, zone_h if zone_h is not None else (scalars.zoneout_h or None),
+                      zone_c if zone_c is not None else (scalars.zoneout_c or None))
+    w = PassWeights(*weights)
+    W_hr = w.W_hr
+    cell = CellSpec(
+        mode=scalars.mode, input_size=x.shape[2], hidden_size=(W_hr.shape[1] if W_hr is not None else
+                                                                (c0.shape[1] if c0 is not None else h0.shape[1])),
+        proj_size=W_hr.shape[0] if W_hr is not None else 0, peephole=w.peephole is not None,
+        coupled_gates=scalars.coupled_gates, reset_after=scalars.reset_after, layer_norm=w.ln_h_gain is not None,
+        cell_clip=scalars.cell_clip, proj_clip=scalars.proj_clip,
+    )
+    inputs = [x, h0, c0, *weights]
+    with torch.enable_grad():
+        y, h_n, c_n = PASSES[scalars.mode](cell, x, h0, c0, w, step_mask, scalars.reverse, masks)
+        outputs, upstream = [y, h_n], [dy, dh_n]
+        if c_n is not None:
+            outputs.append(c_n)
+            upstream.append(dc_n)
+        wanted = [t for t, need in zip(inputs, needs) if need and t is not None]
+        pairs = [(o, g) for o, g in zip(outputs, upstream) if g is not None]
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,
+                                         allow_unused=True))
+    return tuple(next(grads) if (need and t is not None) else None for t, need in zip(inputs, needs))
+
+
+def run_pass(ops: PassOps, cell: CellSpec, x, h0, c0, w: PassWeights, lengths, reverse: bool, masks: PassMasks):
+    """One pass on a backend's ops -> (y [T, B, Hr], h_n [B, Hr], c_n [B, H] or None).
+
+    Without a gradient to compute (or under torch.export, whose programs are for inference) it
+    calls the forward op in inference mode (nothing per step is kept); otherwise it goes through
+    :class:`PassFunction`.
+    """
+    scalars = pass_scalars(cell, reverse, masks)
+    mask_args = mask_tensors(lengths, masks)
+    weights = tuple(w)
+    differentiable = (x, h0, c0, *weights)
+    if (torch.is_grad_enabled() and not torch.compiler.is_exporting()
+            and any(t is not None and t.requires_grad for t in differentiable)):
+        out = PassFunction.apply(ops, scalars, x, h0, c0, *mask_args, *weights)
+    else:
+        out = ops.forward(**pass_arguments(scalars, x, h0, c0, weights, mask_args), training=False)
+    return out[0], out[1], (out[2] if cell.mode == "lstm" else None)

@@ -1,0 +1,147 @@
+"""The Triton passes as the custom ops ``rnnkit::triton_pass_forward`` / ``triton_pass_backward``
+(schema: rnnkit/passes.py): kernels (lstm.py, gru.py, rnn.py) -> family loops -> these ops.
+
+Per pass, around the family's recurrent loop: the input projection W·x as one GEMM over all
+steps (and LN_x over all rows at once); in backward, dx and dW as one GEMM each over all
+steps, and the bias gradients as sums over all steps. The training forward's saved list is
+[W x, LN_x's statistics] and then the family's saved buffers that the configuration keeps
+(:func:`saved_names`); the backward fills in the others (:func:`complete_saved`).
+
+The kernels are imported on the first Triton pass (never by ``import rnnkit``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+from ..passes import SLOTS, PassOps
+
+_families: Optional[dict] = None
+_OPTIONAL = {"hin": "rmask", "m": "proj", "h_pre": "proj", "stats_h": "layer_norm", "stats_c": "layer_norm"}
+
+
+def interpreting() -> bool:
+    """Whether CPU tensors are accepted, to run under Triton's interpreter (RNNKIT_TRITON_INTERPRET=1)."""
+    return os.environ.get("RNNKIT_TRITON_INTERPRET") == "1"
+
+
+def kernels() -> dict:
+    """{mode: family module} (lstm.py, gru.py, rnn.py), imported on first use."""
+    global _families
+    if _families is None:
+        from . import gru, lstm, rnn
+
+        _families = {"lstm": lstm, "gru": gru, "rnn_tanh": rnn, "rnn_relu": rnn}
+    return _families
+
+
+def loaded() -> bool:
+    return _families is not None
+
+
+def _prepare(args: dict, save: bool):
+    from .common import block_size
+    from .config import make_config, make_tensors
+
+    return make_config(args, save, block_size), make_tensors(args)
+
+
+def saved_names(cfg, names) -> List[str]:
+    """The family's saved buffers this configuration keeps: h entering R only with a recurrent
+    mask (else it is h itself), the projection's only with one, LN statistics only with LN."""
+    return [n for n in names if n not in _OPTIONAL or getattr(cfg, _OPTIONAL[n])]
+
+
+def complete_saved(cfg, p, names, kept: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The family's saved dict with the buffers the configuration does not keep filled in."""
+    from .config import absent
+
+    saved = dict(kept)
+    for name in names:
+        if name not in saved:
+            saved[name] = saved["hs"] if name == "hin" else absent(p, cfg.T)
+    return saved
+
+
+def _input_projection(cfg, p):
+    from .common import ln_rows_forward
+
+    T, B, I = p.x.shape
+    gx_raw = (p.x.reshape(T * B, I) @ p.W.t()).view(T, B, -1)  # [T, B, G·H] the hoisted W x
+    if p.ln_x is None:
+        return gx_raw, gx_raw, None
+    gx, stats_x = ln_rows_forward(gx_raw, p.ln_x[0], p.ln_x[1], p.scalars)
+    return gx_raw, gx, stats_x
+
+
+def _forward(**args):
+    from .graphs import run_loop
+    from .config import first_last
+
+    family = kernels()[args["mode"]]
+    cfg, p = _prepare(args, save=args["training"])
+    gx_raw, gx, stats_x = _input_projection(cfg, p)
+    buf, loop, names, fresh = family.forward_buffers(cfg, p, gx)
+    buf = run_loop(loop, cfg, buf, outputs=("y",) + tuple(names), write_only=fresh)
+    last = first_last(cfg)[1]
+    x = args["x"]
+    y, h_n = buf["y"].to(x.dtype), buf["hs"][last].to(x.dtype, copy=True)
+    c_n = buf["cs"][last].to(x.dtype, copy=True) if "cs" in buf else x.new_empty(0)
+    saved = []
+    if args["training"]:
+        empty = gx_raw.new_empty(0)
+        saved = [gx_raw, empty if stats_x is None else stats_x] + [buf[n] for n in saved_names(cfg, names)]
+    return y, h_n, c_n, saved
+
+
+def _saved_shapes(args):
+    """What the training forward saves, from the same buffer allocation (run on fake tensors)."""
+    family = kernels()[args["mode"]]
+    cfg, p = _prepare(args, save=True)
+    T, B = cfg.T, cfg.B
+    gx = p.x.new_empty(T, B, p.W.shape[0])
+    buf, _, names, _ = family.forward_buffers(cfg, p, gx)
+    stats = (T * B, 2) if p.ln_x is not None else (0,)
+    return [((T, B, p.W.shape[0]), gx.dtype), (stats, gx.dtype)] + [
+        (tuple(buf[n].shape), buf[n].dtype) for n in saved_names(cfg, names)
+    ]
+
+
+def _backward(**args):
+    from .common import ln_rows_backward
+
+    family = kernels()[args["mode"]]
+    cfg, p = _prepare(args, save=True)
+    T, B, I = p.x.shape
+    dtype = p.x.dtype
+    gx_raw, stats_x, *kept = args["saved"]
+    names = family.saved_buffers(cfg)
+    saved = complete_saved(cfg, p, names, dict(zip(saved_names(cfg, names), kept)))
+    grad = lambda g: g.to(dtype).contiguous()  # noqa: E731
+    dc_n = grad(args["dc_n"]) if p.c0 is not None else None
+    g = family.backward(cfg, p, saved, grad(args["dy"]), grad(args["dh_n"]), dc_n)
+    dgx = g["dgx"]  # [T, B, G·H] of LN_x(W x)
+    dgx_raw = dgx
+    if p.ln_x is not None:
+        dgx_raw, dln_w, dln_b = ln_rows_backward(dgx, gx_raw, stats_x, p.ln_x[0])
+        g["ln_x"] = (dln_w, dln_b)
+    flat = dgx_raw.reshape(T * B, -1)
+    g["W"] = flat.t() @ p.x.reshape(T * B, I)  # [G·H, I]
+    g["b_W"] = dgx.sum((0, 1))
+    for which in ("ln_x", "ln_h", "ln_c"):
+        g[f"{which}_gain"], g[f"{which}_shift"] = g.pop(which, (None, None))
+    x = args["x"]
+    present = [(slot, args[slot]) for slot in SLOTS if args[slot] is not None]
+    dweights = args["W"].new_empty(sum(w.numel() for _, w in present))
+    offset = 0
+    for slot, w in present:
+        dweights[offset:offset + w.numel()].copy_(g[slot].reshape(-1))
+        offset += w.numel()
+    dx = (flat @ p.W).view(T, B, I).to(x.dtype) if args["need_dx"] else x.new_empty(0)
+    dc0 = g["c0"].to(x.dtype) if p.c0 is not None else x.new_empty(0)
+    return dx, g["h0"].to(x.dtype), dc0, dweights
+
+
+OPS = PassOps("triton", _forward, _backward, _saved_shapes, device_types=("cuda", "cpu"))
