@@ -10,9 +10,10 @@
     haste   Haste LSTM, GRU, LayerNormLSTM and LayerNormGRU weights (with zoneout)
 
 Every converter refuses, with a ValueError naming the option, a module option its format
-cannot represent. tests/fixtures/interop/ holds what the real libraries computed, both
-ways; its README says which library and version made each file. Gate orders are SPEC.md's table "Gate orders elsewhere"; the third-party
-library a format belongs to is imported only when a function needs it.
+cannot represent. Gate orders are SPEC.md's table "Gate orders elsewhere"; the third-party
+library a format belongs to is imported only when a function needs it. The tests check
+each format against the real library: live (onnxruntime, Keras, Flax) or through
+tests/fixtures/interop/, whose README says which library and version made each file.
 """
 from . import cudnn, flax, haste, keras, mxnet, onnx, tf  # noqa: F401
 
