@@ -5,6 +5,9 @@ tests/fixtures/interop/make_real.py), in evaluation mode, so zoneout is its expe
 import reads Haste's state_dict()s, export is what Haste computed after
 ``load_state_dict`` of :func:`to_haste`'s dicts.
 """
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -12,8 +15,10 @@ import torch
 import rnnkit
 from rnnkit.interop import haste
 
-from fixtures.interop.real import Fixture
 from helpers import assert_close
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "interop"))
+from interop_fixture import Fixture  # noqa: E402  (the reader of the real libraries' fixtures)
 
 FIXTURES = ["haste_lstm_zoneout_per_layer", "haste_gru_zoneout", "haste_layernorm_lstm", "haste_layernorm_gru"]
 

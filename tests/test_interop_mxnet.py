@@ -14,6 +14,8 @@ Not verified: the state clip (rnnkit's cell_clip), which MXNet 1.9.1 applies onl
 GPU kernel.
 """
 import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,8 +24,10 @@ import torch
 import rnnkit
 from rnnkit.interop import mxnet as rmx
 
-from fixtures.interop.real import Fixture
 from helpers import TOLERANCE, assert_close
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "interop"))
+from interop_fixture import Fixture  # noqa: E402  (the reader of the real libraries' fixtures)
 
 FUSED = ["mxnet_fused_lstm_proj_bidir", "mxnet_fused_gru_bidir", "mxnet_fused_rnn_relu_bidir", "mxnet_fused_rnn_tanh"]
 GLUON = ["mxnet_gluon_lstm_proj_bidir", "mxnet_gluon_gru_stacked"]

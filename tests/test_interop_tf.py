@@ -9,6 +9,9 @@ loading :func:`to_tf`'s variables into them.
 CudnnLSTM / CudnnGRU canonical weights are checked only for their addressing: TF 2.21's
 canonical-weight ops have no CPU kernel.
 """
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -16,8 +19,10 @@ import torch
 import rnnkit
 from rnnkit.interop import tf as rtf
 
-from fixtures.interop.real import Fixture
 from helpers import assert_close
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "interop"))
+from interop_fixture import Fixture  # noqa: E402  (the reader of the real libraries' fixtures)
 
 FIXTURES = ["tf_lstmcell_peephole_proj_clip", "tf_lstmcell_bidir_per_layer_lengths", "tf_basiclstmcell",
             "tf_grucell_stacked", "tf_grucell_bidir_lengths"]
