@@ -1,5 +1,8 @@
 """Flax linen (jax on CPU): parameter trees moved both ways give the same outputs and final states.
 
+float64 runs switch jax's x64 mode on (jax.enable_x64) and build the cells with
+param_dtype float64, so Flax computes them in float64.
+
 Flax's output past a sequence's length is not defined to be zero, so with lengths only
 the valid steps are compared (and the final carries, which Flax takes at each length).
 """
@@ -30,6 +33,9 @@ CONFIGS = {
 
 
 def _flax_layer(make_cell, hidden, bidirectional, merge):
+    float_type = jnp.result_type(float)  # float64 under jax.enable_x64, else float32
+    cell = make_cell
+    make_cell = lambda h: cell(h).clone(param_dtype=float_type)  # noqa: E731 (the carry's dtype too)
     if not bidirectional:
         return nn.RNN(make_cell(hidden), return_carry=True)
     merge_fn = (lambda a, b: a + b) if merge == "sum" else (lambda a, b: jnp.concatenate([a, b], -1))
@@ -52,13 +58,13 @@ def _flax_stack(spec, make_cell):
         *run(params, jnp.asarray(x), jnp.asarray(lengths)))
 
 
-def _random_flax_params(spec, make_cell):
+def _random_flax_params(spec, make_cell, dtype=np.float32):
     """Random values in Flax's own parameter tree (its structure from ``init``, traced only)."""
     params, features, rng = [], I, np.random.default_rng(0)
     for k in range(spec.num_layers):
         layer = _flax_layer(make_cell, spec.hidden_sizes[k], spec.bidirectional, spec.merge)
         shapes = jax.eval_shape(layer.init, jax.random.key(k), jnp.zeros((1, 1, features)))["params"]
-        params.append(jax.tree_util.tree_map(lambda s: rng.uniform(-0.5, 0.5, s.shape).astype(np.float32), shapes))
+        params.append(jax.tree_util.tree_map(lambda s: rng.uniform(-0.5, 0.5, s.shape).astype(dtype), shapes))
         features = spec.merged_size(k)
     return params
 
@@ -71,14 +77,20 @@ def _carry_to_torch(spec, carry):
     return [torch.from_numpy(np.stack([np.asarray(d) for d in directions]))]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_both_directions(name):
+def test_both_directions(name, dtype):
+    with jax.enable_x64(dtype == torch.float64):  # jax computes in float64 only with x64 on
+        _both_directions(name, dtype)
+
+
+def _both_directions(name, dtype):
     make_module, make_cell, mode = CONFIGS[name]
-    module = make_module().eval()
+    module = make_module().to(dtype).eval()
     spec = module.spec
-    x = torch.randn(B, T, I)
+    x = torch.randn(B, T, I, dtype=dtype)
     lengths = torch.tensor([T, 2, 4])
-    keep = (torch.arange(T)[None, :] < lengths[:, None])[:, :, None].float()
+    keep = (torch.arange(T)[None, :] < lengths[:, None])[:, :, None].to(dtype)
     D = spec.num_directions
 
     run_flax = _flax_stack(spec, make_cell)
@@ -89,8 +101,8 @@ def test_both_directions(name):
     assert_close(y_flax * keep, y, f"{name} y")
     assert_close(_carry_to_torch(spec, carry), [s[-D:] for s in states], f"{name} carry")
 
-    params = _random_flax_params(spec, make_cell)
-    back = rflax.from_flax(params, mode, merge=spec.merge).eval()
+    params = _random_flax_params(spec, make_cell, x.numpy().dtype)
+    back = rflax.from_flax(params, mode, merge=spec.merge, dtype=dtype).eval()
     y_flax2, _ = run_flax(params, x.numpy(), lengths.numpy())
     with torch.no_grad():
         y2, _ = back(x, lengths=lengths)

@@ -2,6 +2,11 @@
 
 Keras is batch-first; masked steps (lengths) are compared on the valid steps only, since
 a unidirectional Keras layer repeats its last output there where rnnkit writes zeros.
+Keras 3.15.1 on the torch backend does not compute float64 layers in float64: its
+``keras.ops.matmul`` returns float32 for float64 operands (test_keras_torch_matmul_is_float32),
+and its generic RNN loop (SimpleRNN, GRU reset_after=False, every masked layer) uses it.
+So float64 runs (full sequences) are held to the float32 tolerance: they check that
+float64 weights move both ways, not Keras's float64 arithmetic.
 """
 import os
 
@@ -14,7 +19,7 @@ import torch  # noqa: E402
 import rnnkit  # noqa: E402
 from rnnkit.interop import keras as rkeras  # noqa: E402
 
-from helpers import assert_close  # noqa: E402
+from helpers import TOLERANCE, assert_close, rel_rms  # noqa: E402
 
 # Keras's torch backend converts with np.array(x, copy=False) internally (numpy 2 deprecation)
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -34,9 +39,9 @@ CONFIGS = {
 }
 
 
-def _rnnkit_module(c):
+def _rnnkit_module(c, dtype=torch.float32):
     kwargs = dict(num_layers=c.get("num_layers", 1), bidirectional=c.get("bidirectional", False),
-                  merge=c.get("merge", "concat"), batch_first=True, bias=c.get("bias", True))
+                  merge=c.get("merge", "concat"), batch_first=True, bias=c.get("bias", True), dtype=dtype)
     if "bias_mode" in c:
         kwargs["bias_mode"] = c["bias_mode"]
     if c["mode"] == "lstm":
@@ -46,10 +51,10 @@ def _rnnkit_module(c):
     return rnnkit.RNN(I, c["hidden"], nonlinearity=c["mode"][4:], **kwargs)
 
 
-def _keras_layers(c):
+def _keras_layers(c, dtype="float32"):
     layers, hidden = [], c["hidden"] if isinstance(c["hidden"], list) else [c["hidden"]] * c.get("num_layers", 1)
     for units in hidden:
-        common = dict(units=units, return_sequences=True, return_state=True, use_bias=c.get("bias", True))
+        common = dict(units=units, return_sequences=True, return_state=True, use_bias=c.get("bias", True), dtype=dtype)
         if c["mode"] == "lstm":
             layer = keras.layers.LSTM(**common)
         elif c["mode"] == "gru":
@@ -57,7 +62,7 @@ def _keras_layers(c):
         else:
             layer = keras.layers.SimpleRNN(activation=c["mode"][4:], **common)
         if c.get("bidirectional"):
-            layer = keras.layers.Bidirectional(layer, merge_mode=c.get("merge", "concat"))
+            layer = keras.layers.Bidirectional(layer, merge_mode=c.get("merge", "concat"), dtype=dtype)
         layers.append(layer)
     return layers
 
@@ -84,35 +89,38 @@ def _last_layer_states(module, hy, c):
     return [h[d] for d in range(spec.num_directions)]
 
 
-@pytest.mark.parametrize("with_lengths", [False, True], ids=["full", "lengths"])
+@pytest.mark.parametrize("with_lengths, dtype", [(False, torch.float32), (True, torch.float32), (False, torch.float64)],
+                         ids=["full-f32", "lengths-f32", "full-f64"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_both_directions(name, with_lengths):
+def test_both_directions(name, with_lengths, dtype):
     c = CONFIGS[name]
-    x = torch.randn(B, T, I)
+    keras_dtype = str(dtype).split(".")[1]
+    x = torch.randn(B, T, I, dtype=dtype)
     lengths = torch.tensor([T, 2, 4]) if with_lengths else None
     valid = (torch.arange(T)[None, :] < (lengths if with_lengths else torch.full((B,), T))[:, None])
     mask = valid.numpy() if with_lengths else None
 
     # rnnkit -> Keras
-    module = _rnnkit_module(c).eval()
-    layers = _keras_layers(c)
+    module = _rnnkit_module(c, dtype).eval()
+    layers = _keras_layers(c, keras_dtype)
     _run_keras(layers, x.numpy(), mask)  # builds the layers
     rkeras.set_keras_weights(module, layers)
     y_keras, states_keras = _run_keras(layers, x.numpy(), mask)
     with torch.no_grad():
         y, hy = module(x, lengths=lengths)
-    keep = valid[:, :, None].float()
-    assert_close(y_keras * keep, y, f"{name} y")
-    assert_close(states_keras, _last_layer_states(module, hy, c), f"{name} states")
+    keep = valid[:, :, None].to(dtype)
+    tol = TOLERANCE[torch.float32]  # Keras's own precision in float64 too (module docstring)
+    assert_close(y_keras * keep, y, f"{name} y", tol=tol)
+    assert_close(states_keras, _last_layer_states(module, hy, c), f"{name} states", tol=tol)
 
     # Keras -> rnnkit
-    layers2 = _keras_layers(c)
+    layers2 = _keras_layers(c, keras_dtype)
     _run_keras(layers2, x.numpy(), mask)
-    back = rkeras.from_keras_layers(layers2).eval()
+    back = rkeras.from_keras_layers(layers2, dtype=dtype).eval()
     y_keras2, _ = _run_keras(layers2, x.numpy(), mask)
     with torch.no_grad():
         y2, _ = back(x, lengths=lengths)
-    assert_close(y_keras2 * keep, y2, f"{name} y (imported)")
+    assert_close(y_keras2 * keep, y2, f"{name} y (imported)", tol=tol)
 
 
 def test_weight_lists_round_trip_and_shapes():
@@ -142,3 +150,42 @@ def test_layer_mismatch_is_named():
     with pytest.raises(ValueError, match="reset_after"):
         rkeras.set_keras_weights(module, [layer])
     assert rkeras.to_keras(module)[0][2].shape == (18,)  # one bias: b_W + b_R
+
+
+def _built(layer, dtype="float64"):
+    layer(keras.ops.convert_to_tensor(torch.zeros(B, T, I, dtype=getattr(torch, dtype)).numpy()))
+    return layer
+
+
+def test_go_backwards_is_refused_with_its_reason():
+    """Finding 4: go_backwards=True returns the outputs in reversed time order (Keras's own
+    run shows it below), which no rnnkit module computes: refused, naming go_backwards."""
+    layer = _built(keras.layers.LSTM(6, return_sequences=True, go_backwards=True, dtype="float64"))
+    with pytest.raises(ValueError, match=r"go_backwards: layers\[0\] has go_backwards=True; .* reversed time order"):
+        rkeras.from_keras_layers([layer])
+    module = rkeras.from_keras([layer.get_weights()], "lstm", batch_first=True, dtype=torch.float64).eval()
+    with pytest.raises(ValueError, match="go_backwards"):
+        rkeras.set_keras_weights(module, [layer])
+    x = torch.randn(B, T, I, dtype=torch.float64)
+    y_keras = torch.as_tensor(keras.ops.convert_to_numpy(layer(x.numpy())))
+    with torch.no_grad():
+        y_flipped, _ = module(x.flip(1))  # the message's claim: the module on the time-reversed input
+        y, _ = module(x)
+    assert_close(y_flipped, y_keras, "y on the reversed input")
+    assert (y - y_keras).abs().max() > 0.1
+
+
+def test_go_backwards_forward_layer_of_bidirectional_is_refused():
+    forward = keras.layers.GRU(5, return_sequences=True, go_backwards=True, dtype="float64")
+    backward = keras.layers.GRU(5, return_sequences=True, dtype="float64")
+    layer = _built(keras.layers.Bidirectional(forward, backward_layer=backward, dtype="float64"))
+    with pytest.raises(ValueError, match=r"go_backwards: layers\[0\].forward_layer has go_backwards=True"):
+        rkeras.from_keras_layers([layer])
+
+
+def test_keras_torch_matmul_is_float32():
+    """Why float64 runs use float32's tolerance: Keras's matmul rounds float64 operands to float32."""
+    a, b = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    product = keras.ops.convert_to_numpy(keras.ops.matmul(a, b))
+    assert str(product.dtype) == "float32"
+    assert TOLERANCE[torch.float64] < rel_rms(torch.as_tensor(product), a @ b) < TOLERANCE[torch.float32]

@@ -1,10 +1,20 @@
-"""MXNet fused-RNN flat vector and Gluon names.
+"""MXNet fused RNN vector and Gluon names, against mxnet 1.9.1 itself (CPU).
 
-MXNet cannot be installed here, so the checks run on fixtures made by
-tests/fixtures/interop/make_fixtures.py: a flat vector in the fused op's documented
-order (all weights by layer, direction, i2h, h2h, h2r; then all biases) and outputs of
-the cuDNN equations in numpy. Not proven: that MXNet's own kernels match that reading.
+The fixtures were computed by MXNet's own ``mx.nd.RNN`` operator and Gluon ``rnn.LSTM`` /
+``rnn.GRU`` layers (tests/fixtures/interop/make_real.py): import reads MXNet's flat vector,
+Gluon's ``collect_params()`` names and its ``save_parameters()`` file names; export is
+what MXNet computed from :func:`to_mxnet_flat`'s vector, or after Gluon's own
+``load_parameters`` of :func:`to_gluon`'s names saved with ``mx.nd.save``.
+
+MXNet 1.9.1's CPU kernel computes the float64 ReLU RNN with each ReLU output rounded to
+float32 (see test_mxnet_rounds_float64_relu_to_float32), so that case is held to the
+float32 tolerance in float64 too.
+
+Not verified: the state clip (rnnkit's cell_clip), which MXNet 1.9.1 applies only in its
+GPU kernel.
 """
+import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,42 +24,113 @@ import torch
 import rnnkit
 from rnnkit.interop import mxnet as rmx
 
-from helpers import assert_close
+from helpers import TOLERANCE, assert_close
 
-FIXTURES = Path(__file__).parent / "fixtures" / "interop"
+sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "interop"))
+from interop_fixture import Fixture  # noqa: E402  (the reader of the real libraries' fixtures)
 
-
-@pytest.mark.parametrize("name, mode", [("mxnet_lstm_proj_bidir", "lstm"), ("mxnet_gru_bidir", "gru")])
-def test_flat_fixture_both_directions(name, mode):
-    data = np.load(FIXTURES / f"{name}.npz")
-    module = rmx.from_mxnet_flat(data["flat"], mode, input_size=data["x"].shape[-1], hidden_size=int(data["hidden"]),
-                                 num_layers=int(data["num_layers"]), bidirectional=int(data["num_directions"]) == 2,
-                                 proj_size=int(data["proj"])).eval()
-    with torch.no_grad():
-        y, hy = module(torch.from_numpy(data["x"]))
-    assert_close(y, torch.from_numpy(data["y"]), "y")
-    h_n = hy[0] if mode == "lstm" else hy
-    assert_close(h_n, torch.from_numpy(data["h_n"]), "h_n")
-    if mode == "lstm":
-        assert_close(hy[1], torch.from_numpy(data["c_n"]), "c_n")
-    assert_close(torch.from_numpy(rmx.to_mxnet_flat(module)), torch.from_numpy(data["flat"]), "flat")
+FUSED = ["mxnet_fused_lstm_proj_bidir", "mxnet_fused_gru_bidir", "mxnet_fused_rnn_relu_bidir", "mxnet_fused_rnn_tanh"]
+GLUON = ["mxnet_gluon_lstm_proj_bidir", "mxnet_gluon_gru_stacked"]
 
 
-def test_gluon_names_round_trip():
+def _check_outputs(fixture, run, module):
+    y, hy = run.run_module(module)
+    states = list(hy) if isinstance(hy, tuple) else [hy]
+    expected = [run.out["h_n"]] + ([run.out["c_n"]] if "c_n" in run.out else [])
+    tol = TOLERANCE[torch.float32] if fixture.case["mode"] == "rnn_relu" else None  # MXNet's own precision
+    assert_close(y, torch.from_numpy(run.out["y"]), f"{fixture} y", tol=tol)
+    assert_close(states, [torch.from_numpy(s) for s in expected], f"{fixture} states", tol=tol)
+
+
+@pytest.mark.parametrize("direction", ["import", "export"])
+def test_mxnet_rounds_float64_relu_to_float32(direction):
+    """Every float64 output of MXNet's ReLU RNN is a float32 value: MXNet rounds there, not rnnkit."""
+    run = Fixture("mxnet_fused_rnn_relu_bidir").run("f64", direction)
+    y = run.out["y"]
+    assert y.dtype == np.float64 and np.array_equal(y, y.astype(np.float32).astype(np.float64))
+    tanh = Fixture("mxnet_fused_rnn_tanh").run("f64", direction).out["y"]
+    assert not np.array_equal(tanh, tanh.astype(np.float32).astype(np.float64))
+
+
+def _from_flat(case, flat, dtype):
+    return rmx.from_mxnet_flat(flat, case["mode"], input_size=4, hidden_size=case["hidden"],
+                               num_layers=case["num_layers"], bidirectional=case["bidirectional"],
+                               proj_size=case.get("proj", 0), dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("tag", ["f32", "f64"])
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_import(name, tag):
+    fixture = Fixture(name)
+    run = fixture.run(tag, "import")
+    _check_outputs(fixture, run, _from_flat(fixture.case, run.vars["parameters"], run.dtype))
+
+
+@pytest.mark.parametrize("tag", ["f32", "f64"])
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_export(name, tag):
+    fixture = Fixture(name)
+    run = fixture.run(tag, "export")
+    module = run.module()
+    assert_close(torch.from_numpy(rmx.to_mxnet_flat(module)), torch.from_numpy(run.vars["parameters"]), "flat")
+    _check_outputs(fixture, run, module)
+
+
+@pytest.mark.parametrize("naming", ["vars", "saved"], ids=["collect_params", "save_parameters"])
+@pytest.mark.parametrize("tag", ["f32", "f64"])
+@pytest.mark.parametrize("name", GLUON)
+def test_gluon_import(name, tag, naming):
+    """Finding 6: Gluon 1.9.1's own names, block-prefixed or structural, import as they are."""
+    fixture = Fixture(name)
+    run = fixture.run(tag, "import")
+    named = run.groups[naming]
+    prefix = {"vars": fixture.case["mode"] + r"\d+_[lr]\d", "saved": r"_unfused\.\d"}[naming]
+    assert all(re.match(prefix, key) for key in named), list(named)
+    module = rmx.from_gluon(named, fixture.case["mode"], dtype=run.dtype).eval()
+    _check_outputs(fixture, run, module)
+
+
+@pytest.mark.parametrize("tag", ["f32", "f64"])
+@pytest.mark.parametrize("name", GLUON)
+def test_gluon_export(name, tag):
+    fixture = Fixture(name)
+    run = fixture.run(tag, "export")
+    module = run.module()
+    exported = rmx.to_gluon(module)
+    assert list(exported) == list(run.vars)
+    for key, value in run.vars.items():
+        assert_close(torch.from_numpy(exported[key]), torch.from_numpy(value), key)
+    _check_outputs(fixture, run, module)
+
+
+def test_gluon_names_round_trip_in_registration_order():
     module = rnnkit.LSTM(3, 5, num_layers=2, bidirectional=True, proj_size=2, cell_clip=0.5)
     named = rmx.to_gluon(module)
-    assert list(named)[:5] == ["l0_i2h_weight", "l0_h2h_weight", "l0_h2r_weight", "l0_i2h_bias", "l0_h2h_bias"]
+    assert list(named)[:5] == ["l0_i2h_weight", "l0_h2h_weight", "l0_i2h_bias", "l0_h2h_bias", "l0_h2r_weight"]
     assert named["r1_i2h_weight"].shape == (20, 4)
     back = rmx.from_gluon(named, "lstm", cell_clip=0.5)
     assert back.spec == module.spec
     assert_close(back.flat_weights.detach(), module.flat_weights.detach(), "flat")
 
 
+def test_gluon_names_refused():
+    named = rmx.to_gluon(rnnkit.GRU(3, 4))
+    with pytest.raises(ValueError, match="mix prefixes"):
+        rmx.from_gluon({"a_" + k if k.endswith("bias") else "b_" + k: v for k, v in named.items()}, "gru")
+    with pytest.raises(ValueError, match="'dense0_weight' is not a Gluon LSTM / GRU / RNN parameter name"):
+        rmx.from_gluon({**named, "dense0_weight": np.zeros(1)}, "gru")
+    with pytest.raises(ValueError, match=r"missing \['l0_h2h_bias'\]"):
+        rmx.from_gluon({k: v for k, v in named.items() if k != "l0_h2h_bias"}, "gru")
+
+
 @pytest.mark.parametrize("module, option", [
     (lambda: rnnkit.LSTM(3, 4, peephole=True), "peephole"),
     (lambda: rnnkit.GRU(3, 4, reset_after=False), "reset_after=False"),
     (lambda: rnnkit.LSTM(3, 4, proj_size=2, proj_clip=0.5), "proj_clip"),
-], ids=["peephole", "reset_before", "proj_clip"])
+    (lambda: rnnkit.LSTM(3, 4, layer_norm=True), "layer_norm"),
+    (lambda: rnnkit.GRU(3, 4, bidirectional=True, merge="sum"), "merge='sum'"),
+    (lambda: rnnkit.RNN(3, [4, 5], 2), "per-layer sizes"),
+], ids=["peephole", "reset_before", "proj_clip", "layer_norm", "sum", "per-layer"])
 def test_refuses_what_mxnet_cannot_represent(module, option):
-    with pytest.raises(ValueError, match=option):
+    with pytest.raises(ValueError, match=f"{option}: MXNet cannot represent"):
         rmx.to_mxnet_flat(module())

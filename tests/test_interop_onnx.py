@@ -149,3 +149,63 @@ def test_import_refuses_clip_and_bad_opset():
         ronnx.import_model(_foreign_gru_model(1, clip=3.0))
     with pytest.raises(ValueError, match="opset"):
         ronnx.export(rnnkit.GRU(2, 3), opset=11)
+
+
+def _with_glue_between_layers(op: str, module=None):
+    """A 2-layer LSTM model with one foreign op between (or after) its layers, as a user graph would have."""
+    module = module if module is not None else rnnkit.LSTM(6, 6, num_layers=2).eval()
+    model = ronnx.export(module)
+    graph = model.graph
+    second = next(n for n in graph.node if n.op_type == "LSTM" and n.input[0] != "input")
+    y0 = second.input[0]
+    if op == "residual":  # layer 1 reads y0 + input
+        node = helper.make_node("Add", [y0, "input"], ["residual"], name="residual_add")
+        second.input[0] = "residual"
+        graph.node.insert(list(graph.node).index(second), node)
+    elif op == "linear":  # layer 1 reads y0 @ W
+        graph.initializer.append(numpy_helper.from_array(np.eye(6, dtype=np.float32)[::-1].copy(), "linear_W"))
+        node = helper.make_node("MatMul", [y0, "linear_W"], ["linear"], name="linear_between")
+        second.input[0] = "linear"
+        graph.node.insert(list(graph.node).index(second), node)
+    elif op == "parallel":  # layer 1 reads the model's input, not layer 0's output
+        second.input[0] = "input"
+    elif op == "head":  # a Linear after the stack, feeding the graph's output
+        last = next(n for n in graph.node if "output" in n.output)
+        last.output[0] = "features"
+        graph.initializer.append(numpy_helper.from_array(np.eye(6, dtype=np.float32)[::-1].copy(), "head_W"))
+        graph.node.append(helper.make_node("MatMul", ["features", "head_W"], ["output"], name="head"))
+    return model
+
+
+@pytest.mark.parametrize("op, message", [
+    ("residual", r"node 'residual_add' \(Add\): it is not part of a recurrent stack"),
+    ("linear", r"node 'linear_between' \(MatMul\): it is not part of a recurrent stack"),
+    ("parallel", r"node 'LSTM_\d+' \(LSTM\): its input X is not the output of node"),
+    ("head", r"node 'head' \(MatMul\): it is not part of a recurrent stack"),
+])
+def test_import_refuses_a_graph_that_is_not_a_stack(op, message):
+    """Finding 5: every node must be a layer or the exporter's glue, else the import names it."""
+    model = _with_glue_between_layers(op)
+    onnx.checker.check_model(model)
+    with pytest.raises(ValueError, match=message):
+        ronnx.import_model(model)
+
+
+def test_the_refused_residual_model_computes_something_else():
+    """What the check prevents: the residual graph's output (onnxruntime) is not the stack's."""
+    module = rnnkit.LSTM(6, 6, num_layers=2).eval()
+    model = _with_glue_between_layers("residual", module)
+    x = torch.randn(T, B, 6)
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"input": x.numpy()})[0]
+    with torch.no_grad():
+        y_stack, _ = module(x)
+    assert (torch.from_numpy(y) - y_stack).abs().max() > 1e-2
+
+
+def test_import_reads_merge_and_batch_first_from_the_glue():
+    module = rnnkit.GRU(4, 5, num_layers=2, bidirectional=True, merge="sum", batch_first=True).eval()
+    model = ronnx.export(module)
+    del model.metadata_props[:]  # as if another tool wrote the same graph
+    back = ronnx.import_model(model)
+    assert back.spec.merge == "sum" and back.spec.batch_first
+    assert_close(back.flat_weights.detach(), module.flat_weights.detach(), "weights")

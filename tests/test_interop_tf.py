@@ -1,10 +1,15 @@
-"""TF 1.x LSTMCell variables and TF cuDNN canonical weights.
+"""TF 1.x LSTMCell / BasicLSTMCell / GRUCell, against tensorflow-cpu 2.21.0 itself.
 
-TF 1.x cannot be installed here, so the LSTMCell checks run on fixtures made by
-tests/fixtures/interop/make_fixtures.py, which implements rnn_cell_impl.LSTMCell's
-documented equations (gates i j f o, forget_bias at run time, peepholes, cell_clip,
-num_proj, proj_clip) in numpy. Not proven: that TF's own kernels match that reading.
+The fixtures were computed by TF's own ``tf.compat.v1`` cells (``dynamic_rnn`` over a
+``MultiRNNCell``, or one ``bidirectional_dynamic_rnn`` per layer, with
+``sequence_length`` where the case has lengths; tests/fixtures/interop/make_real.py):
+import reads TF's variables under TF's own names, export is what TF computed after
+loading :func:`to_tf`'s variables into them.
+
+CudnnLSTM / CudnnGRU canonical weights are checked only for their addressing: TF 2.21's
+canonical-weight ops have no CPU kernel.
 """
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,38 +21,83 @@ from rnnkit.interop import tf as rtf
 
 from helpers import assert_close
 
-FIXTURES = Path(__file__).parent / "fixtures" / "interop"
+sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "interop"))
+from interop_fixture import Fixture  # noqa: E402  (the reader of the real libraries' fixtures)
+
+FIXTURES = ["tf_lstmcell_peephole_proj_clip", "tf_lstmcell_bidir_per_layer_lengths", "tf_basiclstmcell",
+            "tf_grucell_stacked", "tf_grucell_bidir_lengths"]
 
 
-def _load(name):
-    data = np.load(FIXTURES / f"{name}.npz")
-    cells = [[{} for _ in range(int(data["num_directions"]))] for _ in range(int(data["num_layers"]))]
-    for key in data.files:
-        if key.startswith("cells/"):
-            _, k, d, variable = key.split("/", 3)
-            cells[int(k)][int(d)][variable] = data[key]
-    clip = lambda v: None if np.isnan(v) else float(v)  # noqa: E731
-    config = dict(forget_bias=float(data["forget_bias"]), cell_clip=clip(data["cell_clip"]),
-                  proj_clip=clip(data["proj_clip"]))
-    return {"config": config, "cells": cells}, data
+def _settings(case):
+    if case["cell"] == "GRUCell":
+        return {}
+    return dict(forget_bias=case["forget_bias"], cell_clip=case.get("cell_clip"), proj_clip=case.get("proj_clip"))
 
 
-@pytest.mark.parametrize("name", ["tf_lstmcell_peephole_proj_clip", "tf_lstmcell_bidir"])
-def test_lstmcell_fixture_both_directions(name):
-    tf_vars, data = _load(name)
-    module = rtf.from_tf(tf_vars).eval()
-    x = torch.from_numpy(data["x"])
-    with torch.no_grad():
-        y, (h_n, c_n) = module(x)
-    assert_close(y, torch.from_numpy(data["y"]), "y")
-    assert_close(h_n, torch.from_numpy(data["h_n"]), "h_n")
-    assert_close(c_n, torch.from_numpy(data["c_n"]), "c_n")
-    exported = rtf.to_tf(module, forget_bias=tf_vars["config"]["forget_bias"])
-    for layer, directions in enumerate(tf_vars["cells"]):
+def _expected(run, case):
+    """TF's outputs as rnnkit's (y, [h_n, c_n]): states stacked by layer then direction."""
+    layers, D = len(case["num_units"]), 2 if case["bidirectional"] else 1
+    states = []
+    for which in ("h", "c") if case["cell"] != "GRUCell" else ("h",):
+        per_layer = [torch.from_numpy(np.stack([run.out[f"{which}/{k}/{d}"] for d in range(D)])) for k in range(layers)]
+        states.append(per_layer if len({s.shape for s in per_layer}) > 1 else torch.cat(per_layer))
+    return torch.from_numpy(run.out["y"]), states
+
+
+def _states(hy):
+    return list(hy) if isinstance(hy, tuple) else [hy]
+
+
+@pytest.mark.parametrize("tag", ["f32", "f64"])
+@pytest.mark.parametrize("name", FIXTURES)
+def test_import(name, tag):
+    fixture = Fixture(name)
+    run = fixture.run(tag, "import")
+    module = rtf.from_tf(run.vars, **_settings(fixture.case), dtype=run.dtype).eval()
+    assert module.spec.mode == ("gru" if fixture.case["cell"] == "GRUCell" else "lstm")
+    y, hy = run.run_module(module)
+    y_tf, states_tf = _expected(run, fixture.case)
+    assert_close(y, y_tf, f"{fixture} y")
+    assert_close(_states(hy), states_tf, f"{fixture} states")
+
+
+@pytest.mark.parametrize("tag", ["f32", "f64"])
+@pytest.mark.parametrize("name", FIXTURES)
+def test_export(name, tag):
+    fixture = Fixture(name)
+    run = fixture.run(tag, "export")
+    module = run.module()
+    exported = rtf.to_tf(module, forget_bias=fixture.case.get("forget_bias", 1.0))
+    loaded = rtf.cells_from_names(run.vars)  # what TF was given, under TF's names
+    assert [[sorted(v) for v in d] for d in exported["cells"]] == [[sorted(v) for v in d] for d in loaded]
+    for k, directions in enumerate(loaded):
         for d, variables in enumerate(directions):
             for key, value in variables.items():
-                assert_close(torch.from_numpy(exported["cells"][layer][d][key]), torch.from_numpy(value), key)
-    assert exported["config"]["cell_clip"] == tf_vars["config"]["cell_clip"]
+                assert_close(torch.from_numpy(exported["cells"][k][d][key]), torch.from_numpy(value),
+                             f"{fixture} cells[{k}][{d}][{key}]")
+    y, hy = run.run_module(module)
+    y_tf, states_tf = _expected(run, fixture.case)
+    assert_close(y, y_tf, f"{fixture} y")
+    assert_close(_states(hy), states_tf, f"{fixture} states")
+
+
+def test_clips_are_active_in_the_fixture():
+    """The clip case would pass without clipping if nothing reached the clip."""
+    run = Fixture("tf_lstmcell_peephole_proj_clip").run("f64", "import")
+    assert np.abs(run.out["c/0/0"]).max() == pytest.approx(0.3) and np.abs(run.out["y"]).max() == pytest.approx(0.1)
+
+
+def test_grucell_is_reset_before_with_one_bias_per_gate():
+    """Finding 7: a GRUCell is rnnkit's GRU(reset_after=False); both biases fold into TF's one."""
+    module = rnnkit.GRU(3, 4, reset_after=False)
+    variables = rtf.to_tf(module)["cells"][0][0]
+    assert {k: v.shape for k, v in variables.items()} == {
+        "gates/kernel": (7, 8), "gates/bias": (8,), "candidate/kernel": (7, 4), "candidate/bias": (4,)}
+    back = rtf.from_tf(rtf.to_tf(module))
+    assert back.spec.reset_after is False
+    x = torch.randn(5, 2, 3)
+    with torch.no_grad():
+        assert_close(back(x)[0], module(x)[0], "y")
 
 
 def test_forget_bias_is_folded_on_import_and_subtracted_on_export():
@@ -55,6 +105,21 @@ def test_forget_bias_is_folded_on_import_and_subtracted_on_export():
     a = rtf.to_tf(module, forget_bias=1.0)["cells"][0][0]["bias"]
     b = rtf.to_tf(module, forget_bias=0.0)["cells"][0][0]["bias"]
     assert np.allclose(b - a, np.r_[np.zeros(8), np.ones(4), np.zeros(4)])
+
+
+def test_names_group_into_layers_and_directions():
+    named = {f"layer_{k}/{side}/lstm_cell/{v}:0": np.zeros(1) for k in (10, 2) for side in ("bw", "fw")
+             for v in ("kernel", "bias")}
+    cells = rtf.cells_from_names(named)
+    assert len(cells) == 2 and all(len(directions) == 2 for directions in cells)
+    assert cells[0][1] is not cells[1][1] and sorted(cells[0][0]) == ["bias", "kernel"]
+
+
+def test_names_refused():
+    with pytest.raises(ValueError, match="MultiRNNCell inside bidirectional_dynamic_rnn"):
+        rtf.cells_from_names({"bidirectional_rnn/fw/multi_rnn_cell/cell_0/lstm_cell/kernel:0": np.zeros(1)})
+    with pytest.raises(ValueError, match="'rnn/dense/weights:0' is not a variable of a TF LSTMCell or GRUCell"):
+        rtf.cells_from_names({"rnn/dense/weights:0": np.zeros(1)})
 
 
 def test_cudnn_canonical_round_trip():
@@ -65,11 +130,14 @@ def test_cudnn_canonical_round_trip():
     assert_close(back.flat_weights.detach(), module.flat_weights.detach(), "flat")
 
 
-@pytest.mark.parametrize("module, option", [
-    (lambda: rnnkit.LSTM(3, 4, coupled_gates=True), "coupled_gates"),
-    (lambda: rnnkit.LSTM(3, 4, layer_norm=True), "layer_norm"),
-    (lambda: rnnkit.GRU(3, 4), "mode"),
-], ids=["coupled", "layer_norm", "gru"])
-def test_refuses_what_lstmcell_cannot_represent(module, option):
-    with pytest.raises(ValueError, match=option):
+@pytest.mark.parametrize("module, message", [
+    (lambda: rnnkit.LSTM(3, 4, coupled_gates=True), "coupled_gates: TF 1.x rnn_cell cannot represent"),
+    (lambda: rnnkit.LSTM(3, 4, layer_norm=True), "layer_norm: TF 1.x rnn_cell cannot represent"),
+    (lambda: rnnkit.LSTM(3, 4, zoneout=0.1), "zoneout: TF 1.x rnn_cell cannot represent"),
+    (lambda: rnnkit.LSTM(3, 4, bidirectional=True, merge="sum"), "merge='sum': TF 1.x rnn_cell cannot represent"),
+    (lambda: rnnkit.GRU(3, 4), "reset_after=True: TF 1.x rnn_cell cannot represent"),
+    (lambda: rnnkit.RNN(3, 4), "mode: TF 1.x rnn_cell has no 'rnn_tanh' layer"),
+], ids=["coupled", "layer_norm", "zoneout", "sum", "gru-reset_after", "rnn"])
+def test_refuses_what_the_cells_cannot_represent(module, message):
+    with pytest.raises(ValueError, match=message):
         rtf.to_tf(module())

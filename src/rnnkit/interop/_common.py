@@ -100,15 +100,43 @@ def spec_of(module) -> RNNSpec:
     return spec
 
 
+def to_numpy(value, name: str = "value") -> np.ndarray:
+    """A numpy array from what a foreign library hands over (numpy, torch, TF, MXNet, jax arrays).
+
+    Never returns a view that aliases a torch tensor the caller may change later.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy().copy()
+    if hasattr(value, "asnumpy"):  # MXNet NDArray
+        return value.asnumpy()
+    if hasattr(value, "numpy") and not isinstance(value, np.ndarray):  # TF eager tensors, variables
+        return np.asarray(value.numpy())
+    try:
+        return np.asarray(value)
+    except Exception as error:  # noqa: BLE001 - any conversion failure is a type error of the argument
+        raise TypeError(f"{name}: expected an array, got {type(value).__name__}") from error
+
+
+def torch_pieces(module) -> Dict[str, torch.Tensor]:
+    """{torch.nn name: detached copy} of every piece of the module's weights, in buffer order.
+
+    Reads through the layout's views of ``module.flat_weights`` (SPEC.md, "Parameters:
+    one packed buffer"), the one place converters read weights from.
+    """
+    with torch.no_grad():
+        return {entry.name: module.layout.view(module.flat_weights, entry.name).detach().clone()
+                for entry in module.layout}
+
+
 def numpy_pieces(module) -> Dict[str, np.ndarray]:
-    """{torch.nn name: float numpy copy} of every piece of the packed buffer."""
-    return {name: view.detach().cpu().numpy().copy() for name, view in module.named_weights().items()}
+    """{torch.nn name: numpy copy} of every piece of the module's weights, in buffer order."""
+    return {name: tensor.cpu().numpy() for name, tensor in torch_pieces(module).items()}
 
 
 def build_module(spec: RNNSpec, pieces: Dict[str, object], dtype: Optional[torch.dtype] = None) -> Module:
     """A new rnnkit module for ``spec`` whose pieces (by torch.nn name) are set from ``pieces``.
 
-    Every piece of the layout must be given; shapes are checked.
+    Every piece of the layout must be given; shapes are checked. ``pieces`` is not modified.
     """
     options = spec.options()
     mode = options.pop("mode")
@@ -121,17 +149,32 @@ def build_module(spec: RNNSpec, pieces: Dict[str, object], dtype: Optional[torch
         module = GRU(input_size, hidden_size, num_layers, **common, **options)
     else:
         module = RNN(input_size, hidden_size, num_layers, nonlinearity=mode[4:], **common, **options)
-    views = module.named_weights()
-    missing = [name for name in views if name not in pieces]
-    if missing:
-        raise ValueError(f"weights: no value for {missing[0]} (expected {len(views)} pieces: {list(views)})")
-    with torch.no_grad():
-        for name, view in views.items():
-            value = torch.as_tensor(np.asarray(pieces[name]) if not isinstance(pieces[name], torch.Tensor) else pieces[name])
-            if tuple(value.shape) != tuple(view.shape):
-                raise ValueError(f"weights: {name} expected shape {tuple(view.shape)}, got {tuple(value.shape)}")
-            view.copy_(value.to(view.dtype))
+    load_pieces(module, pieces)
     return module
+
+
+def load_pieces(module, pieces: Dict[str, object]) -> None:
+    """Copy ``pieces`` ({torch.nn name: array}) into the module's weights, checking names and shapes.
+
+    The one place converters write weights: in-place copies into the layout's views of
+    ``module.flat_weights``, without autograd.
+    """
+    entries = list(module.layout)
+    missing = [entry.name for entry in entries if entry.name not in pieces]
+    if missing:
+        raise ValueError(f"weights: no value for {missing[0]} (expected {len(entries)} pieces: "
+                         f"{[entry.name for entry in entries]})")
+    values = {}
+    for entry in entries:
+        value = pieces[entry.name]
+        value = value.detach() if isinstance(value, torch.Tensor) else torch.from_numpy(to_numpy(value, entry.name).copy())
+        if tuple(value.shape) != tuple(entry.shape):
+            raise ValueError(f"weights: {entry.name} expected shape {tuple(entry.shape)}, got {tuple(value.shape)}")
+        values[entry.name] = value
+    with torch.no_grad():
+        for name, value in values.items():
+            view = module.layout.view(module.flat_weights, name)
+            view.copy_(value.to(device=view.device, dtype=view.dtype))
 
 
 def suffix(layer: int, direction: int) -> str:

@@ -36,7 +36,7 @@ from typing import Dict, Tuple
 import torch
 
 from ..spec import RNNSpec
-from ._common import build_module, refuse, spec_of, suffix
+from ._common import build_module, refuse, spec_of, suffix, torch_pieces
 
 PROJECTION_ID = 8
 CUDNN_MODES = {"lstm": "CUDNN_LSTM", "gru": "CUDNN_GRU", "rnn_tanh": "CUDNN_RNN_TANH", "rnn_relu": "CUDNN_RNN_RELU"}
@@ -66,7 +66,7 @@ def to_cudnn(module) -> dict:
     """
     spec = spec_of(module)
     check_spec(spec)
-    views = module.named_weights()
+    views = torch_pieces(module)
     G, D = spec.gates, spec.num_directions
     matrices: Dict[Tuple[int, int], torch.Tensor] = {}
     biases: Dict[Tuple[int, int], torch.Tensor] = {}
@@ -74,13 +74,13 @@ def to_cudnn(module) -> dict:
         for direction in range(D):
             pseudo, s = layer * D + direction, suffix(layer, direction)
             for offset, (weight, bias) in enumerate((("weight_ih", "bias_ih"), ("weight_hh", "bias_hh"))):
-                for gate, block in enumerate(views[weight + s].detach().chunk(G, 0)):
+                for gate, block in enumerate(views[weight + s].chunk(G, 0)):
                     matrices[(pseudo, offset * G + gate)] = block.clone()
                 if bias + s in views:
-                    for gate, block in enumerate(views[bias + s].detach().chunk(G, 0)):
+                    for gate, block in enumerate(views[bias + s].chunk(G, 0)):
                         biases[(pseudo, offset * G + gate)] = block.clone()
             if "weight_hr" + s in views:
-                matrices[(pseudo, PROJECTION_ID)] = views["weight_hr" + s].detach().clone()
+                matrices[(pseudo, PROJECTION_ID)] = views["weight_hr" + s]
     config = dict(
         cellMode=CUDNN_MODES[spec.mode],
         biasMode=CUDNN_BIAS[spec.bias_mode],

@@ -1,27 +1,36 @@
-"""Haste (lmnt-com/haste): LSTM, GRU and LayerNormLSTM weights.
+"""Haste (lmnt-com/haste, haste_pytorch 0.5): LSTM, GRU, LayerNormLSTM and LayerNormGRU weights.
 
 Haste layers are one unidirectional layer each; a stacked rnnkit module maps to a list
-of them, one dict per layer. Per layer (Haste's docs and headers):
+of them, one dict per layer, keyed as the Haste layer's ``state_dict()`` (so
+``haste_layer.load_state_dict({k: torch.from_numpy(v) ...})`` loads it):
 
     LSTM           kernel (I, 4H), recurrent_kernel (H, 4H), bias (4H,)          gates i g f o
     GRU            kernel (I, 3H), recurrent_kernel (H, 3H), bias (3H,),
                    recurrent_bias (3H,)                                         gates z r h
-                   n = tanh(W_h x + b_h + r ∘ (R_h h + rb_h))   (rnnkit reset_after=True)
+                   h~ = tanh(W_h x + b_h + r ∘ (R_h h + rb_h))   (rnnkit reset_after=True)
     LayerNormLSTM  LSTM's, plus gamma (2, 4H): the input and recurrent LN gains (no
                    shifts), gamma_h, beta_h (H,): the LN of c in h = o ∘ tanh(LN(c))
+    LayerNormGRU   GRU's, plus gamma (2, 3H): LN over all 3H of W x and of R h, gains only
 
 Gate orders: SPEC.md, "Gate orders elsewhere" (Haste LSTM i g f o = "igfo", GRU z r h =
 "zrn" in rnnkit letters). SPEC.md's layer norm is Haste's; rnnkit's extra LN shifts β_x,
-β_h are constants added beside the bias, so they fold into Haste's bias exactly. Haste's
-one LSTM bias is b_W + b_R.
+β_h are constants added beside the biases, so they fold into Haste's: LSTM's one bias
+takes b_W + b_R + β_x + β_h; GRU's ``bias`` takes b_W + β_x and ``recurrent_bias``
+takes b_R + β_h (β_h sits inside r ∘ (·) with b_R, as rnnkit's LN_h(R h) + b_R does).
+
+Zoneout: a Haste layer's ``zoneout=p`` zones out h only; in evaluation Haste computes
+h = p·h_prev + (1 − p)·h_new, rnnkit's evaluation zoneout with ``zoneout=p``. The
+probability is a layer setting, not a weight: build the Haste layers with
+``zoneout=module.spec.zoneout[0]``, and give ``from_haste`` the layers' ``zoneout``.
 
 Refused naming the option: bidirectional, proj_size, peephole, coupled_gates, cell_clip,
-zoneout (Haste's zoneout is training-only, rnnkit's evaluation uses its expectation),
-reset_after=False, layer_norm on GRU, RNN modes.
+zoneout=(p_h, p_c) with p_c ≠ 0 (Haste never zones out c), reset_after=False, RNN modes.
+Haste's DropConnect (``dropout``) is training-only, like rnnkit's, and is not exported.
 
 Example:
     >>> layers = rnnkit.interop.haste.to_haste(lstm)        # [{"kernel", ...}] per layer
-    >>> lstm2 = rnnkit.interop.haste.from_haste(layers, "lstm")
+    >>> haste_lstm.load_state_dict({k: torch.from_numpy(v) for k, v in layers[0].items()})
+    >>> lstm2 = rnnkit.interop.haste.from_haste(layers, "lstm", zoneout=lstm.spec.zoneout[0])
 """
 from __future__ import annotations
 
@@ -30,33 +39,46 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from ..spec import RNNSpec
-from ._common import build_module, numpy_pieces, refuse, refuse_mode, regate, spec_of, suffix
+from ._common import build_module, numpy_pieces, refuse, refuse_mode, regate, spec_of, suffix, to_numpy
 
 HASTE_GATES = {"lstm": "igfo", "gru": "zrn"}
+RNNKIT_GATES = {"lstm": "ifgo", "gru": "rzn"}
+HASTE_KEYS = {
+    ("lstm", False): ("kernel", "recurrent_kernel", "bias"),
+    ("gru", False): ("kernel", "recurrent_kernel", "bias", "recurrent_bias"),
+    ("lstm", True): ("kernel", "recurrent_kernel", "bias", "gamma", "gamma_h", "beta_h"),
+    ("gru", True): ("kernel", "recurrent_kernel", "bias", "recurrent_bias", "gamma"),
+}
 FMT = "Haste"
 
 
 def check_spec(spec: RNNSpec) -> None:
     """Raise a ValueError naming the first option of ``spec`` that Haste cannot represent."""
     refuse_mode(FMT, spec, ("lstm", "gru"))
-    allowed = {"reset_after=True", "per-layer sizes", "num_layers>1"}
-    if spec.mode == "lstm":
-        allowed.add("layer_norm")
-    refuse(FMT, spec, allowed=allowed)
+    if spec.zoneout[1]:
+        raise ValueError(f"zoneout: Haste zones out h only; zoneout={spec.zoneout} also zones out c "
+                         "(use zoneout=p_h, or (p_h, 0.0))")
+    refuse(FMT, spec, allowed={"reset_after=True", "per-layer sizes", "num_layers>1", "layer_norm", "zoneout"})
 
 
 def to_haste(module) -> List[Dict[str, np.ndarray]]:
-    """One dict of Haste weights per layer (LayerNormLSTM's when the module has layer_norm)."""
+    """One dict of Haste weights per layer, keyed as that Haste layer's ``state_dict()``.
+
+    The layers are Haste ``LSTM`` / ``GRU`` (or ``LayerNormLSTM`` / ``LayerNormGRU`` when the
+    module has layer_norm) with ``zoneout=module.spec.zoneout[0]``.
+    """
     spec = spec_of(module)
     check_spec(spec)
     pieces = numpy_pieces(module)
-    ours, theirs = "ifgo" if spec.mode == "lstm" else "rzn", HASTE_GATES[spec.mode]
+    ours, theirs = RNNKIT_GATES[spec.mode], HASTE_GATES[spec.mode]
     layers = []
     for layer in range(spec.num_layers):
         cell, s = spec.cell(layer), suffix(layer, 0)
-        gh = cell.gates * cell.hidden_size
-        zeros = np.zeros(gh, dtype=pieces["weight_ih" + s].dtype)
+        zeros = np.zeros(cell.gates * cell.hidden_size, dtype=pieces["weight_ih" + s].dtype)
         b_W, b_R = pieces.get("bias_ih" + s, zeros), pieces.get("bias_hh" + s, zeros)
+        if spec.layer_norm:
+            b_W = b_W + pieces["layer_norm_ih_bias" + s]
+            b_R = b_R + pieces["layer_norm_hh_bias" + s]
         weights = {
             "kernel": regate(pieces["weight_ih" + s], ours, theirs).T.copy(),
             "recurrent_kernel": regate(pieces["weight_hh" + s], ours, theirs).T.copy(),
@@ -64,49 +86,73 @@ def to_haste(module) -> List[Dict[str, np.ndarray]]:
         if spec.mode == "gru":
             weights.update(bias=regate(b_W, ours, theirs), recurrent_bias=regate(b_R, ours, theirs))
         else:
-            bias = b_W + b_R
-            if spec.layer_norm:
-                bias = bias + pieces["layer_norm_ih_bias" + s] + pieces["layer_norm_hh_bias" + s]
-                weights["gamma"] = np.stack([regate(pieces["layer_norm_ih_weight" + s], ours, theirs),
-                                             regate(pieces["layer_norm_hh_weight" + s], ours, theirs)])
-                weights["gamma_h"] = pieces["layer_norm_c_weight" + s]
-                weights["beta_h"] = pieces["layer_norm_c_bias" + s]
-            weights["bias"] = regate(bias, ours, theirs)
+            weights["bias"] = regate(b_W + b_R, ours, theirs)
+        if spec.layer_norm:
+            weights["gamma"] = np.stack([regate(pieces["layer_norm_ih_weight" + s], ours, theirs),
+                                         regate(pieces["layer_norm_hh_weight" + s], ours, theirs)])
+            if spec.mode == "lstm":
+                weights["gamma_h"] = pieces["layer_norm_c_weight" + s].copy()
+                weights["beta_h"] = pieces["layer_norm_c_bias" + s].copy()
         layers.append(weights)
     return layers
 
 
-def from_haste(layers: Sequence[Dict[str, np.ndarray]], mode: str, *, batch_first: bool = False, dtype=None):
+def from_haste(layers: Sequence[Dict[str, object]], mode: str, *, zoneout: float = 0.0, batch_first: bool = False,
+               dtype=None):
     """Build an rnnkit module from Haste weights, one dict per stacked layer.
 
-    ``mode`` is "lstm" (LSTM, or LayerNormLSTM when the dicts have ``gamma``) or "gru".
+    Args:
+        layers: per layer, the Haste layer's ``state_dict()`` (or :func:`to_haste`'s dict):
+            LSTM / GRU keys, plus ``gamma`` (and for LSTM ``gamma_h``, ``beta_h``) for the
+            LayerNorm variants.
+        mode: "lstm" (LSTM, LayerNormLSTM) or "gru" (GRU, LayerNormGRU).
+        zoneout: the Haste layers' ``zoneout`` (they must share it).
+        batch_first: the module's layout (Haste's own ``batch_first``).
+        dtype: the module's dtype (default float32).
+
     Biases land as Haste has them: LSTM's single bias in bias_ih (bias_hh zero), GRU's
-    bias and recurrent_bias in bias_ih and bias_hh.
+    bias and recurrent_bias in bias_ih and bias_hh; LN shifts are zero.
     """
     if mode not in HASTE_GATES:
         raise ValueError(f"mode: Haste has 'lstm' and 'gru', got {mode!r}")
-    G = 4 if mode == "lstm" else 3
-    hidden = [int(np.shape(w["recurrent_kernel"])[0]) for w in layers]
+    if isinstance(layers, dict) or not isinstance(layers, Sequence) or not layers:
+        raise TypeError(f"layers: expected a non-empty list of dicts (one per layer), got {type(layers).__name__}")
     layer_norm = "gamma" in layers[0]
-    spec = RNNSpec(mode, int(np.shape(layers[0]["kernel"])[0]), hidden if len(set(hidden)) > 1 else hidden[0],
-                   len(layers), layer_norm=layer_norm, batch_first=batch_first)
-    ours, theirs = "ifgo" if mode == "lstm" else "rzn", HASTE_GATES[mode]
+    expected = HASTE_KEYS[(mode, layer_norm)]
+    arrays = []
+    for k, weights in enumerate(layers):
+        keys = set(weights)
+        if keys != set(expected):
+            missing, extra = sorted(set(expected) - keys), sorted(keys - set(expected))
+            kind = ("LayerNorm" if layer_norm else "") + mode.upper()
+            raise ValueError(f"layers[{k}]: a Haste {kind} layer has keys {list(expected)}; "
+                             f"missing {missing}, unexpected {extra}")
+        arrays.append({key: to_numpy(weights[key], f"layers[{k}][{key!r}]") for key in expected})
+    G = 4 if mode == "lstm" else 3
+    hidden = [int(w["recurrent_kernel"].shape[0]) for w in arrays]
+    spec = RNNSpec(mode, int(arrays[0]["kernel"].shape[0]), hidden if len(set(hidden)) > 1 else hidden[0],
+                   len(arrays), layer_norm=layer_norm, zoneout=zoneout, batch_first=batch_first)
+    ours, theirs = RNNKIT_GATES[mode], HASTE_GATES[mode]
     pieces = {}
-    for layer, w in enumerate(layers):
-        s = suffix(layer, 0)
-        if np.shape(w["kernel"])[1] != G * hidden[layer]:
-            raise ValueError(f"kernel: layer {layer} expected {G * hidden[layer]} columns, got shape {np.shape(w['kernel'])}")
-        pieces["weight_ih" + s] = regate(np.asarray(w["kernel"]).T, theirs, ours)
-        pieces["weight_hh" + s] = regate(np.asarray(w["recurrent_kernel"]).T, theirs, ours)
-        bias = regate(np.asarray(w["bias"]), theirs, ours)
+    for layer, w in enumerate(arrays):
+        s, gh = suffix(layer, 0), G * hidden[layer]
+        input_size = spec.cell(layer).input_size
+        if w["kernel"].shape != (input_size, gh):
+            raise ValueError(f"layers[{layer}]['kernel']: expected shape {(input_size, gh)}, got {w['kernel'].shape}")
+        pieces["weight_ih" + s] = regate(w["kernel"].T, theirs, ours)
+        pieces["weight_hh" + s] = regate(w["recurrent_kernel"].T, theirs, ours)
+        bias = regate(w["bias"], theirs, ours)
         pieces["bias_ih" + s] = bias
-        pieces["bias_hh" + s] = regate(np.asarray(w["recurrent_bias"]), theirs, ours) if mode == "gru" else np.zeros_like(bias)
+        pieces["bias_hh" + s] = regate(w["recurrent_bias"], theirs, ours) if mode == "gru" else np.zeros_like(bias)
         if layer_norm:
-            gamma = np.asarray(w["gamma"])
+            gamma = w["gamma"]
+            if gamma.shape != (2, gh):
+                raise ValueError(f"layers[{layer}]['gamma']: expected shape {(2, gh)}, got {gamma.shape}")
             pieces["layer_norm_ih_weight" + s] = regate(gamma[0], theirs, ours)
             pieces["layer_norm_hh_weight" + s] = regate(gamma[1], theirs, ours)
             pieces["layer_norm_ih_bias" + s] = np.zeros_like(bias)
             pieces["layer_norm_hh_bias" + s] = np.zeros_like(bias)
-            pieces["layer_norm_c_weight" + s] = np.asarray(w["gamma_h"])
-            pieces["layer_norm_c_bias" + s] = np.asarray(w["beta_h"])
+            if mode == "lstm":
+                pieces["layer_norm_c_weight" + s] = w["gamma_h"]
+                pieces["layer_norm_c_bias" + s] = w["beta_h"]
     return build_module(spec, pieces, dtype)

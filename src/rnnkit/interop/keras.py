@@ -20,6 +20,10 @@ cell_clip, layer_norm, zoneout. Per-layer sizes are fine (one Keras layer per rn
 layer). Keras's ``recurrent_activation``/``activation`` must be the defaults (sigmoid,
 tanh; SimpleRNN tanh or relu).
 
+Keras's ``go_backwards=True`` outside a ``Bidirectional`` wrapper returns the outputs in
+reversed time order: no rnnkit module computes that, so the functions that take Keras
+layers refuse it, naming ``go_backwards``.
+
 Functions that take Keras layers import keras; set ``KERAS_BACKEND`` before that import.
 
 Example:
@@ -148,7 +152,7 @@ def from_keras(
 # ---- Keras layer objects ---------------------------------------------------------------
 
 def _check_layer(spec: RNNSpec, layer, index: int):
-    """The inner recurrent layer of a Keras layer (unwrapping Bidirectional), checked against spec."""
+    """The inner recurrent layer(s) of a Keras layer (unwrapping Bidirectional), checked against spec."""
     import keras
 
     bidirectional = isinstance(layer, keras.layers.Bidirectional)
@@ -157,23 +161,52 @@ def _check_layer(spec: RNNSpec, layer, index: int):
                          f"{'a' if spec.bidirectional else 'no'} keras.layers.Bidirectional wrapper")
     if bidirectional and layer.merge_mode != spec.merge:
         raise ValueError(f"merge: layers[{index}] has merge_mode={layer.merge_mode!r}, the module merge={spec.merge!r}")
-    inner = layer.forward_layer if bidirectional else layer
+    for inner, where in _inner_layers(layer, index):
+        _check_inner(spec, inner, index, where)
+    return layer.forward_layer if bidirectional else layer, bidirectional
+
+
+def _inner_layers(layer, index: int):
+    """[(recurrent layer, where)] of one Keras layer, refusing a direction rnnkit cannot run.
+
+    A Keras layer with ``go_backwards=True`` returns its outputs in reversed time order;
+    rnnkit's reverse direction (inside a bidirectional module) keeps the input's time order,
+    which is what Keras's ``Bidirectional`` makes of its backward layer. So go_backwards is
+    accepted exactly there.
+    """
+    import keras
+
+    if isinstance(layer, keras.layers.Bidirectional):
+        inners = [(layer.forward_layer, False, f"layers[{index}].forward_layer"),
+                  (layer.backward_layer, True, f"layers[{index}].backward_layer")]
+    else:
+        inners = [(layer, False, f"layers[{index}]")]
+    for inner, backwards, where in inners:
+        if getattr(inner, "go_backwards", False) != backwards:
+            raise ValueError(
+                f"go_backwards: {where} has go_backwards={inner.go_backwards}; such a layer returns its outputs in "
+                "reversed time order, which no rnnkit module computes (rnnkit's reverse direction keeps the input's "
+                "time order, as Keras's Bidirectional does). The module from_keras builds from its weights gives "
+                "Keras's output when run on the time-reversed input")
+    return [(inner, where) for inner, _, where in inners]
+
+
+def _check_inner(spec: RNNSpec, inner, index: int, where: str) -> None:
     name = LAYER_CLASSES[spec.mode]
     if type(inner).__name__ != name:
-        raise ValueError(f"layers[{index}]: expected a keras.layers.{name}, got {type(inner).__name__}")
+        raise ValueError(f"{where}: expected a keras.layers.{name}, got {type(inner).__name__}")
     activation = "relu" if spec.mode == "rnn_relu" else "tanh"
     if inner.activation.__name__ != activation:
-        raise ValueError(f"activation: layers[{index}] uses {inner.activation.__name__}, rnnkit's is {activation}")
+        raise ValueError(f"activation: {where} uses {inner.activation.__name__}, rnnkit's is {activation}")
     if spec.mode in ("lstm", "gru") and inner.recurrent_activation.__name__ != "sigmoid":
-        raise ValueError(f"recurrent_activation: layers[{index}] uses {inner.recurrent_activation.__name__}, "
+        raise ValueError(f"recurrent_activation: {where} uses {inner.recurrent_activation.__name__}, "
                          "rnnkit's gates use sigmoid")
     if spec.mode == "gru" and inner.reset_after != spec.reset_after:
-        raise ValueError(f"reset_after: layers[{index}] has {inner.reset_after}, the module {spec.reset_after}")
+        raise ValueError(f"reset_after: {where} has {inner.reset_after}, the module {spec.reset_after}")
     if inner.units != spec.hidden_sizes[index]:
-        raise ValueError(f"units: layers[{index}] has {inner.units}, the module's hidden size is {spec.hidden_sizes[index]}")
+        raise ValueError(f"units: {where} has {inner.units}, the module's hidden size is {spec.hidden_sizes[index]}")
     if inner.use_bias != (spec.bias_mode != "none"):
-        raise ValueError(f"use_bias: layers[{index}] has {inner.use_bias}, the module bias_mode={spec.bias_mode!r}")
-    return inner, bidirectional
+        raise ValueError(f"use_bias: {where} has {inner.use_bias}, the module bias_mode={spec.bias_mode!r}")
 
 
 def set_keras_weights(module, layers) -> None:
@@ -200,6 +233,10 @@ def from_keras_layers(layers, *, batch_first: bool = True, dtype=None):
     import keras
 
     layers = list(layers) if isinstance(layers, (list, tuple)) else [layers]
+    if not layers:
+        raise ValueError("layers: expected at least one Keras recurrent layer, got none")
+    for index, layer in enumerate(layers):
+        _inner_layers(layer, index)
     first = layers[0]
     bidirectional = isinstance(first, keras.layers.Bidirectional)
     inner = first.forward_layer if bidirectional else first

@@ -1,17 +1,23 @@
-"""MXNet: the fused ``RNN`` operator's flat parameter vector and Gluon's parameter names.
+"""MXNet 1.x: the fused ``RNN`` operator's flat parameter vector and Gluon's parameter names.
 
 Gluon's ``rnn.LSTM / GRU / RNN`` layers register, per layer ``k`` and direction ``l``
-(forward) / ``r`` (reverse)::
+(forward) / ``r`` (reverse), in this order::
 
     {l,r}{k}_i2h_weight  (G·H, I_k)     {l,r}{k}_h2h_weight  (G·H, Hr)
-    {l,r}{k}_h2r_weight  (P, H)         LSTM with projection_size
     {l,r}{k}_i2h_bias    (G·H,)         {l,r}{k}_h2h_bias    (G·H,)
+    {l,r}{k}_h2r_weight  (P, H)         LSTM with projection_size
 
-and hand the fused operator one flat vector: ALL weights first (for each layer, for each
+``collect_params()`` puts the block's prefix before them (``lstm0_l0_i2h_weight``), and
+``save_parameters()`` files name them by structure: ``_unfused.{k}.i2h_weight``
+(unidirectional) or ``_unfused.{k}.{l,r}_cell.i2h_weight`` (bidirectional). The layers
+hand the fused operator one flat vector: ALL weights first (for each layer, for each
 direction: i2h, h2h, h2r), then ALL biases (for each layer, for each direction: i2h,
 h2h). Gate order (SPEC.md, "Gate orders elsewhere") is cuDNN's: LSTM i f g o, GRU r z n
-(reset after the recurrent product), so no reordering. MXNet's ``lstm_state_clip_min/max``
-clip the cell: rnnkit's ``cell_clip`` (symmetric).
+(reset after the recurrent product), so no reordering.
+
+MXNet's ``lstm_state_clip_min/max`` clip the cell: rnnkit's ``cell_clip`` (symmetric),
+carried as a setting. MXNet 1.9.1 applies it only in its GPU (cuDNN) kernel: its CPU
+kernel ignores it, so the clip is unverified here.
 
 Refused naming the option: peephole, coupled_gates, layer_norm, zoneout, proj_clip,
 reset_after=False, merge="sum", per-layer sizes. MXNet always has both biases, so rnnkit
@@ -20,16 +26,19 @@ bias modes other than "double" export zeros for the missing one.
 Example:
     >>> flat = rnnkit.interop.mxnet.to_mxnet_flat(lstm)     # numpy vector for the fused op
     >>> named = rnnkit.interop.mxnet.to_gluon(lstm)         # {"l0_i2h_weight": array, ...}
-    >>> lstm2 = rnnkit.interop.mxnet.from_gluon(named, "lstm")
+    >>> mx.nd.save("lstm.params", {k: mx.nd.array(v) for k, v in named.items()})
+    >>> gluon_lstm.load_parameters("lstm.params")          # Gluon adds its prefix
+    >>> lstm2 = rnnkit.interop.mxnet.from_gluon(gluon_lstm.collect_params(), "lstm")
 """
 from __future__ import annotations
 
-from typing import Dict
+import re
+from typing import Dict, Mapping
 
 import numpy as np
 
 from ..spec import RNNSpec
-from ._common import build_module, numpy_pieces, refuse, spec_of, suffix
+from ._common import build_module, numpy_pieces, refuse, spec_of, suffix, to_numpy
 
 FMT = "MXNet"
 TORCH_TO_GLUON = {"weight_ih": "i2h_weight", "weight_hh": "h2h_weight", "weight_hr": "h2r_weight",
@@ -47,7 +56,11 @@ def _gluon_name(layer: int, direction: int, piece: str) -> str:
 
 
 def to_gluon(module) -> Dict[str, np.ndarray]:
-    """{Gluon parameter name: numpy array}, in Gluon's registration order."""
+    """{Gluon parameter name: numpy array}, in Gluon's registration order, without a block prefix.
+
+    ``mx.nd.save`` of these loads with ``gluon_layer.load_parameters`` (Gluon adds its
+    prefix to names without dots); or ``param.set_data`` them through ``collect_params()``.
+    """
     spec = spec_of(module)
     check_spec(spec)
     pieces = numpy_pieces(module)
@@ -57,7 +70,7 @@ def to_gluon(module) -> Dict[str, np.ndarray]:
         for direction in range(spec.num_directions):
             s = suffix(layer, direction)
             gh = cell.gates * cell.hidden_size
-            for piece in ("weight_ih", "weight_hh", "weight_hr", "bias_ih", "bias_hh"):
+            for piece in ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr"):
                 if piece + s in pieces:
                     named[_gluon_name(layer, direction, piece)] = pieces[piece + s]
                 elif piece.startswith("bias"):
@@ -80,28 +93,69 @@ def to_mxnet_flat(module) -> np.ndarray:
     return np.concatenate([named[name].reshape(-1) for name in flat_order(module.spec)])
 
 
-def from_gluon(named: Dict[str, np.ndarray], mode: str, *, cell_clip=None, batch_first: bool = False, dtype=None):
-    """Build an rnnkit module from Gluon-named parameters (``l0_i2h_weight``, ...).
+GLUON_NAME = re.compile(r"(?P<prefix>.*?)(?P<dir>[lr])(?P<layer>\d+)_(?P<piece>i2h|h2h|h2r)_(?P<kind>weight|bias)")
+SAVED_NAME = re.compile(r"(?P<prefix>.*?)_unfused\.(?P<layer>\d+)\.(?:(?P<dir>[lr])_cell\.)?"
+                        r"(?P<piece>i2h|h2h|h2r)_(?P<kind>weight|bias)")
 
-    ``mode`` is "lstm", "gru", "rnn_tanh" or "rnn_relu"; sizes, layers, directions and the
-    projection are read from the arrays. ``cell_clip``: MXNet's symmetric lstm_state_clip.
+
+def gluon_names(named: Mapping[str, object]) -> Dict[str, object]:
+    """Gluon parameters under any of Gluon 1.x's names -> under the bare names (``l0_i2h_weight``).
+
+    Accepts the bare names, ``collect_params()``'s block-prefixed names
+    (``lstm0_l0_i2h_weight``) and ``save_parameters()``'s structural names
+    (``_unfused.0.i2h_weight``, ``_unfused.0.l_cell.i2h_weight``). All names must share one
+    prefix. Values are passed through untouched.
     """
-    num_layers = len({name.split("_")[0][1:] for name in named})
+    if not hasattr(named, "items"):
+        raise TypeError(f"named: expected a mapping of Gluon parameter names to arrays, got {type(named).__name__}")
+    bare, prefixes = {}, set()
+    for name, value in named.items():
+        match = SAVED_NAME.fullmatch(name) or GLUON_NAME.fullmatch(name)
+        if match is None:
+            raise ValueError(f"named: {name!r} is not a Gluon LSTM / GRU / RNN parameter name (expected e.g. "
+                             "'l0_i2h_weight', 'lstm0_l0_i2h_weight' or '_unfused.0.l_cell.i2h_weight')")
+        prefixes.add(match["prefix"])
+        key = f"{match['dir'] or 'l'}{match['layer']}_{match['piece']}_{match['kind']}"
+        if key in bare:
+            raise ValueError(f"named: two parameters for {key} ({name!r} and another)")
+        bare[key] = value
+    if len(prefixes) > 1:
+        raise ValueError(f"named: the names mix prefixes {sorted(prefixes)}; pass one Gluon layer's parameters")
+    return bare
+
+
+def from_gluon(named: Mapping[str, object], mode: str, *, cell_clip=None, batch_first: bool = False, dtype=None):
+    """Build an rnnkit module from one Gluon layer's parameters.
+
+    Args:
+        named: {name: array} under any of the names :func:`gluon_names` accepts; values
+            may be numpy arrays, MXNet NDArrays or Gluon Parameters (``collect_params()``).
+        mode: "lstm", "gru", "rnn_tanh" or "rnn_relu"; sizes, layers, directions and the
+            projection are read from the arrays.
+        cell_clip: MXNet's symmetric ``lstm_state_clip_min/max`` (GPU-only in MXNet).
+        batch_first: the module's layout (Gluon's ``layout="NTC"``).
+        dtype: the module's dtype (default float32).
+    """
+    if mode not in ("lstm", "gru", "rnn_tanh", "rnn_relu"):
+        raise ValueError(f"mode: expected 'lstm', 'gru', 'rnn_tanh' or 'rnn_relu', got {mode!r}")
+    named = {name: to_numpy(value.data() if hasattr(value, "list_data") else value, name)  # Gluon Parameter
+             for name, value in gluon_names(named).items()}
+    if "l0_i2h_weight" not in named:
+        raise ValueError(f"named: no l0_i2h_weight among {sorted(named)}")
+    num_layers = 1 + max(int(GLUON_NAME.fullmatch(name)["layer"]) for name in named)
     bidirectional = "r0_i2h_weight" in named
     G = {"lstm": 4, "gru": 3}.get(mode, 1)
-    if "l0_i2h_weight" not in named:
-        raise ValueError("named: expected Gluon names such as 'l0_i2h_weight'")
-    hidden = np.shape(named["l0_i2h_weight"])[0] // G
-    proj = np.shape(named["l0_h2r_weight"])[0] if "l0_h2r_weight" in named else 0
-    spec = RNNSpec(mode, int(np.shape(named["l0_i2h_weight"])[1]), int(hidden), num_layers,
+    hidden = named["l0_i2h_weight"].shape[0] // G
+    proj = named["l0_h2r_weight"].shape[0] if "l0_h2r_weight" in named else 0
+    spec = RNNSpec(mode, int(named["l0_i2h_weight"].shape[1]), int(hidden), num_layers,
                    bidirectional=bidirectional, proj_size=int(proj), cell_clip=cell_clip, batch_first=batch_first)
-    pieces = {}
-    for entry in build_layout_names(spec):
-        layer, direction, piece = entry
-        name = _gluon_name(layer, direction, piece)
-        if name not in named:
-            raise ValueError(f"named: missing {name}")
-        pieces[piece + suffix(layer, direction)] = np.asarray(named[name])
+    expected = {_gluon_name(*entry) for entry in build_layout_names(spec)}
+    if set(named) != expected:
+        missing, extra = sorted(expected - set(named)), sorted(set(named) - expected)
+        raise ValueError(f"named: a {spec.num_layers}-layer {'bidirectional ' if bidirectional else ''}{mode} "
+                         f"has {len(expected)} parameters; missing {missing}, unexpected {extra}")
+    pieces = {piece + suffix(layer, direction): named[_gluon_name(layer, direction, piece)]
+              for layer, direction, piece in build_layout_names(spec)}
     return build_module(spec, pieces, dtype)
 
 

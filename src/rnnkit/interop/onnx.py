@@ -275,23 +275,193 @@ def _decode(value):
     return value.decode() if isinstance(value, bytes) else value
 
 
-def import_model(model, *, batch_first: Optional[bool] = None, dtype=None):
-    """Build an rnnkit module from the LSTM / GRU / RNN nodes of an ONNX model.
+RECURRENT_OPS = ("LSTM", "GRU", "RNN")
 
-    The recurrent nodes, in graph order, are the layers of one stack; their W, R, B, P
-    must be initializers (or Constant nodes). A model written by :func:`export` carries
-    its options (merge, batch_first, ...) in its metadata and comes back exactly;
-    for other models, merge is inferred from the layers' sizes and batch_first is False
-    unless given.
+
+class _StackReader:
+    """Walks an ONNX graph and accepts exactly a stack of recurrent nodes with the exporter's glue.
+
+    Every tensor gets a tag saying what it holds; a node is accepted only when its inputs
+    carry the tags its place in such a stack needs. The glue :func:`export` writes:
+
+        input  -> [Transpose 1,0,2: batch_first] -> node 0
+        node k Y [T, D, B, H] -> Squeeze axis 1 (D = 1) | Transpose 0,2,1,3 + Reshape [0, 0, -1]
+                 (merge "concat") | ReduceSum axis 1 (merge "sum") -> node k + 1, or the output
+                 (through Identity, or Transpose 1,0,2 when batch_first)
+        lengths -> [Cast] -> sequence_lens of every node
+        h_0, c_0 -> [Slice of rows k·D .. (k+1)·D] -> initial_h, initial_c of node k
+        Y_h, Y_c -> [Identity | Concat axis 0 of all layers] -> h_n, c_n
+
+    A single node's raw outputs (Y [T, D, B, H], Y_h) may also be the graph's outputs, as
+    other exporters write them. Anything else (an Add, a MatMul, a second branch) is
+    refused, naming the node, since the imported module would compute something else.
+    """
+
+    def __init__(self, graph, values: Dict[str, np.ndarray]):
+        self.values = values
+        self.tags: Dict[str, tuple] = {name: ("const",) for name in values}
+        for value in graph.input:
+            if value.name not in values:
+                self.tags[value.name] = ("input", value.name)
+        self.nodes: List = []
+        self.merges: Dict[int, str] = {}
+        self.lengths = set()
+        self.batch_first_in = False
+        for node in graph.node:
+            self._visit(node)
+        if not self.nodes:
+            raise ValueError("model: has no LSTM, GRU or RNN node")
+        self.batch_first_out = None
+        for output in graph.output:
+            self._check_output(output.name)
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    @staticmethod
+    def _where(node) -> str:
+        return f"node {node.name or node.output[0]!r} ({node.op_type})"
+
+    def _refuse(self, node, why: str):
+        raise ValueError(f"{self._where(node)}: {why}; rnnkit imports a plain stack of LSTM / GRU / RNN layers "
+                         "(joined by the glue its exporter writes), and this graph computes something else")
+
+    def _tag(self, name: str):
+        return self.tags.get(name) if name else None
+
+    def _ints(self, node, index: int, attribute: str):
+        """An int list given as a constant input (new opsets) or as an attribute (old ones)."""
+        if len(node.input) > index and node.input[index]:
+            if node.input[index] not in self.values:
+                self._refuse(node, f"its input {node.input[index]!r} is not a constant")
+            return [int(v) for v in np.asarray(self.values[node.input[index]]).reshape(-1)]
+        value = _attributes(node).get(attribute)
+        return None if value is None else [int(v) for v in np.atleast_1d(value)]
+
+    def _set(self, node, tag: tuple, index: int = 0) -> None:
+        self.tags[node.output[index]] = tag
+
+    # ---- nodes -----------------------------------------------------------------------
+
+    def _visit(self, node) -> None:
+        op, ins = node.op_type, [self._tag(name) for name in node.input]
+        first = ins[0] if ins else None
+        kind = first[0] if first else None
+        if op == "Constant":
+            self._set(node, ("const",))
+        elif op in RECURRENT_OPS:
+            self._recurrent(node, ins)
+        elif op == "Identity":
+            self._set(node, first)
+        elif op == "Squeeze" and kind == "Y" and first[2] == 1 and self._ints(node, 1, "axes") == [1]:
+            self._set(node, ("seq", first[1]))
+            self.merges[first[1]] = "concat"
+        elif op == "Transpose" and kind == "Y" and first[2] == 2 and _attributes(node).get("perm") == [0, 2, 1, 3]:
+            self._set(node, ("Y_t", first[1]))
+        elif op == "Reshape" and kind == "Y_t" and self._ints(node, 1, "shape") == [0, 0, -1]:
+            self._set(node, ("seq", first[1]))
+            self.merges[first[1]] = "concat"
+        elif (op == "ReduceSum" and kind == "Y" and first[2] == 2 and self._ints(node, 1, "axes") == [1]
+              and _attributes(node).get("keepdims", 1) == 0):
+            self._set(node, ("seq", first[1]))
+            self.merges[first[1]] = "sum"
+        elif op == "Transpose" and kind == "input" and not self.nodes and _attributes(node).get("perm") == [1, 0, 2]:
+            self._set(node, ("x", True))
+        elif op == "Transpose" and kind == "seq" and _attributes(node).get("perm") == [1, 0, 2]:
+            self._set(node, ("out", first[1], True))
+        elif op == "Cast" and kind == "input":
+            self._set(node, ("lengths", first[1]))
+        elif op == "Slice" and kind == "input" and self._ints(node, 3, "axes") == [0]:
+            self._set(node, ("state_in", first[1], self._ints(node, 1, "starts")[0], self._ints(node, 2, "ends")[0]))
+        elif op == "Concat" and ins and all(t is not None and t[0] == "state" for t in ins) \
+                and _attributes(node).get("axis") == 0:
+            which = {t[2] for t in ins}
+            if len(which) != 1 or [t[1] for t in ins] != list(range(len(ins))):
+                self._refuse(node, "it concatenates states other than every layer's, in order")
+            self._set(node, ("states", which.pop(), len(ins)))
+        else:
+            self._refuse(node, "it is not part of a recurrent stack")
+
+    def _recurrent(self, node, ins) -> None:
+        k = len(self.nodes)
+        a = _attributes(node)
+        D = 2 if _decode(a.get("direction", "forward")) == "bidirectional" else 1
+        x = ins[0]
+        if k == 0 and x is not None and x[0] == "input":
+            pass
+        elif k == 0 and x is not None and x[0] == "x":
+            self.batch_first_in = x[1]
+        elif k > 0 and x == ("seq", k - 1):
+            pass
+        else:
+            expected = "the graph's input" if k == 0 else f"the output of node {self._where(self.nodes[-1])}"
+            self._refuse(node, f"its input X is not {expected} (through the exporter's Transpose / Squeeze / "
+                               "Reshape / ReduceSum)")
+        if a.get("layout", 0) != 0 and k > 0:
+            self._refuse(node, "layout=1 (batch-major) in a stack; rnnkit's exporter chains time-major nodes")
+        weight_inputs = (1, 2, 3, 7) if node.op_type == "LSTM" else (1, 2, 3)
+        for index in weight_inputs:
+            tag = ins[index] if index < len(ins) else None
+            if len(node.input) > index and node.input[index] and tag != ("const",):
+                self._refuse(node, f"its weight input {node.input[index]!r} is not an initializer or Constant")
+        lengths = ins[4] if len(ins) > 4 else None
+        if lengths is not None and lengths[0] not in ("input", "lengths"):
+            self._refuse(node, "its sequence_lens is not a graph input (or its Cast)")
+        self.lengths.add(None if lengths is None else lengths[1])
+        if len(self.lengths) > 1:
+            self._refuse(node, "its sequence_lens differs from the other layers'")
+        for index in (5, 6) if node.op_type == "LSTM" else (5,):
+            state = ins[index] if index < len(ins) else None
+            if state is None or state[0] == "input":
+                continue
+            if state[0] != "state_in" or (state[2], state[3]) != (k * D, (k + 1) * D):
+                self._refuse(node, f"its initial state {node.input[index]!r} is not rows {k * D}:{(k + 1) * D} "
+                                   "of a graph input")
+        self.nodes.append(node)
+        layout = a.get("layout", 0)
+        outputs = [("Y", k, D) if layout == 0 else ("Y_batch_major", k), ("state", k, "h"), ("state", k, "c")]
+        for index, name in enumerate(node.output):
+            if name:
+                self.tags[name] = outputs[index]
+
+    def _check_output(self, name: str) -> None:
+        tag, last = self.tags.get(name), len(self.nodes) - 1
+        ok = tag is not None and (
+            (tag[0] in ("seq", "Y", "Y_batch_major") and tag[1] == last)
+            or (tag[0] == "out" and tag[1] == last)
+            or tag[0] == "state"
+            or (tag[0] == "states" and tag[2] == last + 1)
+        )
+        if not ok:
+            raise ValueError(f"model: the graph output {name!r} is not the stack's output sequence or final state "
+                             "(rnnkit imports a plain stack of LSTM / GRU / RNN layers)")
+        if tag[0] == "out":
+            self.batch_first_out = tag[2]
+        elif tag[0] == "seq":
+            self.batch_first_out = False
+        if tag[0] == "Y_batch_major" and len(self.nodes) > 1:
+            raise ValueError("model: batch-major (layout=1) nodes in a stack; rnnkit's exporter chains time-major ones")
+
+
+def import_model(model, *, batch_first: Optional[bool] = None, dtype=None):
+    """Build an rnnkit module from an ONNX model that is one stack of LSTM / GRU / RNN nodes.
+
+    The graph must be exactly such a stack: node k + 1 reads node k's output through the
+    glue :func:`export` writes (Squeeze, Transpose + Reshape, ReduceSum), the input and
+    output may be transposed (batch_first), lengths cast, initial states sliced, final
+    states concatenated; W, R, B, P must be initializers (or Constant nodes). A single
+    node whose raw outputs are the graph's outputs (as other exporters write) imports
+    too. Merge ("concat" / "sum") and batch_first are read from the glue; a model written
+    by :func:`export` also carries its options in its metadata.
 
     Args:
-        model: a path or an ``onnx.ModelProto``.
+        model: a path or an ``onnx.ModelProto`` (not modified).
         batch_first: override the module's input layout.
         dtype: the module's dtype (default float32).
 
     Raises:
-        ValueError: for a node attribute rnnkit cannot represent (clip, non-default
-            activations, mixed operator types, ...), naming it.
+        ValueError: naming the node, for any node that is not part of such a stack (an
+            Add, a MatMul, a branch), and for a node attribute rnnkit cannot represent
+            (clip, non-default activations, direction="reverse", mixed operator types).
     """
     onnx = _onnx()
     from onnx import numpy_helper
@@ -305,20 +475,16 @@ def import_model(model, *, batch_first: Optional[bool] = None, dtype=None):
             attributes = _attributes(node)
             if "value" in attributes:
                 values[node.output[0]] = numpy_helper.to_array(attributes["value"])
-    nodes = [n for n in graph.node if n.op_type in ("LSTM", "GRU", "RNN")]
-    if not nodes:
-        raise ValueError("model: has no LSTM, GRU or RNN node")
+    stack = _StackReader(graph, values)
+    nodes = stack.nodes
     op = nodes[0].op_type
     if any(n.op_type != op for n in nodes):
         raise ValueError(f"model: mixes recurrent operators {sorted({n.op_type for n in nodes})}; rnnkit stacks one kind")
 
-    def tensor(node, index: int, what: str):
+    def tensor(node, index: int):
         if len(node.input) <= index or node.input[index] == "":
             return None
-        name = node.input[index]
-        if name not in values:
-            raise ValueError(f"{what}: input {name!r} of node {node.name!r} is not an initializer or Constant")
-        return values[name]
+        return values[node.input[index]]
 
     layers = []
     for node in nodes:
@@ -342,15 +508,16 @@ def import_model(model, *, batch_first: Optional[bool] = None, dtype=None):
             if activations and activations != DEFAULT_ACTIVATIONS[op] * D:
                 raise ValueError(f"activations: node {node.name!r} has {activations}; rnnkit uses "
                                  f"{DEFAULT_ACTIVATIONS[op]}")
-        if a.get("layout", 0) != 0 and layers == [] and batch_first is None:
-            batch_first = True
-        W, R = tensor(node, 1, "W"), tensor(node, 2, "R")
+        W, R = tensor(node, 1), tensor(node, 2)
+        if W is None or R is None:
+            raise ValueError(f"W, R: node {node.name!r} lacks its weights")
         layers.append(dict(
-            mode=mode, D=D, W=W, R=R, B=tensor(node, 3, "B"),
-            P=tensor(node, 7, "P") if op == "LSTM" else None,
+            mode=mode, D=D, W=W, R=R, B=tensor(node, 3),
+            P=tensor(node, 7) if op == "LSTM" else None,
             hidden=int(a.get("hidden_size", R.shape[-1])),
             coupled=bool(a.get("input_forget", 0)),
             reset_after=bool(a.get("linear_before_reset", 0)) if op == "GRU" else True,
+            batch_major=a.get("layout", 0) != 0,
         ))
 
     first = layers[0]
@@ -364,10 +531,16 @@ def import_model(model, *, batch_first: Optional[bool] = None, dtype=None):
     for prop in model.metadata_props:
         if prop.key == METADATA_KEY:
             stored = json.loads(prop.value)
+    merges = set(stack.merges.values()) if first["D"] == 2 else set()
+    if len(merges) > 1:
+        raise ValueError("merge: the layers' outputs are merged both by concatenation and by sum; "
+                         "rnnkit's layers share one merge")
+    merge = merges.pop() if merges else stored.get("merge", "concat")
+    glue_batch_first = stack.batch_first_in or first["batch_major"]
+    if stack.batch_first_out is not None and stack.batch_first_out != glue_batch_first:
+        raise ValueError("batch_first: the graph's input and output sequences have different layouts; "
+                         "an rnnkit module reads and writes one")
     hidden = [layer["hidden"] for layer in layers]
-    merge = stored.get("merge", "concat")
-    if not stored and first["D"] == 2 and len(layers) > 1 and layers[1]["W"].shape[-1] == hidden[0]:
-        merge = "sum"
     options = dict(
         bidirectional=first["D"] == 2,
         merge=merge,
@@ -375,7 +548,7 @@ def import_model(model, *, batch_first: Optional[bool] = None, dtype=None):
         coupled_gates=first["coupled"],
         reset_after=first["reset_after"],
         bias_mode="double" if any(layer["B"] is not None for layer in layers) else "none",
-        batch_first=bool(stored.get("batch_first", False) if batch_first is None else batch_first),
+        batch_first=bool(glue_batch_first if batch_first is None else batch_first),
     )
     listed = stored.get("per_layer") or isinstance(stored.get("hidden_size"), list) or len(set(hidden)) > 1
     if stored:  # written by export: the half of B a single bias mode left zero is dropped again

@@ -1,11 +1,11 @@
-"""TensorFlow 1.x: ``tf.nn.rnn_cell.LSTMCell`` variables, and CudnnLSTM / CudnnGRU canonical weights.
+"""TensorFlow 1.x: ``tf.compat.v1.nn.rnn_cell`` LSTMCell / BasicLSTMCell / GRUCell variables, and CudnnLSTM / CudnnGRU canonical weights.
 
-LSTMCell (TF 1.x ``rnn_cell_impl.py``), per layer and direction:
+LSTMCell and BasicLSTMCell (TF 1.x ``rnn_cell_impl.py``), per layer and direction:
 
     kernel             (I + Hr, 4H)  rows: input then recurrent; gates i j f o (j = candidate)
     bias               (4H,)
-    w_i_diag, w_f_diag, w_o_diag (H,)              use_peepholes
-    projection/kernel  (H, P)                      num_proj
+    w_i_diag, w_f_diag, w_o_diag (H,)              LSTMCell use_peepholes
+    projection/kernel  (H, P)                      LSTMCell num_proj
 
     a = [x, m_prev] @ kernel + bias;  i, j, f, o = split(a, 4)
     c = σ(f + forget_bias [+ w_f_diag c_prev]) c_prev + σ(i [+ w_i_diag c_prev]) tanh(j)
@@ -16,45 +16,89 @@ This is SPEC.md's LSTM with peepholes (Greff), cell_clip and proj_clip; the gate
 ``forget_bias`` is added at run time by TF, so import folds it into the forget bias and
 export subtracts it. TF's one bias is b_W + b_R (exact for every rnnkit bias mode).
 
+GRUCell, per layer and direction:
+
+    gates/kernel       (I + H, 2H)   gates r u;  gates/bias (2H,)
+    candidate/kernel   (I + H, H);               candidate/bias (H,)
+
+    r, u = σ([x, h] @ gates/kernel + gates/bias)
+    c = tanh([x, r ∘ h] @ candidate/kernel + candidate/bias);  h' = u h + (1 − u) c
+
+which is SPEC.md's GRU with ``reset_after=False`` (u is rnnkit's z; b_Rn sits outside
+the reset there, so one bias per gate is exact for every bias mode).
+
+Stacks and directions: ``MultiRNNCell`` is a stack of layers, ``bidirectional_dynamic_rnn``
+one bidirectional layer (concatenate its two outputs for the next layer, as rnnkit's
+merge="concat"). :func:`cells_from_names` groups TF's variable names into
+``cells[layer][direction]``. TF zeroes outputs past ``sequence_length`` and its reverse
+direction starts at each sequence's last valid step, as rnnkit does.
+
 Refused naming the option: coupled_gates (TF's CoupledInputForgetGateLSTMCell is another
-cell), layer_norm, zoneout, reset_after, merge="sum", GRU and RNN modes for LSTMCell.
+cell), layer_norm, zoneout, merge="sum", GRU reset_after=True, RNN modes.
 
 CudnnLSTM / CudnnGRU (``tf.contrib.cudnn_rnn``) keep cuDNN's canonical weights: see
-:func:`to_tf_cudnn`, built on :mod:`rnnkit.interop.cudnn`.
+:func:`to_tf_cudnn`, built on :mod:`rnnkit.interop.cudnn`. TF 2.21's
+``CudnnRNNParamsToCanonical`` / ``CudnnRNNCanonicalToParams`` have no CPU kernel, so that
+path is checked only against cuDNN's documented (pseudoLayer, linLayerID) addressing.
 
 Example:
     >>> tf_vars = rnnkit.interop.tf.to_tf(lstm, forget_bias=1.0)   # cells[layer][direction]
     >>> lstm2 = rnnkit.interop.tf.from_tf(tf_vars)
+    >>> named = {v.name: sess.run(v) for v in tf.compat.v1.trainable_variables()}
+    >>> gru = rnnkit.interop.tf.from_tf(named)                      # TF's own variable names
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+import re
+from typing import Dict, List, Mapping, Tuple
 
 import numpy as np
 import torch
 
 from ..spec import RNNSpec
 from . import cudnn
-from ._common import build_module, numpy_pieces, refuse, refuse_mode, regate, spec_of, suffix
+from ._common import build_module, numpy_pieces, refuse, refuse_mode, regate, spec_of, suffix, to_numpy
 
 TF_GATES = "igfo"
-FMT = "TF 1.x LSTMCell"
+CELL_NAMES = {"lstm": "LSTMCell", "gru": "GRUCell"}
+LSTM_VARIABLES = ("kernel", "bias", "w_i_diag", "w_f_diag", "w_o_diag", "projection/kernel")
+GRU_VARIABLES = ("gates/kernel", "gates/bias", "candidate/kernel", "candidate/bias")
+FMT = "TF 1.x rnn_cell"
 
 
 def check_spec(spec: RNNSpec) -> None:
-    """Raise a ValueError naming the first option of ``spec`` that TF's LSTMCell cannot represent."""
-    refuse_mode(FMT, spec, ("lstm",))
-    refuse(FMT, spec, allowed={"proj_size", "proj_clip", "cell_clip", "peephole", "per-layer sizes",
-                               "bidirectional", "num_layers>1"})
+    """Raise a ValueError naming the first option of ``spec`` that TF's LSTMCell / GRUCell cannot represent."""
+    refuse_mode(FMT, spec, ("lstm", "gru"))
+    allowed = {"per-layer sizes", "bidirectional", "num_layers>1"}
+    if spec.mode == "lstm":
+        allowed |= {"proj_size", "proj_clip", "cell_clip", "peephole"}
+    else:
+        allowed.add("reset_after=False")
+    refuse(FMT, spec, allowed=allowed)
+
+
+def _bias(pieces: Dict[str, np.ndarray], s: str, size: int, dtype) -> np.ndarray:
+    """b_W + b_R of one layer-direction (zeros for a bias the module's bias mode lacks)."""
+    bias = np.zeros(size, dtype=dtype)
+    for name in ("bias_ih", "bias_hh"):
+        if name + s in pieces:
+            bias = bias + pieces[name + s]
+    return bias
 
 
 def to_tf(module, *, forget_bias: float = 1.0) -> dict:
-    """The module's weights as TF 1.x LSTMCell variables.
+    """The module's weights as TF 1.x LSTMCell (or, for a GRU, GRUCell) variables.
+
+    Args:
+        module: an rnnkit LSTM, or a GRU with ``reset_after=False``.
+        forget_bias: the TF LSTMCell's ``forget_bias`` (TF's default 1.0), subtracted from
+            the exported forget bias; unused for a GRU.
 
     Returns:
-        ``{"config": {num_units, num_proj, use_peepholes, cell_clip, proj_clip, forget_bias},
+        ``{"config": {cell, num_units, num_proj, use_peepholes, cell_clip, proj_clip, forget_bias},
         "cells": [[{variable name: array} per direction] per layer]}``; variable names are
-        ``kernel``, ``bias``, ``w_i_diag``, ``w_f_diag``, ``w_o_diag``, ``projection/kernel``.
+        those of the TF cell's scope (``kernel``, ``bias``, ``w_i_diag``, ``projection/kernel``;
+        GRU ``gates/kernel``, ``gates/bias``, ``candidate/kernel``, ``candidate/bias``).
         ``num_units`` and ``num_proj`` are per-layer lists.
     """
     spec = spec_of(module)
@@ -64,69 +108,198 @@ def to_tf(module, *, forget_bias: float = 1.0) -> dict:
     for layer in range(spec.num_layers):
         cell, directions = spec.cell(layer), []
         for direction in range(spec.num_directions):
-            s = suffix(layer, direction)
-            kernel = np.concatenate([pieces["weight_ih" + s], pieces["weight_hh" + s]], axis=1)  # [4H, I + Hr]
-            bias = np.zeros(4 * cell.hidden_size, dtype=kernel.dtype)
-            for name in ("bias_ih", "bias_hh"):
-                if name + s in pieces:
-                    bias = bias + pieces[name + s]
-            bias = regate(bias, "ifgo", TF_GATES)
-            H = cell.hidden_size
-            bias[2 * H : 3 * H] -= forget_bias  # TF adds forget_bias at run time
-            variables = {"kernel": regate(kernel, "ifgo", TF_GATES).T.copy(), "bias": bias}
-            if cell.peephole:
-                p = pieces["weight_peephole" + s]  # rows i, f, o
-                variables.update(w_i_diag=p[0].copy(), w_f_diag=p[1].copy(), w_o_diag=p[2].copy())
-            if cell.proj_size:
-                variables["projection/kernel"] = pieces["weight_hr" + s].T.copy()
+            s, H = suffix(layer, direction), cell.hidden_size
+            W, R = pieces["weight_ih" + s], pieces["weight_hh" + s]
+            kernel = np.concatenate([W, R], axis=1)  # [G·H, I + Hr]
+            bias = _bias(pieces, s, cell.gates * H, W.dtype)
+            if spec.mode == "gru":  # rnnkit r z n: gates r, u(= z), then the candidate n
+                variables = {"gates/kernel": kernel[: 2 * H].T.copy(), "gates/bias": bias[: 2 * H].copy(),
+                             "candidate/kernel": kernel[2 * H :].T.copy(), "candidate/bias": bias[2 * H :].copy()}
+            else:
+                bias = regate(bias, "ifgo", TF_GATES)
+                bias[2 * H : 3 * H] -= forget_bias  # TF adds forget_bias at run time
+                variables = {"kernel": regate(kernel, "ifgo", TF_GATES).T.copy(), "bias": bias}
+                if cell.peephole:
+                    p = pieces["weight_peephole" + s]  # rows i, f, o
+                    variables.update(w_i_diag=p[0].copy(), w_f_diag=p[1].copy(), w_o_diag=p[2].copy())
+                if cell.proj_size:
+                    variables["projection/kernel"] = pieces["weight_hr" + s].T.copy()
             directions.append(variables)
         cells.append(directions)
     config = dict(
-        num_units=list(spec.hidden_sizes), num_proj=[p or None for p in spec.proj_sizes],
-        use_peepholes=spec.peephole, cell_clip=spec.cell_clip, proj_clip=spec.proj_clip, forget_bias=forget_bias,
+        cell=CELL_NAMES[spec.mode], num_units=list(spec.hidden_sizes), num_proj=[p or None for p in spec.proj_sizes],
+        use_peepholes=spec.peephole, cell_clip=spec.cell_clip, proj_clip=spec.proj_clip,
+        forget_bias=forget_bias if spec.mode == "lstm" else None,
     )
     return {"config": config, "cells": cells}
 
 
-def from_tf(tf_vars: dict, *, batch_first: bool = False, dtype=None):
-    """Build an rnnkit LSTM from :func:`to_tf`'s structure (TF 1.x LSTMCell variables).
+def _natural_key(text: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
-    ``tf_vars["config"]`` may give ``forget_bias`` (default 1.0, TF's), ``cell_clip`` and
-    ``proj_clip``; sizes and peepholes are read from the variables. The module has
-    bias_mode "double" with the whole TF bias (forget_bias folded in) in bias_ih.
+
+def cells_from_names(named: Mapping[str, object]) -> List[List[Dict[str, object]]]:
+    """Group TF 1.x variables, keyed by their TF names, into ``cells[layer][direction]``.
+
+    ``named`` maps names as ``tf.compat.v1.trainable_variables()`` or a checkpoint reader
+    gives them (``rnn/multi_rnn_cell/cell_1/lstm_cell/kernel:0``,
+    ``bidirectional_rnn/bw/gru_cell/gates/bias``) to values, which are passed through
+    untouched. A cell is the scope before its variable's own name; the direction is
+    the ``fw`` / ``bw`` scope of ``bidirectional_dynamic_rnn``; layers are the cells'
+    scopes without the direction, in natural order (``cell_2`` before ``cell_10``).
+
+    Raises:
+        ValueError: for a name that is no LSTMCell / GRUCell variable, or for a
+            ``bidirectional_dynamic_rnn`` over a ``MultiRNNCell`` (each direction a whole
+            stack: not rnnkit's layer-by-layer bidirectional stack).
     """
-    config, cells = tf_vars.get("config", {}), tf_vars["cells"]
+    if not isinstance(named, Mapping):
+        raise TypeError(f"named: expected a mapping of TF variable names to arrays, got {type(named).__name__}")
+    layers: Dict[str, Dict[int, Dict[str, object]]] = {}
+    for name, value in named.items():
+        path = name.split(":")[0].split("/")
+        two = "/".join(path[-2:])
+        variable = two if two in LSTM_VARIABLES + GRU_VARIABLES else path[-1]
+        if variable not in LSTM_VARIABLES + GRU_VARIABLES:
+            raise ValueError(f"named: {name!r} is not a variable of a TF LSTMCell or GRUCell "
+                             f"(expected a name ending in one of {LSTM_VARIABLES + GRU_VARIABLES})")
+        scope = path[: len(path) - len(variable.split("/"))]
+        sides = [k for k, part in enumerate(scope) if part in ("fw", "bw")]
+        direction = 0
+        if sides:
+            k = sides[-1]
+            direction = int(scope[k] == "bw")
+            if any(re.fullmatch(r"cell_\d+", part) for part in scope[k + 1 :]):
+                raise ValueError(f"named: {name!r} belongs to a MultiRNNCell inside bidirectional_dynamic_rnn, which "
+                                 "stacks each direction separately; rnnkit's bidirectional layers merge after every "
+                                 "layer (use one bidirectional_dynamic_rnn per layer)")
+            scope = scope[:k] + scope[k + 1 :]
+        cell = layers.setdefault("/".join(scope), {}).setdefault(direction, {})
+        if variable in cell:
+            raise ValueError(f"named: two values for {variable!r} of the cell of {name!r}")
+        cell[variable] = value
+    cells = []
+    for key in sorted(layers, key=_natural_key):
+        directions = layers[key]
+        if sorted(directions) not in ([0], [0, 1]):
+            raise ValueError(f"named: the cell scope {key!r} has a bw direction without an fw one")
+        cells.append([directions[d] for d in sorted(directions)])
+    return cells
+
+
+def from_tf(variables, *, forget_bias=None, cell_clip=None, proj_clip=None, batch_first: bool = False, dtype=None):
+    """Build an rnnkit LSTM or GRU from TF 1.x LSTMCell / BasicLSTMCell / GRUCell variables.
+
+    Args:
+        variables: :func:`to_tf`'s ``{"config", "cells"}``, or TF's own names mapped to
+            arrays (grouped by :func:`cells_from_names`). Sizes, peepholes, the projection,
+            layers and directions are read from the arrays.
+        forget_bias, cell_clip, proj_clip: the LSTMCells' settings (they are not variables);
+            default: ``variables["config"]``'s, else TF's defaults (1.0, None, None).
+        batch_first: the module's layout (``time_major=False`` in TF).
+        dtype: the module's dtype (default float32).
+
+    An LSTM gets bias_mode "double" with the whole TF bias (forget_bias folded in) in
+    bias_ih; a GRUCell stack becomes a GRU with ``reset_after=False``, likewise.
+    """
+    if isinstance(variables, Mapping) and "cells" in variables:
+        config, cells = dict(variables.get("config") or {}), variables["cells"]
+    else:
+        config, cells = {}, cells_from_names(variables)
+    given = dict(forget_bias=forget_bias, cell_clip=cell_clip, proj_clip=proj_clip)
+    config.update({key: value for key, value in given.items() if value is not None})
+    if not cells:
+        raise ValueError("variables: no cells")
+    gru = ["gates/kernel" in directions[0] for directions in cells]
+    if any(gru) != all(gru):
+        raise ValueError("variables: mixes GRUCell and LSTMCell layers; an rnnkit stack has one cell kind")
+    D = len(cells[0])
+    if any(len(directions) != D for directions in cells):
+        raise ValueError("variables: some layers are bidirectional and some not; rnnkit's layers share directions")
+    expected = GRU_VARIABLES if gru[0] else LSTM_VARIABLES
+    for layer, directions in enumerate(cells):
+        for direction, v in enumerate(directions):
+            unknown = sorted(set(v) - set(expected))
+            if unknown:
+                raise ValueError(f"variables: cells[{layer}][{direction}] has {unknown}, not variables of a "
+                                 f"TF {'GRUCell' if gru[0] else 'LSTMCell'}")
+    cells = [[{key: to_numpy(value, key) for key, value in v.items()} for v in directions] for directions in cells]
+    if gru[0]:
+        return _gru_from_tf(cells, batch_first, dtype)
+    return _lstm_from_tf(cells, config, batch_first, dtype)
+
+
+def _require(v: dict, names, where: str) -> None:
+    missing = [name for name in names if name not in v]
+    if missing:
+        raise ValueError(f"variables: {where} has no {missing[0]}")
+
+
+def _split_kernel(kernel: np.ndarray, rows: int, where: str, expected: tuple) -> Tuple[np.ndarray, np.ndarray]:
+    """A TF kernel (I + Hr, G·H) -> (W, R) as rnnkit's (G·H, I), (G·H, Hr)."""
+    if kernel.shape != expected:
+        raise ValueError(f"variables: {where} expected shape {expected}, got {kernel.shape}")
+    return kernel[:rows].T, kernel[rows:].T
+
+
+def _lstm_from_tf(cells, config: dict, batch_first: bool, dtype):
     forget_bias = config.get("forget_bias", 1.0)
-    hidden = [int(np.shape(directions[0]["bias"])[0]) // 4 for directions in cells]
-    proj = [int(np.shape(d[0]["projection/kernel"])[1]) if "projection/kernel" in d[0] else 0 for d in cells]
+    for layer, directions in enumerate(cells):
+        for direction, v in enumerate(directions):
+            _require(v, ("kernel", "bias"), f"cells[{layer}][{direction}]")
+    hidden = [int(directions[0]["bias"].shape[0]) // 4 for directions in cells]
+    proj = [int(d[0]["projection/kernel"].shape[1]) if "projection/kernel" in d[0] else 0 for d in cells]
     out = [p or h for p, h in zip(proj, hidden)]
-    input_size = int(np.shape(cells[0][0]["kernel"])[0]) - out[0]
-    peephole = "w_i_diag" in cells[0][0]
+    input_size = int(cells[0][0]["kernel"].shape[0]) - out[0]
+    peephole = ["w_i_diag" in v for directions in cells for v in directions]
+    if any(peephole) != all(peephole):
+        raise ValueError("variables: some LSTMCells have peepholes and some not; rnnkit's layers share them")
     listed = len(set(hidden)) > 1 or len(set(proj)) > 1
     spec = RNNSpec(
         "lstm", input_size, hidden if listed else hidden[0], len(cells),
         bidirectional=len(cells[0]) == 2, proj_size=proj if listed else proj[0],
-        peephole=peephole, cell_clip=config.get("cell_clip"), proj_clip=config.get("proj_clip"),
+        peephole=all(peephole), cell_clip=config.get("cell_clip"), proj_clip=config.get("proj_clip"),
         batch_first=batch_first,
     )
     pieces = {}
     for layer, directions in enumerate(cells):
         cell = spec.cell(layer)
         for direction, v in enumerate(directions):
-            s, H = suffix(layer, direction), cell.hidden_size
-            kernel = regate(np.asarray(v["kernel"]).T, TF_GATES, "ifgo")  # [4H, I + Hr]
-            if kernel.shape != (4 * H, cell.input_size + cell.output_size):
-                raise ValueError(f"kernel: layer {layer} expected shape {(cell.input_size + cell.output_size, 4 * H)}, "
-                                 f"got {np.shape(v['kernel'])}")
-            pieces["weight_ih" + s], pieces["weight_hh" + s] = kernel[:, : cell.input_size], kernel[:, cell.input_size :]
-            bias = np.array(v["bias"], copy=True)
+            s, H, where = suffix(layer, direction), cell.hidden_size, f"cells[{layer}][{direction}]"
+            kernel = regate(v["kernel"], TF_GATES, "ifgo", axis=1)
+            pieces["weight_ih" + s], pieces["weight_hh" + s] = _split_kernel(
+                kernel, cell.input_size, where + "['kernel']", (cell.input_size + cell.output_size, 4 * H))
+            bias = v["bias"].copy()
             bias[2 * H : 3 * H] += forget_bias
             pieces["bias_ih" + s] = regate(bias, TF_GATES, "ifgo")
             pieces["bias_hh" + s] = np.zeros_like(bias)
-            if peephole:
+            if spec.peephole:
                 pieces["weight_peephole" + s] = np.stack([v["w_i_diag"], v["w_f_diag"], v["w_o_diag"]])
             if cell.proj_size:
-                pieces["weight_hr" + s] = np.asarray(v["projection/kernel"]).T
+                pieces["weight_hr" + s] = v["projection/kernel"].T
+    return build_module(spec, pieces, dtype)
+
+
+def _gru_from_tf(cells, batch_first: bool, dtype):
+    for layer, directions in enumerate(cells):
+        for direction, v in enumerate(directions):
+            _require(v, GRU_VARIABLES, f"cells[{layer}][{direction}]")
+    hidden = [int(directions[0]["candidate/bias"].shape[0]) for directions in cells]
+    input_size = int(cells[0][0]["gates/kernel"].shape[0]) - hidden[0]
+    spec = RNNSpec("gru", input_size, hidden if len(set(hidden)) > 1 else hidden[0], len(cells),
+                   bidirectional=len(cells[0]) == 2, reset_after=False, batch_first=batch_first)
+    pieces = {}
+    for layer, directions in enumerate(cells):
+        cell = spec.cell(layer)
+        for direction, v in enumerate(directions):
+            s, H, where = suffix(layer, direction), cell.hidden_size, f"cells[{layer}][{direction}]"
+            rows = cell.input_size + H
+            W_rz, R_rz = _split_kernel(v["gates/kernel"], cell.input_size, where + "['gates/kernel']", (rows, 2 * H))
+            W_n, R_n = _split_kernel(v["candidate/kernel"], cell.input_size, where + "['candidate/kernel']", (rows, H))
+            pieces["weight_ih" + s] = np.concatenate([W_rz, W_n])
+            pieces["weight_hh" + s] = np.concatenate([R_rz, R_n])
+            bias = np.concatenate([v["gates/bias"], v["candidate/bias"]])
+            pieces["bias_ih" + s], pieces["bias_hh" + s] = bias, np.zeros_like(bias)
     return build_module(spec, pieces, dtype)
 
 
