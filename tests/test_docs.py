@@ -62,7 +62,7 @@ def test_the_site_has_the_spec_and_the_command_line(site):
     for page in ("spec", "cli", "architecture", "reference/interop"):
         assert (site / page / "index.html").is_file(), f"no page {page}/ in the built site"
     spec = (site / "spec" / "index.html").read_text()
-    for section in ("the-option-table", "gate-orders", "parameters-one-packed-buffer"):
+    for section in ("the-option-table", "gate-orders-elsewhere", "parameters-one-packed-buffer"):
         assert f'id="{section}"' in spec, f"spec.md has no section #{section}"
 
 
