@@ -335,8 +335,8 @@ def _train(args) -> int:
             bar.update(1)
 
         def on_eval(record):
-            bar.write(f"step {record['step']}: validation {record['val_bpc']:.3f} bits/char"
-                      f"{' (best so far)' if record['best'] and record['step'] != run.history.evaluations[0]['step'] else ''}, "
+            best = "" if record["best"] else f" (best {run.progress.best_val_bpc:.3f} at step {run.progress.best_step})"
+            bar.write(f"step {record['step']}: validation {record['val_bpc']:.3f} bits/char{best}, "
                       f"{_training_number(record['train_bpc'], record['train_steps'])}, "
                       f"{record['chars_per_sec']:,.0f} char/s", file=sys.stderr)
             plot()
