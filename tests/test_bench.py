@@ -215,7 +215,7 @@ def test_a_loaded_machine_is_warned_about(tmp_path, monkeypatch, capsys):
     status, report_, out = _run(tmp_path, "--variants", "gru", "--runners", "torch.nn", "--modes", "inference")
     assert status == 0
     assert any("load average 64.00" in w for w in report_["environment"]["warnings"])
-    assert "**Warning**: load average" in (out / "bench.md").read_text()
+    assert "**Warnings**" in (out / "bench.md").read_text() and "\n- load average 64.00" in (out / "bench.md").read_text()
     assert "rnnkit bench: warning: load average" in capsys.readouterr().err
 
 

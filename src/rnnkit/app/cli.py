@@ -390,7 +390,9 @@ def _sample(args) -> int:
     except RuntimeError as error:
         raise UserError(f"{path}: does not match {files.CONFIG_FILE} ({str(error).strip().splitlines()[0]})") from None
     precision = config.get("training", {}).get("precision", "fp32")
-    text = sample.sample(network.to(device), vocabulary, args.prime, args.length, args.temperature, args.seed, precision)
+    network.to(device)
+    train.check_precision(network, precision, args.backend)
+    text = sample.sample(network, vocabulary, args.prime, args.length, args.temperature, args.seed, precision)
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
     return 0
 

@@ -115,10 +115,15 @@ def write_json(path: str, env: dict, records: List[dict]) -> None:
         f.write("\n")
 
 
+def _number(value: float) -> str:
+    """3 significant digits, without exponents: 0.0123, 4.56, 789, 12,345."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def _time(record: dict) -> str:
     if "per_step_us" in record:
-        return f"{record['per_step_us']:.3g} µs/step"
-    return f"{record['median_ms']:.3g} ms"
+        return f"{_number(record['per_step_us'])} µs/step"
+    return f"{_number(record['median_ms'])} ms"
 
 
 def _cell(record: Optional[dict]) -> str:
@@ -141,7 +146,8 @@ def markdown(env: dict, records: List[dict], runners: List[str]) -> str:
         f"rnnkit bench: {env['device_name']}, {env['threads']} threads, torch {env['torch']}, {env['dtype']}, "
         f"median of {env['repeats']}; sgemm {env['sgemm_gflops']:.0f} GFLOP/s; load average {env['load_average_1min']}",
         "",
-        *[f"**Warning**: {w}" for w in env.get("warnings", [])],
+        *(["**Warnings** (the numbers below may not hold on a re-run):", ""] if env.get("warnings") else []),
+        *[f"- {w}" for w in env.get("warnings", [])],
         *([""] if env.get("warnings") else []),
         "Cells: speedup vs torch.nn (x, > 1 is faster) and median time (step API rows: per step). "
         "* torch.nn lacks the variant: "

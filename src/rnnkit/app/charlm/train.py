@@ -241,13 +241,13 @@ def _restore(run: Run, checkpoint: Checkpoint) -> None:
         run.optimizer.load_state_dict(checkpoint.optimizer)
         run.progress = Progress(**checkpoint.progress)
         run.history = History.from_checkpoint(checkpoint.history, checkpoint.evaluations, run.progress.step)
+        torch.set_rng_state(checkpoint.rng["torch"])
+        if run.device.type == "cuda" and "cuda" in checkpoint.rng:
+            torch.cuda.set_rng_state(checkpoint.rng["cuda"], run.device)
     except (RuntimeError, KeyError, ValueError, TypeError) as error:
-        reason = str(error).strip().splitlines()[0]
+        reason = str(error).strip().splitlines()[0] or type(error).__name__
         raise UserError(f"{path}: does not match config.json ({reason})") from None
     run.state = state_from_tensors([t.to(run.device) for t in checkpoint.state])
-    torch.set_rng_state(checkpoint.rng["torch"])
-    if run.device.type == "cuda" and "cuda" in checkpoint.rng:
-        torch.cuda.set_rng_state(checkpoint.rng["cuda"], run.device)
     run.saved_step = run.progress.step
 
 
