@@ -43,7 +43,7 @@ def _names(values: Optional[List[str]]) -> Optional[List[str]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The bench flags, for ``rnnkit bench`` and ``python -m rnnkit.bench``."""
+    """The bench flags, for ``rnnkit bench`` and ``python -m rnnkit.app.bench``."""
     parser.add_argument("--shapes", nargs="+", metavar="NAME",
                         help=f"shapes (default: the CPU grid {', '.join(CPU_GRID)}; with --device cuda the GPU grid); "
                              f"choices: {', '.join(SHAPES)}")
