@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 examples/ddp.py --steps 200 --out runs/ddp   # 2 processes, gloo, CPU
     python examples/ddp.py --steps 200 --out runs/one                         # the same run in one process
 
-The global batch is ``--batch`` parallel streams of the text (rnnkit.charlm.Streams); rank r
+The global batch is ``--batch`` parallel streams of the text (rnnkit.app.charlm.data.Streams); rank r
 of W reads streams [r·B/W, (r+1)·B/W) and carries their state. Each rank's loss is the
 mean over its own streams and DDP averages gradients over ranks, so every update equals
 the one-process update on the whole global batch: both commands above end with the same
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from rnnkit import charlm
+from rnnkit.app.charlm import checkpoint, data, model, train
 
 
 def main(argv=None) -> None:
@@ -29,7 +29,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="rnnkit-ddp", help="where rank 0 writes weights.safetensors")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cell", choices=charlm.CELLS, default="lstm")
+    parser.add_argument("--cell", choices=model.CELLS, default="lstm")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--batch", type=int, default=32, help="global batch: streams over all ranks together")
@@ -45,31 +45,31 @@ def main(argv=None) -> None:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {world} processes")
     mine = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
 
-    text = charlm.read_corpus(args.text) if args.text else charlm.stdlib_corpus()
-    train_text, valid_text = charlm.split(text)
-    vocabulary = charlm.Vocabulary.of(text)
-    streams = charlm.Streams(vocabulary.encode(train_text), args.batch, args.bptt)
+    text = data.read_corpus(args.text) if args.text else data.stdlib_corpus()
+    train_text, valid_text = data.split(text)
+    vocabulary = data.Vocabulary.of(text)
+    streams = data.Streams(vocabulary.encode(train_text), args.batch, args.bptt)
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = charlm.build_model(charlm.ModelConfig(len(vocabulary), args.cell, args.hidden, args.layers))
-    train_config = charlm.TrainConfig(seed=args.seed, bptt=args.bptt, batch=args.batch, lr=args.lr)
-    ddp = DistributedDataParallel(model) if distributed else model
-    optimizer = charlm.make_optimizer(ddp, train_config)
+    network = model.build_model(model.ModelConfig(len(vocabulary), args.cell, args.hidden, args.layers))
+    train_config = train.TrainConfig(seed=args.seed, bptt=args.bptt, batch=args.batch, lr=args.lr)
+    ddp = DistributedDataParallel(network) if distributed else network
+    optimizer = train.make_optimizer(ddp, train_config)
 
     state = None
     for step in range(args.steps):
         if step % streams.chunks == 0:
             state = None
         x, y = streams.chunk(step, mine)  # [bptt, B/W]: this rank's share of the global batch
-        loss, state = charlm.train_step(ddp, optimizer, x, y, state, train_config.clip)
+        loss, state = train.train_step(ddp, optimizer, x, y, state, train_config.clip)
         if rank == 0 and (step + 1) % 50 == 0:
             print(f"step {step + 1}: training loss {loss:.3f} (rank 0's streams)", flush=True)
 
     if rank == 0:
-        bpc = charlm.evaluate(model, vocabulary.encode(valid_text)[:20_001], args.batch, args.bptt)
+        bpc = train.evaluate(network, vocabulary.encode(valid_text)[:20_001], args.batch, args.bptt)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        weights = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-        charlm.atomic_write(out / "weights.safetensors", charlm.require_safetensors().save(weights))
+        weights = {k: v.detach().clone().contiguous() for k, v in network.state_dict().items()}
+        checkpoint.atomic_write(out / "weights.safetensors", checkpoint.require_safetensors().save(weights))
         print(f"{world} process(es), {args.steps} steps: validation {bpc:.3f} bits/char; weights in {out}")
     if distributed:
         dist.barrier()  # no rank leaves while another still talks to it (gloo aborts on a vanished peer)

@@ -1,24 +1,34 @@
-"""The benchmark harness (rnnkit.bench): it writes its reports and refuses to time a wrong runner.
+"""The benchmark harness (rnnkit.app.bench): it writes its reports, refuses to time a wrong runner,
+warns when its numbers are noisy, and plots only what ran.
 
 No timing assertions here (BENCH.md); these are smoke tests of the harness on a tiny shape.
 """
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
 
-from rnnkit import bench
-from rnnkit.bench.measure import Case, flops
-from rnnkit.bench.registry import SHAPES, VARIANTS
-from rnnkit.bench.runners import Model, Runner, rnnkit_module
+from rnnkit.app import bench
+from rnnkit.app.bench import report
+from rnnkit.app.bench.measure import Case, flops
+from rnnkit.app.bench.registry import SHAPES, VARIANTS
+from rnnkit.app.bench.runners import Model, Runner, rnnkit_module
 
 RECORD_FIELDS = {"runner", "runner_title", "shape", "variant", "timed_variant", "mode", "status"}
 TIMED_FIELDS = {
-    "median_ms", "times_ms", "speedup_vs_torch_nn", "gflop", "gflops_per_s", "fraction_of_sgemm",
+    "median_ms", "times_ms", "repeat_spread", "speedup_vs_torch_nn", "gflop", "gflops_per_s", "fraction_of_sgemm",
     "peak_memory_bytes", "saved_activation_bytes", "max_rel_rms_error", "tolerance",
 }
-ENVIRONMENT_FIELDS = {"torch", "rnnkit", "threads", "cpu", "device", "dtype", "repeats", "sgemm_gflops", "rnnkit_backends"}
+ENVIRONMENT_FIELDS = {"torch", "rnnkit", "threads", "cpu", "device", "dtype", "repeats", "sgemm_gflops", "rnnkit_backends",
+                      "warnings", "load_average_samples"}
+
+
+@pytest.fixture(autouse=True)
+def idle_machine(monkeypatch):
+    """The load-average warning is tested on purpose below; elsewhere the shared machine's load is not the point."""
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
 
 
 def _run(tmp_path, *flags):
@@ -29,17 +39,17 @@ def _run(tmp_path, *flags):
 
 def test_quick_run_writes_json_markdown_and_png(tmp_path):
     variants = ["lstm", "lstm_peephole", "lstm_per_layer"]
-    status, report, out = _run(tmp_path, "--variants", *variants, "--runners", "torch.nn", "reference")
+    status, report_, out = _run(tmp_path, "--variants", *variants, "--runners", "torch.nn", "reference")
     assert status == 0
-    assert ENVIRONMENT_FIELDS <= set(report["environment"])
-    records = report["records"]
+    assert ENVIRONMENT_FIELDS <= set(report_["environment"])
+    records = report_["records"]
     assert len(records) == len(variants) * 2 * 2  # variants x modes x runners
     for record in records:
         assert RECORD_FIELDS <= set(record), record
         assert record["status"] == "ok", record
         assert TIMED_FIELDS <= set(record), record
         assert record["max_rel_rms_error"] <= record["tolerance"]
-        assert len(record["times_ms"]) == report["environment"]["repeats"]
+        assert len(record["times_ms"]) == report_["environment"]["repeats"]
     training = [r for r in records if r["mode"] == "training"]
     assert all(r["saved_activation_bytes"] > 0 for r in training)
     # torch.nn lacks peepholes: it times its plain LSTM as the baseline, and says so
@@ -61,6 +71,35 @@ def test_quick_run_writes_json_markdown_and_png(tmp_path):
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_step_api_rows_are_checked_and_timed_per_step(tmp_path):
+    status, report_, out = _run(tmp_path, "--step", "--runners", "torch.nn", "reference")
+    assert status == 0
+    records = report_["records"]
+    assert {(r["variant"], r["mode"], r["shape"]) for r in records} == {
+        (v, "inference", "step-tiny") for v in ("lstm_cell", "gru_cell", "lstm_t1")}
+    for record in records:
+        assert record["status"] == "ok", record
+        assert record["max_rel_rms_error"] <= record["tolerance"]  # checked against the reference before timing
+        assert record["timed_variant"] == record["variant"]  # torch.nn has cells and T=1 calls: no stand-in
+        assert record["per_step_us"] == pytest.approx(record["median_ms"] * 1e3 / SHAPES["step-tiny"].T)
+        assert record["speedup_vs_torch_nn"] > 0
+    assert "µs/step" in (out / "bench.md").read_text()
+
+
+def test_step_shapes_of_the_grid_follow_bench_md():
+    for name, H in (("step128", 128), ("step512", 512)):
+        shape = SHAPES[name]
+        assert (shape.B, shape.I, shape.H, shape.L) == (1, H, H, 1)
+    assert [VARIANTS[v].modes for v in ("lstm_cell", "gru_cell", "lstm_t1")] == [("inference",)] * 3
+
+
+@pytest.mark.parametrize("flags", [["--step", "--modes", "training"], ["--variants", "lstm_cell", "--shapes", "small"]],
+                         ids=["step-training", "step-two-layers"])
+def test_step_api_combinations_that_cannot_run_are_refused(tmp_path, capsys, flags):
+    assert bench.main(["--quick", "--out", str(tmp_path), *flags]) == 2
+    assert "step API" in capsys.readouterr().err
+
+
 class WrongWeights(Runner):
     """The reference backend on perturbed weights: a runner the check must catch."""
 
@@ -78,11 +117,11 @@ class WrongWeights(Runner):
 def test_a_wrong_runner_is_reported_failed_and_not_timed(tmp_path):
     bench.register("wrong", WrongWeights)
     try:
-        status, report, out = _run(tmp_path, "--variants", "lstm", "--runners", "torch.nn", "wrong")
+        status, report_, out = _run(tmp_path, "--variants", "lstm", "--runners", "torch.nn", "wrong")
     finally:
         bench.unregister("wrong")
     assert status == 1
-    wrong = [r for r in report["records"] if r["runner"] == "wrong"]
+    wrong = [r for r in report_["records"] if r["runner"] == "wrong"]
     assert [r["mode"] for r in wrong] == ["inference", "training"]
     for record in wrong:
         assert record["status"] == "failed"
@@ -100,12 +139,84 @@ def test_unavailable_runner_is_reported_with_its_reason(tmp_path):
 
     bench.register("missing", Missing)
     try:
-        status, report, _ = _run(tmp_path, "--variants", "gru", "--runners", "missing", "--modes", "inference")
+        status, report_, _ = _run(tmp_path, "--variants", "gru", "--runners", "missing", "reference", "--modes", "inference")
     finally:
         bench.unregister("missing")
     assert status == 0
-    (missing,) = [r for r in report["records"] if r["runner"] == "missing"]
+    (missing,) = [r for r in report_["records"] if r["runner"] == "missing"]
     assert missing["status"] == "unavailable" and "ImportError" in missing["reason"]
+    # the plot shows only the runners that ran: no legend entry for the unavailable one
+    assert report.plotted_runners(report_["records"], ["torch.nn", "missing", "reference"], "inference") == ["reference"]
+    if importlib.util.find_spec("matplotlib") is None:
+        return
+    drawn, note = report.plot(str(tmp_path / "plot.png"), report_["records"], ["torch.nn", "missing", "reference"])
+    assert note is None and drawn["inference"]["runners"] == ["reference"]
+
+
+def _records(speedups, mode="inference", runner="fused"):
+    return [{"runner": runner, "shape": "s", "variant": f"v{k}", "mode": mode, "status": "ok", "speedup_vs_torch_nn": x}
+            for k, x in enumerate(speedups)]
+
+
+@pytest.mark.parametrize("speedups", [[0.8, 1.36], [0.15, 1.3], [0.03, 8.0], [1.0]], ids=["narrow", "wide", "decades", "one"])
+def test_plot_ticks_are_plain_ratios(tmp_path, speedups):
+    pytest.importorskip("matplotlib")
+    drawn, note = report.plot(str(tmp_path / "plot.png"), _records(speedups), ["torch.nn", "fused"])
+    labels = drawn["inference"]["yticklabels"]
+    assert len(labels) >= 2 and "1" in labels
+    for label in labels:
+        float(label)  # "0.5", "1", "2": no "3×10⁰", no mathtext
+        assert "$" not in label and "10^" not in label and "×" not in label
+    assert drawn["inference"]["minor_yticklabels"] == []
+    values = sorted(float(label) for label in labels)
+    assert values[0] <= min(speedups) * 2 and values[-1] >= max(speedups) / 2  # a tick within 2x of every bar
+
+
+def test_nothing_to_plot_when_only_torch_nn_ran(tmp_path):
+    pytest.importorskip("matplotlib")
+    drawn, note = report.plot(str(tmp_path / "plot.png"), _records([1.0], runner="torch.nn"), ["torch.nn"])
+    assert drawn is None and "nothing to plot" in note
+
+
+# ---- warnings: noisy repeats, a busy machine ---------------------------------------------
+
+def test_spread_warnings_name_the_noisy_runner():
+    records = [
+        {"runner": "fused", "shape": "small", "variant": "lstm", "mode": "training", "status": "ok", "repeat_spread": 0.35},
+        {"runner": "torch.nn", "shape": "small", "variant": "lstm", "mode": "training", "status": "ok", "repeat_spread": 0.04},
+        {"runner": "wrong", "shape": "small", "variant": "lstm", "mode": "training", "status": "failed"},
+    ]
+    (warning,) = report.spread_warnings(records)
+    assert "fused / small / lstm / training" in warning and "35%" in warning
+
+
+def test_repeat_spread():
+    from rnnkit.app.bench.measure import repeat_spread
+
+    assert repeat_spread([1.0, 1.0, 1.0]) == 0.0
+    assert repeat_spread([0.9, 1.0, 1.2]) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("samples, warns", [
+    ([(0.3, 0), (1.2, 1)], False),  # our own thread is most of the load
+    ([(1.9, 0)], True),  # others keep ~2 cores busy before we start
+    ([(0.2, 0), (3.5, 1)], True),  # others joined while we ran
+    ([], False),
+], ids=["idle", "busy-at-start", "busy-meanwhile", "no-load-average"])
+def test_load_warning(samples, warns):
+    warning = report.load_warning(samples, cores=2, threads=1)
+    assert (warning is not None) == warns
+    if warns:
+        assert "load average" in warning and "2 cores" in warning
+
+
+def test_a_loaded_machine_is_warned_about(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    status, report_, out = _run(tmp_path, "--variants", "gru", "--runners", "torch.nn", "--modes", "inference")
+    assert status == 0
+    assert any("load average 64.00" in w for w in report_["environment"]["warnings"])
+    assert "**Warnings**" in (out / "bench.md").read_text() and "\n- load average 64.00" in (out / "bench.md").read_text()
+    assert "rnnkit bench: warning: load average" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags", [["--shapes", "nope"], ["--variants", "nope"], ["--runners", "nope"], ["--modes", "nope"]],

@@ -1,23 +1,31 @@
-"""The `rnnkit` command: train -> sample, exact resume, errors in one line, doctor, bench wiring.
+"""The `rnnkit` command: train -> sample, exact resume (after SIGINT, SIGTERM, SIGKILL), the
+schedule, keep-best, the curve's data, the log after a kill, errors in one line, doctor, bench wiring.
 
 Runs are tiny (a few steps of a small model on a short text) so the file stays fast; the
 default run's numbers are measured once and written in docs/cli.md.
 """
 import json
+import math
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 import rnnkit
-from rnnkit import charlm, cli
+from rnnkit.app import cli
+from rnnkit.app.charlm import checkpoint, data, history, train
 
 SENTENCE = "the quick brown fox jumps over the lazy dog. "
 SMALL = ["--hidden", "24", "--embedding", "8", "--batch", "4", "--bptt", "16", "--eval-every", "4",
          "--eval-chars", "300"]
+TIMING = ("chars_per_sec", "elapsed_s", "elapsed", "interval_seconds")
 
 
 @pytest.fixture(autouse=True)
@@ -57,12 +65,56 @@ def assert_one_line_error(status, err):
     assert "Traceback" not in err and "error" in lines[0]
 
 
+def untimed(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in TIMING}
+
+
+def log_records(directory: Path) -> list:
+    return [untimed(json.loads(line)) for line in (directory / "log.jsonl").read_text().splitlines()]
+
+
+def metadata(path: Path) -> dict:
+    with safe_open(str(path), framework="pt") as handle:
+        meta = handle.metadata()
+    return {
+        "progress": untimed(json.loads(meta["progress"])),
+        "param_groups": json.loads(meta["param_groups"]),
+        "evaluations": [untimed(r) for r in json.loads(meta["evaluations"])],
+    }
+
+
+def assert_same_run(expected_dir: Path, actual_dir: Path, extra_evaluation: int = None):
+    """Every tensor of the checkpoint bit for bit, its metadata and the log (timings aside).
+
+    ``extra_evaluation``: the step where the actual run once ended (and so evaluated) before
+    resuming; that record is left out, and the best-so-far bookkeeping it may have moved.
+    """
+    name = "checkpoint.safetensors"
+    expected, actual = load_file(str(expected_dir / name)), load_file(str(actual_dir / name))
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        assert torch.equal(expected[key], actual[key]), key
+    expected_meta, actual_meta = metadata(expected_dir / name), metadata(actual_dir / name)
+    expected_log, actual_log = log_records(expected_dir), log_records(actual_dir)
+    if extra_evaluation is not None:
+        def drop(records):
+            return [{k: v for k, v in r.items() if k != "best"} for r in records
+                    if not (r["kind"] == "eval" and r["step"] == extra_evaluation)]
+
+        actual_meta["evaluations"], expected_meta["evaluations"] = drop(actual_meta["evaluations"]), drop(expected_meta["evaluations"])
+        actual_log, expected_log = drop(actual_log), drop(expected_log)
+        for meta in (actual_meta, expected_meta):
+            del meta["progress"]["best_val_bpc"], meta["progress"]["best_step"]
+    assert actual_meta == expected_meta
+    assert actual_log == expected_log
+
+
 # ---- the forum toy -----------------------------------------------------------------------
 
 def test_repeated_sentence_reaches_near_zero_loss():
     """One sentence repeated, a 2-layer LSTM with hidden size 20, next-character prediction."""
     text = "hello world, this is a tiny recurrent network. " * 4
-    vocabulary = charlm.Vocabulary.of(text)
+    vocabulary = data.Vocabulary.of(text)
     ids = vocabulary.encode(text)
     x = torch.nn.functional.one_hot(ids[:-1], len(vocabulary)).float().unsqueeze(1)  # [T, 1, V]
     lstm = rnnkit.LSTM(len(vocabulary), 20, num_layers=2)
@@ -83,12 +135,21 @@ def test_train_writes_a_checkpoint_that_sample_reads_deterministically(tmp_path,
     out = tmp_path / "run"
     status, _, err = run(capsys, "train", "--text", corpus, "--out", out, "--steps", 8, *SMALL)
     assert status == 0, err
-    assert {"checkpoint.safetensors", "config.json", "vocab.json", "log.jsonl", "curve.png"} <= set(snapshot(out))
+    assert set(snapshot(out)) == {"checkpoint.safetensors", "best.safetensors", "config.json", "vocab.json",
+                                  "log.jsonl", "curve.png"}
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == [4, 8]
-    assert log[-1]["val_bpc"] < log[0]["val_bpc"]
+    assert [r["step"] for r in log if r["kind"] == "train"] == list(range(1, 9))
+    evaluations = [r for r in log if r["kind"] == "eval"]
+    assert [r["step"] for r in evaluations] == [4, 8]
+    assert evaluations[-1]["val_bpc"] < evaluations[0]["val_bpc"]
+    # the one training number: the mean of the steps since the previous evaluation
+    steps = [r for r in log if r["kind"] == "train"]
+    assert evaluations[1]["train_bpc"] == pytest.approx(sum(r["bpc"] for r in steps[4:8]) / 4)
+    assert evaluations[1]["train_steps"] == 4
     weights = load_file(str(out / "checkpoint.safetensors"))
     assert "model.rnn.weight_ih_l0" in weights and "optimizer.0.exp_avg" in weights  # torch.nn names
+    assert "train 5." in err or "train 4." in err or "train 3." in err  # the labelled training number
+    assert "mean of the last 4 steps" in err
 
     first = run(capsys, "sample", out, "--prime", "the ", "--length", 40, "--seed", 3)
     again = run(capsys, "sample", out, "--prime", "the ", "--length", 40, "--seed", 3)
@@ -98,23 +159,23 @@ def test_train_writes_a_checkpoint_that_sample_reads_deterministically(tmp_path,
     assert other[1] != first[1]
 
 
-@pytest.mark.parametrize("options", [[], ["--cell", "gru", "--layers", "2", "--dropout", "0.1", "--zoneout", "0.1"]],
-                         ids=["lstm", "gru-dropout-zoneout"])
+@pytest.mark.parametrize("options", [
+    [],
+    ["--cell", "gru", "--layers", "2", "--dropout", "0.1", "--zoneout", "0.1"],
+    ["--schedule", "cosine", "--warmup-steps", "3", "--final-lr-fraction", "0.2", "--dropout", "0.1"],
+], ids=["lstm", "gru-dropout-zoneout", "cosine-warmup"])
 def test_resume_gives_the_uninterrupted_run(tmp_path, corpus, capsys, options):
     whole, split = tmp_path / "whole", tmp_path / "split"
     common = ["--text", corpus, *SMALL, *options]
+    if "cosine" in options:
+        common += ["--decay-steps", "10"]  # the schedule's horizon, the same for both runs
     assert run(capsys, "train", "--out", whole, "--steps", 10, *common)[0] == 0
     assert run(capsys, "train", "--out", split, "--steps", 5, *common)[0] == 0  # stops between evaluations
     status, _, err = run(capsys, "train", "--out", split, "--steps", 10, "--resume")
     assert status == 0, err
-    expected, actual = load_file(str(whole / "checkpoint.safetensors")), load_file(str(split / "checkpoint.safetensors"))
-    assert expected.keys() == actual.keys()
-    for key in expected:
-        assert torch.equal(expected[key], actual[key]), key
-    drop_timing = lambda r: {k: v for k, v in r.items() if k not in ("chars_per_sec", "elapsed_s")}  # noqa: E731
-    records = lambda d: [drop_timing(json.loads(l)) for l in (d / "log.jsonl").read_text().splitlines()]  # noqa: E731
-    assert records(split)[-1] == records(whole)[-1]
-    assert [r["step"] for r in records(split)] == [4, 5, 8, 10]
+    assert_same_run(whole, split, extra_evaluation=5)
+    evaluations = [r["step"] for r in log_records(split) if r["kind"] == "eval"]
+    assert evaluations == [4, 5, 8, 10]
 
 
 def test_resume_when_already_done_does_nothing(tmp_path, corpus, capsys):
@@ -124,6 +185,252 @@ def test_resume_when_already_done_does_nothing(tmp_path, corpus, capsys):
     status, _, err = run(capsys, "train", "--out", out, "--steps", 4, "--resume")
     assert status == 0 and "nothing to do" in err
     assert snapshot(out) == before
+
+
+# ---- the learning-rate schedule ----------------------------------------------------------
+
+def test_schedule_warmup_then_cosine():
+    config = train.TrainConfig(lr=1.0, schedule="cosine", warmup_steps=4, final_lr_fraction=0.1, decay_steps=14)
+    rates = [train.learning_rate(config, step) for step in range(1, 20)]
+    assert rates[:4] == [0.25, 0.5, 0.75, 1.0]  # linear warm-up, the 4th update at the full rate
+    assert rates[8] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / 10)))
+    assert rates[13] == pytest.approx(0.1) and rates[18] == pytest.approx(0.1)  # then constant at the floor
+    assert all(a >= b for a, b in zip(rates[3:], rates[4:]))
+    constant = train.TrainConfig(lr=0.5, warmup_steps=2)
+    assert [train.learning_rate(constant, s) for s in (1, 2, 3, 100)] == [0.25, 0.5, 0.5, 0.5]
+    assert train.learning_rate(train.TrainConfig(), 1) == train.TrainConfig().lr  # the default: constant, exact
+
+
+def test_the_log_records_the_learning_rate_of_every_step(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    flags = ["--schedule", "cosine", "--warmup-steps", "2", "--final-lr-fraction", "0.5", "--lr", "0.01"]
+    assert run(capsys, "train", "--text", corpus, "--out", out, "--steps", 6, *SMALL, *flags)[0] == 0
+    config = train.TrainConfig(**json.loads((out / "config.json").read_text())["training"])
+    assert config.decay_steps == 6  # the first run's --steps
+    rates = [r["lr"] for r in log_records(out) if r["kind"] == "train"]
+    assert rates == [train.learning_rate(config, s) for s in range(1, 7)]
+    assert rates[0] == 0.005 and rates[-1] == pytest.approx(0.005)
+
+
+# ---- interruption: SIGINT / SIGTERM checkpoint the step in progress ----------------------
+
+@pytest.fixture
+def signal_at_step(monkeypatch):
+    """Deliver real signals to this process while training step ``step`` runs."""
+
+    def arm(number, step, times=1):
+        calls = []
+        original = train.train_step
+
+        def train_step(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == step:
+                for _ in range(times):
+                    os.kill(os.getpid(), number)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(train, "train_step", train_step)
+
+    return arm
+
+
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_checkpoints_the_current_step_and_resume_is_exact(tmp_path, corpus, capsys, signal_at_step, number):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    common = ["--text", corpus, *SMALL, "--dropout", "0.1", "--schedule", "cosine", "--warmup-steps", "2",
+              "--decay-steps", "10"]
+    assert run(capsys, "train", "--out", whole, "--steps", 10, *common)[0] == 0
+    signal_at_step(number, 3)
+    status, _, err = run(capsys, "train", "--out", split, "--steps", 10, *common)
+    assert status == 128 + number, err
+    assert "--resume" in err and "step 3" in err
+    progress = json.loads(safe_open(str(split / "checkpoint.safetensors"), "pt").metadata()["progress"])
+    assert progress["step"] == 3  # the step that was running, before the first evaluation (4)
+    assert [r["step"] for r in log_records(split)] == [1, 2, 3]
+    status, _, err = run(capsys, "train", "--out", split, "--steps", 10, "--resume")
+    assert status == 0, err
+    assert_same_run(whole, split)
+
+
+def test_a_second_signal_stops_at_once_keeping_the_last_checkpoint(tmp_path, corpus, capsys, signal_at_step):
+    out = tmp_path / "run"
+    assert run(capsys, "train", "--text", corpus, "--out", out, "--steps", 4, *SMALL)[0] == 0
+    before = load_file(str(out / "checkpoint.safetensors"))
+    signal_at_step(signal.SIGINT, 2, times=2)
+    status, _, err = run(capsys, "train", "--out", out, "--steps", 8, "--resume")
+    assert status == 130 and "step 4" in err
+    after = load_file(str(out / "checkpoint.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _wait_for_steps(process, log: Path, steps: int, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"training ended early: {process.stderr.read()[-2000:]}")
+        if log.exists() and sum(1 for line in log.read_text().splitlines() if '"train"' in line) >= steps:
+            return
+        time.sleep(0.02)
+    process.kill()
+    raise AssertionError("training made no progress")
+
+
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["SIGINT", "SIGTERM", "SIGKILL"])
+def test_a_killed_process_resumes_exactly(tmp_path, corpus, capsys, number):
+    """A real signal to a `python -m rnnkit train` process at an arbitrary moment, then --resume:
+    the weights, optimizer, generator, history and log equal those of an uninterrupted run."""
+    split, whole = tmp_path / "split", tmp_path / "whole"
+    common = ["--text", corpus, *SMALL, "--dropout", "0.1"]
+    process = subprocess.Popen([sys.executable, "-m", "rnnkit", "train", "--out", str(split), "--steps", "100000",
+                                *map(str, common)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    _wait_for_steps(process, split / "log.jsonl", 6)
+    process.send_signal(number)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == (-signal.SIGKILL if number == signal.SIGKILL else 128 + number), stderr[-2000:]
+    if number == signal.SIGKILL:
+        # a write killed before its rename leaves a temporary; plant one from a process that is gone
+        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        (split / f".checkpoint.safetensors.tmp-{int(gone.stdout)}").write_bytes(b"half a checkpoint")
+    else:
+        assert "saved the checkpoint of step" in stderr
+    stopped = json.loads(safe_open(str(split / "checkpoint.safetensors"), "pt").metadata()["progress"])["step"]
+    target = stopped + 3
+    status, _, err = run(capsys, "train", "--out", split, "--steps", target, "--resume")
+    assert status == 0, err
+    assert run(capsys, "train", "--out", whole, "--steps", target, *common)[0] == 0
+    assert_same_run(whole, split)
+    assert not [p.name for p in split.iterdir() if ".tmp-" in p.name]
+
+
+# ---- issue 18 item 8: stale temporaries and the log after a kill -------------------------
+
+def test_stale_temporaries_are_removed_on_start(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    assert run(capsys, "train", "--text", corpus, "--out", out, "--steps", 4, *SMALL)[0] == 0
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    stale = [f".checkpoint.safetensors.tmp-{dead}", f".best.safetensors.tmp-{dead}", f".log.jsonl.tmp-{dead}",
+             f".curve.png.tmp-{os.getpid()}"]
+    live = f".config.json.tmp-{os.getppid()}"  # a running process's write in progress is left alone
+    for name in stale + [live]:
+        (out / name).write_bytes(b"partial")
+    status, _, err = run(capsys, "train", "--out", out, "--steps", 5, "--resume")
+    assert status == 0, err
+    assert "removed 4 temporary file(s)" in err
+    names = {p.name for p in out.iterdir()}
+    assert not names & set(stale) and live in names
+    assert checkpoint.remove_stale_temporaries(tmp_path / "missing") == []
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL: nothing in the command catches it."""
+
+
+def test_the_log_is_rebuilt_from_the_checkpoint_after_a_kill(tmp_path, corpus, capsys, monkeypatch):
+    """Killed after the checkpoint of step 8 landed but before its evaluation reached log.jsonl
+    (and with a cut line and the lines of steps past the checkpoint in the log)."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    common = ["--text", corpus, *SMALL]
+    assert run(capsys, "train", "--out", whole, "--steps", 10, *common)[0] == 0
+    original = train.append_log
+
+    def append_log(directory, records):
+        if records[0]["kind"] == "eval" and records[0]["step"] == 8:
+            raise Killed
+        original(directory, records)
+
+    monkeypatch.setattr(train, "append_log", append_log)
+    with pytest.raises(Killed):
+        cli.main([str(a) for a in ["train", "--out", split, "--steps", 10, *common]])
+    monkeypatch.setattr(train, "append_log", original)
+    capsys.readouterr()
+    assert [r["step"] for r in log_records(split) if r["kind"] == "eval"] == [4]  # step 8's line is lost
+    with open(split / "log.jsonl", "a") as log:
+        log.write(json.dumps({"kind": "train", "step": 9, "loss": 1.0, "bpc": 1.4, "lr": 0.003}) + "\n")
+        log.write('{"kind": "train", "st')  # a line cut by the kill
+    status, _, err = run(capsys, "train", "--out", split, "--steps", 10, "--resume")
+    assert status == 0, err
+    assert_same_run(whole, split)
+
+
+def test_rewrite_log_leaves_a_consistent_log_alone(tmp_path):
+    record = history.History([1.0, 0.5], [0.1, 0.1], [{"kind": "eval", "step": 2, "val_bpc": 1.0}])
+    assert history.rewrite_log(tmp_path, record) is True
+    assert history.rewrite_log(tmp_path, record) is False
+    assert [r["step"] for r in history.read_log(tmp_path)] == [1, 2, 2]
+
+
+# ---- keep-best and the curve -------------------------------------------------------------
+
+def test_best_checkpoint_keeps_the_lowest_validation(tmp_path, corpus, capsys, monkeypatch):
+    scores = iter([3.0, 2.0, 2.5])
+    monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: next(scores))
+    out = tmp_path / "run"
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", out, "--steps", 12, *SMALL)
+    assert status == 0, err
+    evaluations = [r for r in log_records(out) if r["kind"] == "eval"]
+    assert [(r["step"], r["best"]) for r in evaluations] == [(4, True), (8, True), (12, False)]
+    progress = lambda name: json.loads(safe_open(str(out / name), "pt").metadata()["progress"])  # noqa: E731
+    assert progress("best.safetensors")["step"] == 8 and progress("checkpoint.safetensors")["step"] == 12
+    assert progress("checkpoint.safetensors")["best_step"] == 8
+    assert "best 2.000 at step 8" in err
+    best, latest = load_file(str(out / "best.safetensors")), load_file(str(out / "checkpoint.safetensors"))
+    assert not torch.equal(best["model.rnn.weight_hh_l0"], latest["model.rnn.weight_hh_l0"])
+    assert run(capsys, "sample", out, "--best", "--length", 20)[0] == 0
+
+
+def test_the_curve_plots_every_training_step_and_the_validation_points(tmp_path, corpus, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    drawn = []
+    original = history.plot_curve
+
+    def plot_curve(*args, **kwargs):
+        result = original(*args, **kwargs)
+        drawn.append(result[0])
+        return result
+
+    monkeypatch.setattr(history, "plot_curve", plot_curve)
+    out = tmp_path / "run"
+    assert run(capsys, "train", "--text", corpus, "--out", out, "--steps", 10, *SMALL)[0] == 0
+    last = drawn[-1]
+    log = log_records(out)
+    training = [r for r in log if r["kind"] == "train"]
+    validation = [r for r in log if r["kind"] == "eval"]
+    assert last["series"][history.TRAINING_LABEL] == ([r["step"] for r in training], [r["bpc"] for r in training])
+    assert last["series"][history.VALIDATION_LABEL] == ([r["step"] for r in validation], [r["val_bpc"] for r in validation])
+    assert len(last["series"][history.TRAINING_LABEL][0]) == 10  # one point per step, not per evaluation
+    assert last["legend"] == [history.TRAINING_LABEL, history.VALIDATION_LABEL]
+    assert last["xlabel"] == "step" and last["ylabel"] == "bits per character"
+    assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- device and precision ----------------------------------------------------------------
+
+def test_bf16_trains_and_samples(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", out, "--steps", 4, *SMALL, "--precision", "bf16",
+                         "--backend", "reference", "--device", "cpu")
+    assert status == 0, err
+    assert json.loads((out / "config.json").read_text())["training"]["precision"] == "bf16"
+    assert math.isfinite([r for r in log_records(out) if r["kind"] == "eval"][-1]["val_bpc"])
+    assert run(capsys, "sample", out, "--length", 10, "--backend", "reference")[0] == 0
+
+
+def test_bf16_that_the_backend_cannot_run_is_one_line(tmp_path, corpus, capsys):
+    """torch's oneDNN LSTM has no bfloat16 kernel on CPUs without bf16 instructions: say so before training."""
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", tmp_path / "run", "--steps", 2, *SMALL,
+                         "--precision", "bf16", "--backend", "native", "--device", "cpu")
+    if status != 0:
+        assert_one_line_error(status, err)
+        assert "--precision bf16" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_device_cuda_without_cuda(tmp_path, corpus, capsys):
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", tmp_path / "run", "--device", "cuda")
+    assert_one_line_error(status, err)
+    assert "--device cuda" in err and not (tmp_path / "run").exists()
 
 
 # ---- errors: one line, non-zero, nothing lost ---------------------------------------------
@@ -160,9 +467,9 @@ def test_corpus_too_small_for_the_batch(tmp_path, capsys):
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
 @pytest.mark.parametrize("command", ["sample", "resume"])
 def test_damaged_checkpoint(trained, capsys, damage, command):
-    checkpoint = trained / "checkpoint.safetensors"
-    data = checkpoint.read_bytes()
-    checkpoint.write_bytes(b"not a checkpoint at all" if damage == "garbage" else data[: len(data) // 2])
+    path = trained / "checkpoint.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(b"not a checkpoint at all" if damage == "garbage" else data[: len(data) // 2])
     before = snapshot(trained)
     argv = ["sample", trained] if command == "sample" else ["train", "--out", trained, "--steps", 8, "--resume"]
     status, _, err = run(capsys, *argv)
@@ -173,9 +480,11 @@ def test_damaged_checkpoint(trained, capsys, damage, command):
 
 def test_resume_with_another_configuration(trained, corpus, capsys):
     before = snapshot(trained)
-    status, _, err = run(capsys, "train", "--text", corpus, "--out", trained, "--steps", 8, "--resume", "--hidden", 32)
-    assert_one_line_error(status, err)
-    assert "--hidden 32" in err
+    for flags, word in ((["--hidden", 32], "--hidden 32"), (["--schedule", "cosine"], "--schedule cosine"),
+                        (["--precision", "bf16"], "--precision bf16")):
+        status, _, err = run(capsys, "train", "--text", corpus, "--out", trained, "--steps", 8, "--resume", *flags)
+        assert_one_line_error(status, err)
+        assert word in err
     assert snapshot(trained) == before
 
 
@@ -188,11 +497,14 @@ def test_resume_with_another_corpus(trained, tmp_path, capsys):
     assert snapshot(trained) == before
 
 
-def test_fresh_run_refuses_to_overwrite_a_checkpoint(trained, corpus, capsys):
+@pytest.mark.parametrize("keep", ["checkpoint.safetensors", "best.safetensors"])
+def test_fresh_run_refuses_to_overwrite_a_checkpoint(trained, corpus, capsys, keep):
+    for name in {"checkpoint.safetensors", "best.safetensors"} - {keep}:
+        (trained / name).unlink()
     before = snapshot(trained)
     status, _, err = run(capsys, "train", "--text", corpus, "--out", trained, "--steps", 4)
     assert_one_line_error(status, err)
-    assert "--resume" in err
+    assert "--resume" in err and keep in err
     assert snapshot(trained) == before
 
 
@@ -206,12 +518,28 @@ def test_resume_without_a_checkpoint(tmp_path, capsys):
     ["train", "--zoneout", "1.5"],
     ["train", "--hidden", "0"],
     ["train", "--backend", "nope"],
+    ["train", "--device", "tpu"],
+    ["train", "--precision", "fp16"],
+    ["train", "--schedule", "linear"],
+    ["train", "--final-lr-fraction", "1.5"],
     ["train", "--no-such-flag"],
     ["sample", "DIR", "--temperature", "-1"],
-], ids=["cell", "zoneout", "hidden", "backend", "unknown-flag", "temperature"])
+], ids=["cell", "zoneout", "hidden", "backend", "device", "precision", "schedule", "final-lr", "unknown-flag",
+        "temperature"])
 def test_bad_flag_values(tmp_path, capsys, argv):
     status, _, err = run(capsys, *[str(tmp_path) if a == "DIR" else a for a in argv])
     assert_one_line_error(status, err)
+
+
+@pytest.mark.parametrize("flags, word", [
+    (["--final-lr-fraction", "0.1"], "--final-lr-fraction"),
+    (["--decay-steps", "10"], "--decay-steps"),
+    (["--schedule", "cosine", "--warmup-steps", "10", "--decay-steps", "10"], "--decay-steps"),
+], ids=["final-lr-without-cosine", "decay-without-cosine", "warmup-past-decay"])
+def test_schedule_flags_that_do_not_fit(tmp_path, corpus, capsys, flags, word):
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", tmp_path / "run", *SMALL, *flags)
+    assert_one_line_error(status, err)
+    assert word in err and not (tmp_path / "run").exists()
 
 
 def test_option_the_cell_does_not_have(tmp_path, corpus, capsys):
@@ -227,11 +555,11 @@ def test_sample_errors(trained, tmp_path, capsys):
     assert "vocabulary" in err
 
 
-def test_console_script_error_has_no_traceback(tmp_path):
-    """The installed entry point, in a fresh process."""
-    result = subprocess.run([sys.executable, "-m", "rnnkit.cli", "train", "--text", str(tmp_path / "missing.txt")],
+def test_python_m_rnnkit_error_has_no_traceback(tmp_path):
+    """`python -m rnnkit`, in a fresh process."""
+    result = subprocess.run([sys.executable, "-m", "rnnkit", "train", "--text", str(tmp_path / "missing.txt")],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0
+    assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
 
 
@@ -245,6 +573,5 @@ def test_doctor(capsys):
 
 
 def test_bench_is_wired(capsys):
-    pytest.importorskip("rnnkit.bench")
     status, out, _ = run(capsys, "bench", "--help")
-    assert status == 0 and "usage: rnnkit bench" in out
+    assert status == 0 and "usage: rnnkit bench" in out and "--step" in out

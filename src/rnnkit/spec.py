@@ -11,7 +11,7 @@ import math
 import numbers
 import warnings
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 MODES = ("rnn_tanh", "rnn_relu", "lstm", "gru")
 BIAS_MODES = ("double", "single_input", "single_recurrent", "none")
@@ -19,45 +19,62 @@ MERGES = ("concat", "sum")
 GATES = {"rnn_tanh": 1, "rnn_relu": 1, "lstm": 4, "gru": 3}
 
 
+FORMATS = ("cudnn", "onnx", "keras", "flax", "tf", "mxnet", "haste")  # rnnkit.interop's modules
+
+
 @dataclass(frozen=True)
 class Option:
-    """One option of :class:`RNNSpec`: which cell families take it and which backends compute it.
+    """One option of :class:`RNNSpec`: which cell families take it, which backends compute it, and
+    which foreign formats (rnnkit.interop) carry it.
 
-    ``in_use(spec)`` says whether a spec uses the option (in a way that changes what is computed:
-    ``reset_after`` is "in use" when it is False, ``bias_mode`` when it is neither of torch.nn's two
-    modes); ``label(spec)`` is how messages name that use (``"reset_after=False"``).
-    ``changes_inference`` is False for the training-only options (the dropouts), which converters
-    do not export. Adding an option means: its math in the reference and the kernels, and one
-    row here; the backends' "can I run this?" checks and the converters read this table.
+    ``in_use(spec)`` says whether a spec uses the option in a way that matters (``reset_after`` has
+    two rows, one for each value, since formats differ in which they compute); ``label`` is how
+    messages name that use (``"reset_after=False"``). ``changes_inference`` is False for the
+    training-only options (the dropouts), which converters do not export. Adding an option means:
+    its math in the reference and the kernels, and one row here; the backends' "can I run this?"
+    checks and the converters' refusals read this table.
     """
 
-    name: str
+    label: str
     families: Tuple[str, ...]
     in_use: Callable[["RNNSpec"], bool]
     native: bool = False  # torch's own RNN ops (oneDNN / cuDNN) compute it
+    formats: FrozenSet[str] = frozenset()  # the interop formats that carry it
     changes_inference: bool = True
-    label: Optional[Callable[["RNNSpec"], str]] = None
 
-    def describe(self, spec: "RNNSpec") -> str:
-        return self.label(spec) if self.label else self.name
+    @property
+    def name(self) -> str:
+        """The RNNSpec keyword the option belongs to."""
+        return self.label.split("=")[0].split(">")[0].replace("per-layer sizes", "hidden_size")
 
 
 ALL_FAMILIES = ("lstm", "gru", "rnn")
+_ALL = frozenset(FORMATS)
+
+
+def _sizes_differ(s: "RNNSpec") -> bool:
+    return len(set(s.hidden_sizes)) > 1 or len(set(s.proj_sizes)) > 1
+
 
 OPTIONS: Tuple[Option, ...] = (
-    Option("proj_size", ("lstm",), lambda s: any(s.proj_sizes), native=True),
-    Option("proj_clip", ("lstm",), lambda s: s.proj_clip is not None),
-    Option("cell_clip", ("lstm",), lambda s: s.cell_clip is not None),
-    Option("peephole", ("lstm",), lambda s: s.peephole),
-    Option("coupled_gates", ("lstm",), lambda s: s.coupled_gates),
-    Option("reset_after", ("gru",), lambda s: not s.reset_after,
-           label=lambda s: "reset_after=False"),
-    Option("layer_norm", ALL_FAMILIES, lambda s: s.layer_norm),
-    Option("zoneout", ALL_FAMILIES, lambda s: any(s.zoneout)),
-    Option("bias_mode", ALL_FAMILIES, lambda s: s.bias_mode not in ("double", "none"),
-           label=lambda s: f"bias_mode={s.bias_mode!r}"),
-    Option("merge", ALL_FAMILIES, lambda s: s.bidirectional and s.merge == "sum", label=lambda s: "merge='sum'"),
-    Option("hidden_size", ALL_FAMILIES, lambda s: s.per_layer, label=lambda s: "per-layer sizes"),
+    Option("proj_size", ("lstm",), lambda s: any(s.proj_sizes), native=True, formats=frozenset({"cudnn", "mxnet", "tf"})),
+    Option("proj_clip", ("lstm",), lambda s: s.proj_clip is not None, formats=frozenset({"tf"})),
+    Option("cell_clip", ("lstm",), lambda s: s.cell_clip is not None, formats=frozenset({"cudnn", "mxnet", "tf"})),
+    Option("peephole", ("lstm",), lambda s: s.peephole, formats=frozenset({"onnx", "tf"})),
+    Option("coupled_gates", ("lstm",), lambda s: s.coupled_gates, formats=frozenset({"onnx"})),
+    Option("reset_after=False", ("gru",), lambda s: not s.reset_after, formats=frozenset({"keras", "onnx", "tf"})),
+    Option("reset_after=True", ("gru",), lambda s: s.mode == "gru" and s.reset_after, native=True,
+           formats=_ALL - {"tf"}),
+    Option("layer_norm", ALL_FAMILIES, lambda s: s.layer_norm, formats=frozenset({"haste"})),
+    Option("zoneout", ALL_FAMILIES, lambda s: any(s.zoneout), formats=frozenset({"haste"})),
+    Option("bias_mode", ALL_FAMILIES, lambda s: s.bias_mode not in ("double", "none"), formats=_ALL),
+    Option("merge='sum'", ALL_FAMILIES, lambda s: s.bidirectional and s.merge == "sum",
+           formats=frozenset({"flax", "keras", "onnx"})),
+    Option("per-layer sizes", ALL_FAMILIES, _sizes_differ, formats=frozenset({"flax", "haste", "keras", "onnx", "tf"})),
+    Option("bidirectional", ALL_FAMILIES, lambda s: s.bidirectional, native=True, formats=_ALL - {"haste"}),
+    Option("num_layers>1", ALL_FAMILIES, lambda s: s.num_layers > 1, native=True, formats=_ALL),
+    Option("nonlinearity='relu'", ("rnn",), lambda s: s.mode == "rnn_relu", native=True,
+           formats=frozenset({"cudnn", "flax", "keras", "mxnet", "onnx"})),
     Option("dropout", ALL_FAMILIES, lambda s: s.dropout > 0, native=True, changes_inference=False),
     Option("input_dropout", ALL_FAMILIES, lambda s: s.input_dropout > 0, changes_inference=False),
     Option("recurrent_dropout", ALL_FAMILIES, lambda s: s.recurrent_dropout > 0, changes_inference=False),
@@ -74,9 +91,16 @@ def options_in_use(spec: "RNNSpec", *, native: Optional[bool] = None, inference_
     """The labels of the options ``spec`` uses, from :data:`OPTIONS`; ``native=False`` keeps only
     those torch's own RNN ops do not compute, ``inference_only`` drops the training-only ones."""
     return [
-        o.describe(spec) for o in OPTIONS
+        o.label for o in OPTIONS
         if o.in_use(spec) and (native is None or o.native == native) and (o.changes_inference or not inference_only)
     ]
+
+
+def not_carried_by(fmt: str, spec: "RNNSpec") -> List[str]:
+    """The labels of the options ``spec`` uses in evaluation that the format ``fmt`` cannot carry."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
+    return [o.label for o in OPTIONS if o.changes_inference and o.in_use(spec) and fmt not in o.formats]
 
 
 @dataclass(frozen=True)

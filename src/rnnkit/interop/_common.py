@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..nn import GRU, LSTM, RNN
-from ..spec import RNNSpec
+from ..spec import RNNSpec, not_carried_by
 
 Module = Union[LSTM, GRU, RNN]
 
@@ -56,33 +56,15 @@ def regate(blocks, src: str, dst: str, axis: int = 0):
     return np.concatenate(parts, axis) if lib is np else torch.cat(parts, axis)
 
 
-def refuse(fmt: str, spec: RNNSpec, allowed: Iterable[str] = ()) -> None:
-    """Raise a ValueError naming the first option of ``spec`` that ``fmt`` cannot represent.
+def refuse(key: str, fmt: str, spec: RNNSpec) -> None:
+    """Raise a ValueError naming the first option of ``spec`` that the format cannot represent.
 
-    Every option that changes the function computed in evaluation is checked unless it is
-    in ``allowed``. Training-only options (dropout, input_dropout, recurrent_dropout,
-    dropconnect) do not change the inference function and are not exported anywhere.
+    ``key`` is the format's column in the option table (``rnnkit.spec.OPTIONS``), ``fmt`` its name
+    in messages. Training-only options (dropout, input_dropout, recurrent_dropout, dropconnect) do
+    not change the inference function and are not exported anywhere.
     """
-    allowed = set(allowed)
-    used = {
-        "proj_size": any(spec.proj_sizes),
-        "proj_clip": spec.proj_clip is not None,
-        "cell_clip": spec.cell_clip is not None,
-        "peephole": spec.peephole,
-        "coupled_gates": spec.coupled_gates,
-        "reset_after=False": spec.mode == "gru" and not spec.reset_after,
-        "reset_after=True": spec.mode == "gru" and spec.reset_after,
-        "layer_norm": spec.layer_norm,
-        "zoneout": any(spec.zoneout),
-        "merge='sum'": spec.bidirectional and spec.merge == "sum",
-        "per-layer sizes": spec.per_layer and (len(set(spec.hidden_sizes)) > 1 or len(set(spec.proj_sizes)) > 1),
-        "bidirectional": spec.bidirectional,
-        "num_layers>1": spec.num_layers > 1,
-        "nonlinearity='relu'": spec.mode == "rnn_relu",
-    }
-    for option, is_used in used.items():
-        if is_used and option not in allowed:
-            raise ValueError(f"{option}: {fmt} cannot represent this option of the {spec.mode} module")
+    for option in not_carried_by(key, spec):
+        raise ValueError(f"{option}: {fmt} cannot represent this option of the {spec.mode} module")
 
 
 def refuse_mode(fmt: str, spec: RNNSpec, modes: Iterable[str]) -> None:

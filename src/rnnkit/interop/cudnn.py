@@ -51,8 +51,7 @@ FMT = "cuDNN"
 
 def check_spec(spec: RNNSpec) -> None:
     """Raise a ValueError naming the first option of ``spec`` that cuDNN cannot represent."""
-    refuse(FMT, spec, allowed={"proj_size", "cell_clip", "reset_after=True", "bidirectional", "num_layers>1",
-                               "nonlinearity='relu'"})
+    refuse("cudnn", FMT, spec)
 
 
 def to_cudnn(module) -> dict:

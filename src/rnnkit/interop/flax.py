@@ -41,8 +41,7 @@ FMT = "Flax"
 
 def check_spec(spec: RNNSpec) -> None:
     """Raise a ValueError naming the first option of ``spec`` that Flax's cells cannot represent."""
-    refuse(FMT, spec, allowed={"reset_after=True", "merge='sum'", "per-layer sizes", "bidirectional",
-                               "num_layers>1", "nonlinearity='relu'"})
+    refuse("flax", FMT, spec)
 
 
 def _dense(kernel: np.ndarray, bias: Optional[np.ndarray] = None) -> dict:

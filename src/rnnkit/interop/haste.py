@@ -58,7 +58,7 @@ def check_spec(spec: RNNSpec) -> None:
     if spec.zoneout[1]:
         raise ValueError(f"zoneout: Haste zones out h only; zoneout={spec.zoneout} also zones out c "
                          "(use zoneout=p_h, or (p_h, 0.0))")
-    refuse(FMT, spec, allowed={"reset_after=True", "per-layer sizes", "num_layers>1", "layer_norm", "zoneout"})
+    refuse("haste", FMT, spec)
 
 
 def to_haste(module) -> List[Dict[str, np.ndarray]]:

@@ -47,8 +47,7 @@ FMT = "Keras"
 
 def check_spec(spec: RNNSpec) -> None:
     """Raise a ValueError naming the first option of ``spec`` that Keras cannot represent."""
-    refuse(FMT, spec, allowed={"reset_after=True", "reset_after=False", "merge='sum'", "per-layer sizes",
-                               "bidirectional", "num_layers>1", "nonlinearity='relu'"})
+    refuse("keras", FMT, spec)
 
 
 def _uses_two_biases(spec: RNNSpec) -> bool:

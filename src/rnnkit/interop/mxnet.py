@@ -47,8 +47,7 @@ TORCH_TO_GLUON = {"weight_ih": "i2h_weight", "weight_hh": "h2h_weight", "weight_
 
 def check_spec(spec: RNNSpec) -> None:
     """Raise a ValueError naming the first option of ``spec`` that MXNet cannot represent."""
-    refuse(FMT, spec, allowed={"proj_size", "cell_clip", "reset_after=True", "bidirectional", "num_layers>1",
-                               "nonlinearity='relu'"})
+    refuse("mxnet", FMT, spec)
 
 
 def _gluon_name(layer: int, direction: int, piece: str) -> str:

@@ -57,10 +57,7 @@ def _onnx():
 
 def check_spec(spec: RNNSpec) -> None:
     """Raise a ValueError naming the first option of ``spec`` that ONNX cannot represent."""
-    refuse(FMT, spec, allowed={
-        "peephole", "coupled_gates", "reset_after=True", "reset_after=False", "merge='sum'", "per-layer sizes",
-        "bidirectional", "num_layers>1", "nonlinearity='relu'",
-    })
+    refuse("onnx", FMT, spec)
 
 
 def peephole_rows(spec: RNNSpec) -> str:

@@ -20,12 +20,12 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-from ..spec import RNNSpec, options_in_use
+from ..spec import RNNSpec, not_carried_by
 
 _REGISTRY_MODULE = "onnxscript.function_libs.torch_lib.registration"
 
-# What ONNX's LSTM / GRU / RNN operators cannot compute (the training-only options do not matter:
-# the model is exported as it runs in evaluation).
+# Why ONNX's LSTM / GRU / RNN operators cannot compute an option the option table says ONNX does
+# not carry (the training-only options do not matter: a model is exported as it runs in evaluation).
 NOT_IN_ONNX = {
     "proj_size": "ONNX's LSTM has no projection",
     "proj_clip": "ONNX's LSTM has no projection",
@@ -38,12 +38,12 @@ _registered = False
 
 
 def check_exportable(spec: RNNSpec) -> None:
-    """Raise a ValueError naming the first option of ``spec`` that ONNX cannot express."""
-    for option in options_in_use(spec, inference_only=True):
-        name = option.split("=")[0]
-        if name in NOT_IN_ONNX:
-            raise ValueError(f"torch.onnx.export: {option}: {NOT_IN_ONNX[name]}; this layer cannot be exported "
-                             "to standard ONNX operators")
+    """Raise a ValueError naming the first option of ``spec`` that ONNX cannot express (the
+    option table's ``onnx`` column, rnnkit.spec.OPTIONS)."""
+    for option in not_carried_by("onnx", spec):
+        why = NOT_IN_ONNX.get(option, "ONNX's recurrent operators cannot express it")
+        raise ValueError(f"torch.onnx.export: {option}: {why}; this layer cannot be exported to standard ONNX "
+                         "operators")
 
 
 class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -69,12 +69,7 @@ FMT = "TF 1.x rnn_cell"
 def check_spec(spec: RNNSpec) -> None:
     """Raise a ValueError naming the first option of ``spec`` that TF's LSTMCell / GRUCell cannot represent."""
     refuse_mode(FMT, spec, ("lstm", "gru"))
-    allowed = {"per-layer sizes", "bidirectional", "num_layers>1"}
-    if spec.mode == "lstm":
-        allowed |= {"proj_size", "proj_clip", "cell_clip", "peephole"}
-    else:
-        allowed.add("reset_after=False")
-    refuse(FMT, spec, allowed=allowed)
+    refuse("tf", FMT, spec)
 
 
 def _bias(pieces: Dict[str, np.ndarray], s: str, size: int, dtype) -> np.ndarray:

@@ -13,9 +13,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..testing import TOLERANCE, rel_rms
+import rnnkit
+from rnnkit.testing import TOLERANCE, rel_rms
+
 from .registry import VARIANTS, Shape, Variant
 from .runners import Model, Runner, Unsupported, rnnkit_module
+
 
 def synchronize(device) -> None:
     if torch.device(device).type == "cuda":
@@ -195,6 +198,11 @@ def sgemm_gflops(device: str, n: int, repeats: int = 5) -> float:
     return 2 * n**3 / min(times) / 1e9
 
 
+def repeat_spread(times: List[float]) -> float:
+    """How much the repeats of one runner disagree: (slowest - fastest) / median."""
+    return (max(times) - min(times)) / statistics.median(times)
+
+
 def measure_case(case: Case, mode: str, runners: List[Runner], repeats: int, warmup: int, sgemm: float) -> List[dict]:
     """BENCH.md's protocol for one case and mode: build, check, warm up, time interleaved, memory.
 
@@ -218,7 +226,7 @@ def measure_case(case: Case, mode: str, runners: List[Runner], repeats: int, war
             record.update(model.info)
             record["max_rel_rms_error"] = check(case, model, mode)
             record["tolerance"] = TOLERANCE[case.dtype]
-        except Unsupported as error:
+        except (Unsupported, rnnkit.BackendUnavailableError) as error:
             record.update(status="unsupported", reason=str(error))
             continue
         except CheckFailed as error:
@@ -242,9 +250,12 @@ def measure_case(case: Case, mode: str, runners: List[Runner], repeats: int, war
     for record, model, upstream in timed:
         seconds = statistics.median(times[id(record)])
         work = flops(case, model.timed_variant, mode)
+        if case.variant.api != "sequence":  # the step API: one call per step, T calls per timed loop
+            record["per_step_us"] = seconds / case.shape.T * 1e6
         record.update(
             median_ms=seconds * 1e3,
             times_ms=[t * 1e3 for t in times[id(record)]],
+            repeat_spread=repeat_spread(times[id(record)]),
             speedup_vs_torch_nn=None if baseline is None else baseline / seconds,
             gflop=work / 1e9,
             gflops_per_s=work / seconds / 1e9,

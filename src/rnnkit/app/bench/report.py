@@ -1,11 +1,13 @@
-"""What is written: the environment, JSON records, a markdown table, and a PNG of the speedups."""
+"""What is written: the environment, JSON records, a markdown table, and a PNG of the speedups;
+and the warnings that say when the numbers are not to be trusted."""
 from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -49,6 +51,47 @@ def environment(device: str, dtype: torch.dtype, threads: int, repeats: int, war
     }
 
 
+# ---- warnings: noisy repeats, a busy machine ---------------------------------------------
+
+SPREAD_LIMIT = 0.10  # repeats of one runner may disagree by this fraction of their median
+
+
+def load_average() -> Optional[float]:
+    """The 1-minute load average (None where the OS has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def spread_warnings(records: List[dict], limit: float = SPREAD_LIMIT) -> List[str]:
+    """One line per timed record whose repeats disagree by more than ``limit`` of their median."""
+    return [
+        f"{r['runner']} / {r['shape']} / {r['variant']} / {r['mode']}: repeats disagree by "
+        f"{100 * r['repeat_spread']:.0f}% of their median (> {100 * limit:.0f}%); its ratio is uncertain"
+        for r in records
+        if r["status"] == "ok" and r.get("repeat_spread", 0.0) > limit
+    ]
+
+
+def load_warning(samples: List[Tuple[float, int]], cores: int, threads: int) -> Optional[str]:
+    """A warning when other processes kept busy cores the benchmark needed, else None.
+
+    ``samples``: (1-minute load average, threads of ours that were running during that minute).
+    The load of others is the load average less our own threads; it is too high when it leaves
+    fewer than ``threads`` of the ``cores`` free.
+    """
+    if not samples:
+        return None
+    load, own = max(samples, key=lambda sample: sample[0] - sample[1])
+    others = load - own
+    if others <= cores - threads:
+        return None
+    return (f"load average {load:.2f} on {cores} cores: other processes kept ~{max(others, 0):.1f} cores busy while "
+            f"the benchmark needed {threads} of the {cores}; timings and ratios are unreliable (run on an idle machine)")
+
+
 def add_plain_ratios(records: List[dict]) -> None:
     """Give every timed record of an LSTM variant ``time_vs_torch_nn_plain_lstm``: its time ÷
     torch.nn's plain LSTM on the same shape and mode in the same run (the issue's "≤ 1.25× the
@@ -72,6 +115,17 @@ def write_json(path: str, env: dict, records: List[dict]) -> None:
         f.write("\n")
 
 
+def _number(value: float) -> str:
+    """3 significant digits, without exponents: 0.0123, 4.56, 789, 12,345."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _time(record: dict) -> str:
+    if "per_step_us" in record:
+        return f"{_number(record['per_step_us'])} µs/step"
+    return f"{_number(record['median_ms'])} ms"
+
+
 def _cell(record: Optional[dict]) -> str:
     if record is None:
         return ""
@@ -79,7 +133,7 @@ def _cell(record: Optional[dict]) -> str:
     if status != "ok":
         return "FAILED" if status == "failed" else "n/a"
     speedup = record.get("speedup_vs_torch_nn")
-    text = f"{record['median_ms']:.3g} ms"
+    text = _time(record)
     return text if speedup is None else f"{speedup:.2f}x ({text})"
 
 
@@ -92,7 +146,11 @@ def markdown(env: dict, records: List[dict], runners: List[str]) -> str:
         f"rnnkit bench: {env['device_name']}, {env['threads']} threads, torch {env['torch']}, {env['dtype']}, "
         f"median of {env['repeats']}; sgemm {env['sgemm_gflops']:.0f} GFLOP/s; load average {env['load_average_1min']}",
         "",
-        "Cells: speedup vs torch.nn (x, > 1 is faster) and median time. * torch.nn lacks the variant: "
+        *(["**Warnings** (the numbers below may not hold on a re-run):", ""] if env.get("warnings") else []),
+        *[f"- {w}" for w in env.get("warnings", [])],
+        *([""] if env.get("warnings") else []),
+        "Cells: speedup vs torch.nn (x, > 1 is faster) and median time (step API rows: per step). "
+        "* torch.nn lacks the variant: "
         "its plain cell of the same mode and shape is the baseline. FAILED: the correctness check failed, not timed. "
         "n/a: unavailable or unsupported (reason in the JSON).",
         "",
@@ -104,7 +162,7 @@ def markdown(env: dict, records: List[dict], runners: List[str]) -> str:
         mark = "*" if base is not None and base.get("stand_in") else ""
         cells = [_cell(by_runner.get(name)) for name in runners]
         if base is not None and base["status"] == "ok":
-            cells[runners.index("torch.nn")] = f"{base['median_ms']:.3g} ms{mark}"
+            cells[runners.index("torch.nn")] = f"{_time(base)}{mark}"
         fraction = f"{100 * base['fraction_of_sgemm']:.1f}%" if base and base["status"] == "ok" else ""
         lines.append(f"| {shape} | {variant} | {mode} | " + " | ".join(cells) + f" | {fraction} |")
     lines += _plain_table(records, runners)
@@ -138,37 +196,83 @@ def _plain_table(records: List[dict], runners: List[str]) -> List[str]:
     return lines
 
 
-def plot(path: str, records: List[dict], runners: List[str]) -> Optional[str]:
-    """Bar chart of speedups vs torch.nn, one panel per mode; -> None, or why no plot was drawn."""
+NICE_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
+FINE_RATIOS = (0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 1, 1.1, 1.25, 1.5, 2, 3, 4)  # when the range is narrow
+
+
+def plotted_runners(records: List[dict], runners: List[str], mode: str) -> List[str]:
+    """The runners with a bar in ``mode``'s panel: timed (status ok) with a speedup; torch.nn is the line at 1."""
+    return [
+        name for name in runners
+        if name != "torch.nn" and any(
+            r["runner"] == name and r["mode"] == mode and r["status"] == "ok" and r.get("speedup_vs_torch_nn")
+            for r in records
+        )
+    ]
+
+
+def ratio_ticks(values: List[float]) -> Tuple[List[float], Tuple[float, float]]:
+    """Plain ratio ticks (0.5, 1, 2, ...) covering ``values`` on a log axis -> (ticks, y limits)."""
+    finite = [v for v in values if v and math.isfinite(v) and v > 0] or [1.0]
+    low, high = min(min(finite), 1.0) / 1.25, max(max(finite), 1.0) * 1.25
+    ticks = [t for t in NICE_RATIOS if low <= t <= high]
+    if len(ticks) < 3:
+        ticks = [t for t in FINE_RATIOS if low <= t <= high]
+    return ticks, (low, high)
+
+
+def plot(path: str, records: List[dict], runners: List[str]) -> Tuple[Optional[Dict[str, dict]], Optional[str]]:
+    """Bar chart of speedups vs torch.nn, one panel per mode -> (what was drawn, None) or (None, why not).
+
+    Only runners that were timed appear (an unavailable, unsupported or failed runner has
+    no bar and no legend entry). The log-scale y axis is labelled with plain ratios.
+    What was drawn, per mode: ``{"runners": legend labels, "yticklabels": tick texts}``.
+    """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
     except ImportError:
-        return "matplotlib is not installed (pip install matplotlib); skipped the plot"
-    modes = [m for m in ("inference", "training") if any(r["mode"] == m for r in records)]
-    others = [n for n in runners if n != "torch.nn"]
+        return None, "matplotlib is not installed (pip install matplotlib); skipped the plot"
+    modes = [m for m in ("inference", "training") if plotted_runners(records, runners, m)]
+    if not modes:
+        return None, "no runner besides torch.nn was timed; nothing to plot"
     cases = len({(r["shape"], r["variant"]) for r in records})
-    fig, axes = plt.subplots(len(modes), 1, figsize=(max(8, 0.3 * cases * max(1, len(others))), 4 * len(modes)), squeeze=False)
+    widest = max(len(plotted_runners(records, runners, m)) for m in modes)
+    fig, axes = plt.subplots(len(modes), 1, figsize=(max(8, 0.3 * cases * widest), 4 * len(modes)), squeeze=False)
+    drawn = {}
     for ax, mode in zip(axes[:, 0], modes):
+        names = plotted_runners(records, runners, mode)
         keys = list(dict.fromkeys((r["shape"], r["variant"]) for r in records if r["mode"] == mode))
-        width = 0.8 / max(1, len(others))
-        for j, name in enumerate(others):
+        width = 0.8 / len(names)
+        shown = []
+        for j, name in enumerate(names):
             values = []
             for key in keys:
                 r = next((r for r in records if (r["shape"], r["variant"], r["mode"], r["runner"]) == (*key, mode, name)), None)
                 values.append(r["speedup_vs_torch_nn"] if r and r["status"] == "ok" and r.get("speedup_vs_torch_nn") else float("nan"))
             ax.bar([k + j * width for k in range(len(keys))], values, width, label=name)
+            shown += values
         ax.set_yscale("log")
+        ticks, limits = ratio_ticks(shown)
+        ax.set_ylim(*limits)
+        ax.yaxis.set_major_locator(FixedLocator(ticks))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        ax.yaxis.set_minor_locator(NullLocator())
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))])
         ax.set_xticklabels([f"{s}\n{v}" for s, v in keys], rotation=90, fontsize=7)
-        ax.set_ylabel("speedup vs torch.nn")
+        ax.set_ylabel("speedup vs torch.nn (x)")
         ax.set_title(mode)
-        if others:
-            ax.legend(fontsize=8)
+        ax.legend(fontsize=8)
+        drawn[mode] = {"runners": [t.get_text() for t in ax.get_legend().get_texts()], "axes": ax}
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    for mode in drawn:  # tick texts exist once the figure is drawn
+        ax = drawn[mode].pop("axes")
+        drawn[mode]["yticklabels"] = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+        drawn[mode]["minor_yticklabels"] = [t.get_text() for t in ax.get_yticklabels(minor=True) if t.get_text()]
     plt.close(fig)
-    return None
+    return drawn, None

@@ -19,13 +19,14 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import rnnkit
-from rnnkit import backend as backends_
 
 from .registry import VARIANTS, Variant
 
 MODES = ("inference", "training")
 RNNKIT_MODULES = {"lstm": rnnkit.LSTM, "gru": rnnkit.GRU, "rnn_tanh": rnnkit.RNN}
 TORCH_MODULES = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn_tanh": torch.nn.RNN}
+RNNKIT_CELLS = {"lstm": rnnkit.LSTMCell, "gru": rnnkit.GRUCell, "rnn_tanh": rnnkit.RNNCell}
+TORCH_CELLS = {"lstm": torch.nn.LSTMCell, "gru": torch.nn.GRUCell, "rnn_tanh": torch.nn.RNNCell}
 
 
 class Unsupported(Exception):
@@ -88,6 +89,51 @@ class ChainModel(Model):
         return dict(zip(names, grads))
 
 
+class StepModel(Model):
+    """The step API in a generation loop: one call per time step, the state carried from call to call.
+
+    ``api`` "cell": a one-step cell on x[t] (B, I); "module_step": the sequence module on
+    x[t:t+1] (1, B, I). Either way forward returns what the sequence module returns over the
+    whole input ([y, h_n, (c_n)]), so it is checked against the same reference.
+    """
+
+    def __init__(self, timed_variant: str, module: torch.nn.Module, api: str, info: Optional[dict] = None):
+        super().__init__(timed_variant, [module], info)
+        self.api = api
+
+    def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
+        step, state, ys = self.modules[0], None, []
+        for t in range(x.shape[0]):
+            if self.api == "cell":
+                state = step(x[t], state)
+                ys.append(state[0] if isinstance(state, tuple) else state)
+            else:
+                y, state = step(x[t : t + 1], state)
+                ys.append(y[0])
+        if self.api == "cell":  # a cell's (B, H) state as the module's (layers=1, B, H)
+            state = tuple(s.unsqueeze(0) for s in state) if isinstance(state, tuple) else state.unsqueeze(0)
+        return [torch.stack(ys)] + leaves(state)
+
+
+def step_module(variant: Variant, shape, rnnkit_backend: Optional[str], device, dtype) -> torch.nn.Module:
+    """The module a step-API variant calls once per step: rnnkit's (``rnnkit_backend`` given) or torch.nn's."""
+    if shape.L != 1:
+        raise Unsupported(f"the step API runs one layer; shape {shape.name} has L={shape.L}")
+    if variant.api == "cell":
+        table, kwargs = (RNNKIT_CELLS, {"backend": rnnkit_backend}) if rnnkit_backend else (TORCH_CELLS, {})
+    else:
+        table, kwargs = (RNNKIT_MODULES, {"backend": rnnkit_backend}) if rnnkit_backend else (TORCH_MODULES, {})
+    return table[variant.mode](shape.I, shape.H, device=device, dtype=dtype, **kwargs)
+
+
+def load_reference_weights(module: torch.nn.Module, case, variant: Variant) -> None:
+    """The case's weights (the reference module's state_dict), with a cell's names (no ``_l0``)."""
+    state = case.reference(variant.name).state_dict()
+    if variant.api == "cell":
+        state = {re.sub(r"_l0$", "", name): value for name, value in state.items()}
+    module.load_state_dict(state)
+
+
 class Runner:
     """A registry entry: ``name`` (the --runners key), ``title`` (for tables), the modes it runs."""
 
@@ -111,6 +157,10 @@ class TorchNN(Runner):
 
     def build(self, case) -> Model:
         variant = case.variant if case.variant.torch_nn else VARIANTS[case.variant.plain]
+        if variant.api != "sequence":
+            module = step_module(variant, case.shape, None, case.device, case.dtype)
+            load_reference_weights(module, case, variant)
+            return StepModel(variant.name, module, variant.api)
         reference = case.reference(variant.name)
         state = reference.state_dict()
         kwargs = variant.module_kwargs(case.shape)
@@ -142,13 +192,16 @@ class RnnkitBackend(Runner):
         return "not registered" if report is None else report["reason"]
 
     def build(self, case) -> Model:
-        module = rnnkit_module(case.variant, case.shape, self.name, case.device, case.dtype)
-        try:
-            chosen = backends_.select(self.name, module.spec, torch.device(case.device), case.dtype)
-        except backends_.BackendUnavailableError as error:
-            raise Unsupported(str(error)) from None
-        module.load_state_dict(case.reference(case.variant.name).state_dict())
-        return Model(case.variant.name, [module], {"backend": chosen.name})
+        """The model on this backend; a backend that cannot run the configuration raises
+        rnnkit.BackendUnavailableError at the first call (the check), reported as unsupported."""
+        variant = case.variant
+        if variant.api != "sequence":
+            module = step_module(variant, case.shape, self.name, case.device, case.dtype)
+            load_reference_weights(module, case, variant)
+            return StepModel(variant.name, module, variant.api, {"backend": self.name})
+        module = rnnkit_module(variant, case.shape, self.name, case.device, case.dtype)
+        module.load_state_dict(case.reference(variant.name).state_dict())
+        return Model(variant.name, [module], {"backend": self.name})
 
 
 class OnnxRuntime(Runner):
@@ -170,6 +223,8 @@ class OnnxRuntime(Runner):
         import onnxruntime
         from rnnkit.interop.onnx import export
 
+        if case.variant.api != "sequence":
+            raise Unsupported("times whole sequences only (no step API)")
         if str(case.device) != "cpu":
             raise Unsupported("runs on CPU only")
         module = rnnkit_module(case.variant, case.shape, "reference", case.device, case.dtype)
@@ -226,6 +281,6 @@ DEFAULT_EXCLUDED = ("auto",)  # it times one of the others again
 def make(name: str) -> Runner:
     if name in RUNNERS:
         return RUNNERS[name]()
-    if name in backends_.names():
+    if name == "auto" or name in rnnkit.backends():
         return RnnkitBackend(name)
     raise ValueError(f"runners: unknown name {name!r}; expected one of {', '.join(available_names())}")

@@ -2,14 +2,18 @@
 
 Registries (one entry each to add): shapes and variants in ``registry.py``, runners in
 ``runners.py`` (rnnkit backends are discovered from :func:`rnnkit.backends`). The
-protocol is ``measure.py``; the JSON, markdown and PNG are ``report.py``.
+protocol is ``measure.py``; the JSON, markdown and PNG, and the warnings, are ``report.py``.
 
     rnnkit bench                                  # the CPU grid, every variant and runner
     rnnkit bench --shapes medium --variants lstm lstm_peephole --modes training
+    rnnkit bench --step                           # the step API's per-step cost (cells, T=1 calls)
     rnnkit bench --quick                          # a smoke test on a tiny shape
-    python -m rnnkit.bench --device cuda          # the GPU grid
+    python -m rnnkit.app.bench --device cuda      # the GPU grid
 
 The exit status is 1 when any runner failed its correctness check (it is then not timed).
+Warnings (stderr, and in the JSON and markdown): repeats of a runner that disagree by more
+than 10% of their median, and a load average that left the benchmark fewer free cores than
+it needed.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ import torch
 
 from . import report
 from .measure import Case, measure_case, sgemm_gflops
-from .registry import CPU_GRID, DEFAULT_VARIANTS, GPU_GRID, QUICK_GRID, SHAPES, VARIANTS, lookup
+from .registry import (CPU_GRID, DEFAULT_VARIANTS, GPU_GRID, QUICK_GRID, QUICK_STEP_GRID, SHAPES, STEP_GRID,
+                       STEP_VARIANTS, VARIANTS, lookup)
 from .runners import DEFAULT_EXCLUDED, MODES, RUNNERS, available_names, make, register, unregister
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,15 +43,21 @@ def _names(values: Optional[List[str]]) -> Optional[List[str]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The bench flags, for ``rnnkit bench`` and ``python -m rnnkit.bench``."""
+    """The bench flags, for ``rnnkit bench`` and ``python -m rnnkit.app.bench``."""
     parser.add_argument("--shapes", nargs="+", metavar="NAME",
                         help=f"shapes (default: the CPU grid {', '.join(CPU_GRID)}; with --device cuda the GPU grid); "
                              f"choices: {', '.join(SHAPES)}")
-    parser.add_argument("--variants", nargs="+", metavar="NAME", help=f"variants (default all): {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", nargs="+", metavar="NAME",
+                        help=f"variants (default: every sequence variant; with --step the step API's "
+                             f"{', '.join(STEP_VARIANTS)}); choices: {', '.join(VARIANTS)}")
+    parser.add_argument("--step", action="store_true",
+                        help=f"the step API's per-step cost: {', '.join(STEP_VARIANTS)} on shapes {', '.join(STEP_GRID)} "
+                             "(B=1), inference, against torch.nn's LSTMCell / GRUCell / T=1 LSTM")
     parser.add_argument("--runners", nargs="+", metavar="NAME",
                         help="runners (default all but 'auto'; torch.nn, the baseline, is always run): "
                              + ", ".join(available_names()))
-    parser.add_argument("--modes", nargs="+", metavar="MODE", help=f"default both: {', '.join(MODES)}")
+    parser.add_argument("--modes", nargs="+", metavar="MODE",
+                        help=f"default both: {', '.join(MODES)} (the step API: inference only)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per runner, median reported (default 5)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls per runner first (default 3; 1 with --quick)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for every runner (default: all cores)")
@@ -64,7 +75,8 @@ def _print_registries() -> None:
         print(f"  {s.name:20s} T={s.T} B={s.B} I={s.I} H={s.H} L={s.L}  {s.why}")
     print("variants:")
     for v in VARIANTS.values():
-        print(f"  {v.name:20s} {v.title}" + ("" if v.torch_nn else f"  (torch.nn baseline: plain {v.plain})"))
+        print(f"  {v.name:20s} {v.title}" + ("" if v.torch_nn else f"  (torch.nn baseline: plain {v.plain})")
+              + ("" if v.api == "sequence" else "  (step API: inference, one layer)"))
     print("runners:")
     for name in available_names():
         runner = make(name)
@@ -75,9 +87,7 @@ def _print_registries() -> None:
 class Plan(NamedTuple):
     """The run the flags describe, validated."""
 
-    shapes: list
-    variants: list
-    modes: List[str]
+    cases: list  # (shape, variant, [modes]) to run, in order
     runner_names: List[str]
     runners: list
     repeats: int
@@ -90,11 +100,32 @@ class Plan(NamedTuple):
     out: str
 
 
-def _plan(args: argparse.Namespace) -> Plan:
-    """-> the validated plan, or ValueError naming the flag."""
-    default_shapes = QUICK_GRID if args.quick else (GPU_GRID if args.device == "cuda" else CPU_GRID)
-    modes = _names(args.modes) or list(MODES)
+def _plan(args: argparse.Namespace, notes: List[str]) -> Plan:
+    """-> the validated plan, or ValueError naming the flag; combinations that cannot run are left
+    out with a line in ``notes`` (the step API: inference only, one layer)."""
+    if args.step:
+        default_shapes, default_variants, default_modes = (QUICK_STEP_GRID if args.quick else STEP_GRID), STEP_VARIANTS, ["inference"]
+    else:
+        default_shapes = QUICK_GRID if args.quick else (GPU_GRID if args.device == "cuda" else CPU_GRID)
+        default_variants, default_modes = DEFAULT_VARIANTS, list(MODES)
+    modes = _names(args.modes) or default_modes
     lookup("modes", {m: m for m in MODES}, modes)
+    shapes = lookup("shapes", SHAPES, _names(args.shapes) or default_shapes)
+    variants = lookup("variants", VARIANTS, _names(args.variants) or default_variants)
+    cases = []
+    for shape in shapes:
+        for variant in variants:
+            if variant.api != "sequence" and shape.L != 1:
+                notes.append(f"left out {shape.name} / {variant.name}: the step API runs one layer, the shape has L={shape.L}")
+                continue
+            left_out = [m for m in modes if m not in variant.modes]
+            if left_out:
+                notes.append(f"left out {shape.name} / {variant.name} / {', '.join(left_out)}: "
+                             f"the step API is timed in {', '.join(variant.modes)} only")
+            if any(m in variant.modes for m in modes):
+                cases.append((shape, variant, [m for m in modes if m in variant.modes]))
+    if not cases:
+        raise ValueError("no shape x variant x mode of the flags can run: " + "; ".join(notes))
     runner_names = _names(args.runners) or [n for n in available_names() if n not in DEFAULT_EXCLUDED]
     runner_names = ["torch.nn"] + [n for n in dict.fromkeys(runner_names) if n != "torch.nn"]
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 5)
@@ -102,9 +133,7 @@ def _plan(args: argparse.Namespace) -> Plan:
     if repeats < 1 or warmup < 0:
         raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {repeats} and {warmup}")
     return Plan(
-        shapes=lookup("shapes", SHAPES, _names(args.shapes) or default_shapes),
-        variants=lookup("variants", VARIANTS, _names(args.variants) or DEFAULT_VARIANTS),
-        modes=modes,
+        cases=cases,
         runner_names=runner_names,
         runners=[make(name) for name in runner_names],
         repeats=repeats,
@@ -126,40 +155,50 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("rnnkit bench: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
         return 2
+    notes: List[str] = []
     try:
-        plan = _plan(args)
+        plan = _plan(args, notes)
     except ValueError as error:
         print(f"rnnkit bench: {error}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"rnnkit bench: {note}", file=sys.stderr)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(plan.threads)  # the same for every runner
+    load_samples = [(report.load_average(), 0)]  # (1-minute load average, our threads running meanwhile)
     try:
         sgemm = sgemm_gflops(plan.device, plan.sgemm_n)
         env = report.environment(plan.device, plan.dtype, plan.threads, plan.repeats, plan.warmup, sgemm, plan.sgemm_n)
         records = []
-        for shape in plan.shapes:
-            for variant in plan.variants:
-                case = Case(shape, variant, plan.device, plan.dtype, plan.seed)
-                for mode in plan.modes:
-                    print(f"rnnkit bench: {shape.name} / {variant.name} / {mode}", file=sys.stderr, flush=True)
-                    records += measure_case(case, mode, plan.runners, plan.repeats, plan.warmup, sgemm)
-                    table = _write(plan, env, records)  # after every case: a long run stopped early keeps its results
+        for shape, variant, modes in plan.cases:
+            case = Case(shape, variant, plan.device, plan.dtype, plan.seed)
+            for mode in modes:
+                print(f"rnnkit bench: {shape.name} / {variant.name} / {mode}", file=sys.stderr, flush=True)
+                records += measure_case(case, mode, plan.runners, plan.repeats, plan.warmup, sgemm)
+                load_samples.append((report.load_average(), plan.threads))
+                table = _write(plan, env, records, load_samples)  # after every case: a run stopped early keeps its results
         # the rate again at the end, keeping the best: a busy moment at the start must not set the limit
         best = max(sgemm, sgemm_gflops(plan.device, plan.sgemm_n))
         env["sgemm_gflops"] = best
         for record in records:
             if "gflops_per_s" in record:
                 record["fraction_of_sgemm"] = record["gflops_per_s"] / best
-        table = _write(plan, env, records)
+        table = _write(plan, env, records, load_samples)
     finally:
         torch.set_num_threads(previous_threads)
     print(table)
+    for warning in env["warnings"]:
+        print(f"rnnkit bench: warning: {warning}", file=sys.stderr)
     _plot(plan, records)
     return 1 if any(r["status"] == "failed" for r in records) else 0
 
 
-def _write(plan: Plan, env: dict, records: List[dict]) -> str:
+def _write(plan: Plan, env: dict, records: List[dict], load_samples: list) -> str:
     os.makedirs(plan.out, exist_ok=True)
+    samples = [(load, own) for load, own in load_samples if load is not None]
+    env["load_average_samples"] = [load for load, _ in samples]
+    loaded = report.load_warning(samples, report.usable_cores(), plan.threads)
+    env["warnings"] = ([loaded] if loaded else []) + report.spread_warnings(records)
     report.add_plain_ratios(records)
     report.write_json(os.path.join(plan.out, "bench.json"), env, records)
     table = report.markdown(env, records, plan.runner_names)
@@ -169,7 +208,7 @@ def _write(plan: Plan, env: dict, records: List[dict]) -> str:
 
 
 def _plot(plan: Plan, records: List[dict]) -> None:
-    skipped = report.plot(os.path.join(plan.out, "bench.png"), records, plan.runner_names)
+    _, skipped = report.plot(os.path.join(plan.out, "bench.png"), records, plan.runner_names)
     if skipped:
         print(f"rnnkit bench: {skipped}", file=sys.stderr)
     print(f"rnnkit bench: wrote {plan.out}/bench.json, bench.md" + ("" if skipped else ", bench.png"), file=sys.stderr)

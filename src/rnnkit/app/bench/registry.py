@@ -38,11 +38,17 @@ SHAPES: Dict[str, Shape] = _shapes(
     ),
     Shape("long-h768", 1024, 16, 768, 768, 1, "long sequence"),
     Shape("tiny", 6, 3, 8, 16, 2, "smoke test (--quick)"),
+    # the step API: T calls of one step each, the loop of a generation (BENCH.md "Also measured")
+    Shape("step128", 100, 1, 128, 128, 1, "step API, per-step cost (generation), H=128"),
+    Shape("step512", 100, 1, 512, 512, 1, "step API, per-step cost (generation), H=512"),
+    Shape("step-tiny", 5, 1, 8, 16, 1, "step API smoke test (--step --quick)"),
 )
 
 CPU_GRID: Tuple[str, ...] = ("stream", "small", "medium", "fastrnns", "wide")
 GPU_GRID: Tuple[str, ...] = CPU_GRID + tuple(n for n in SHAPES if n.startswith("deepbench-")) + ("long-h768",)
 QUICK_GRID: Tuple[str, ...] = ("tiny",)
+STEP_GRID: Tuple[str, ...] = ("step128", "step512")
+QUICK_STEP_GRID: Tuple[str, ...] = ("step-tiny",)
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,11 @@ class Variant:
     num_layers), and may override those three. ``torch_nn`` says whether torch.nn can run
     this variant itself; when it cannot, torch.nn's plain cell of the same mode and shape
     is timed as the baseline the speedups refer to (``plain``).
+
+    ``api`` is how the time steps are run: "sequence" (one call over all T steps),
+    "cell" (a one-step cell, rnnkit.LSTMCell / torch.nn.LSTMCell, called once per step with
+    the carried state) or "module_step" (the sequence module called with T=1, once per step).
+    The step APIs are timed under no_grad only, one layer, as generation uses them.
     """
 
     name: str
@@ -60,6 +71,11 @@ class Variant:
     title: str
     torch_nn: bool = False
     options: Callable[[Shape], dict] = field(default=lambda shape: {})
+    api: str = "sequence"
+
+    @property
+    def modes(self) -> Tuple[str, ...]:
+        return ("inference", "training") if self.api == "sequence" else ("inference",)
 
     @property
     def plain(self) -> str:
@@ -91,9 +107,13 @@ VARIANTS: Dict[str, Variant] = _variants(
     ),
     Variant("gru_layer_norm", "gru", "GRU + layer norm", options=lambda s: {"layer_norm": True}),
     Variant("gru_reset_before", "gru", "GRU reset_after=False", options=lambda s: {"reset_after": False}),
+    Variant("lstm_cell", "lstm", "LSTMCell, one call per step", torch_nn=True, api="cell"),
+    Variant("gru_cell", "gru", "GRUCell, one call per step", torch_nn=True, api="cell"),
+    Variant("lstm_t1", "lstm", "LSTM called with T=1, one call per step", torch_nn=True, api="module_step"),
 )
 
-DEFAULT_VARIANTS: Tuple[str, ...] = tuple(VARIANTS)
+DEFAULT_VARIANTS: Tuple[str, ...] = tuple(name for name, v in VARIANTS.items() if v.api == "sequence")
+STEP_VARIANTS: Tuple[str, ...] = tuple(name for name, v in VARIANTS.items() if v.api != "sequence")
 
 
 def lookup(kind: str, registry: dict, names) -> list:

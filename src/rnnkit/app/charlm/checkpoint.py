@@ -1,0 +1,245 @@
+"""The run directory's files: atomic writes, stale temporaries, config and vocabulary, checkpoints.
+
+    config.json              model and training configuration, corpus fingerprint, settings
+    vocab.json               the characters, in id order
+    checkpoint.safetensors   the latest checkpoint (see :class:`Checkpoint`)
+    best.safetensors         the checkpoint with the lowest validation bits/char so far
+    log.jsonl, curve.png     written by history.py
+
+Every file is written to a temporary name beside it (``.NAME.tmp-PID``), flushed to disk and
+moved into place with ``os.replace``, so a reader sees the old file or the new one, never
+half of one. A write killed before the rename leaves its temporary behind;
+:func:`remove_stale_temporaries` removes those on the next start. Nothing is unpickled:
+checkpoints are safetensors (tensors) with JSON metadata.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import torch
+
+from ..errors import UserError
+from .data import Vocabulary
+from .model import ModelConfig
+
+FORMAT = "rnnkit-charlm/2"
+CONFIG_FILE, VOCAB_FILE = "config.json", "vocab.json"
+CHECKPOINT_FILE, BEST_FILE = "checkpoint.safetensors", "best.safetensors"
+
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
+
+
+# ---- atomic files ----------------------------------------------------------------------
+
+def temporary_name(path: Path) -> Path:
+    """Where :func:`atomic_write` puts ``path``'s bytes before the rename."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write to a temporary name beside ``path``, fsync, os.replace, fsync the directory: never a half file."""
+    path = Path(path)
+    temporary = temporary_name(path)
+    try:
+        with open(temporary, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename itself durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: Path) -> List[str]:
+    """Remove the temporaries of writes that were killed before their rename -> their names.
+
+    Called when a run starts, before this process writes anything: a temporary
+    ``.NAME.tmp-PID`` is stale when PID is this process or no longer running. One of another
+    live process (a concurrent writer) is left alone.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    removed = []
+    for path in sorted(directory.iterdir()):
+        match = _TEMPORARY.match(path.name)
+        if not match or not path.is_file():
+            continue
+        pid = int(match["pid"])
+        if pid == os.getpid() or not _running(pid):
+            path.unlink()
+            removed.append(path.name)
+    return removed
+
+
+def write_json(path: Path, value) -> None:
+    atomic_write(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def read_json(path: Path, what: str):
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing ({what})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UserError(f"{path}: unreadable {what} ({type(error).__name__}: {error})".splitlines()[0]) from None
+
+
+def write_run_files(directory: Path, config: dict, vocabulary: Vocabulary) -> None:
+    """config.json (``format`` is added) and vocab.json of a new run."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_json(directory / CONFIG_FILE, {"format": FORMAT, **config})
+    write_json(directory / VOCAB_FILE, vocabulary.chars)
+
+
+def read_run_files(directory: Path) -> Tuple[ModelConfig, dict, Vocabulary]:
+    """Read config.json and vocab.json -> (ModelConfig, the whole config, Vocabulary)."""
+    directory = Path(directory)
+    config = read_json(directory / CONFIG_FILE, "run configuration")
+    chars = read_json(directory / VOCAB_FILE, "vocabulary")
+    try:
+        if config.get("format") != FORMAT:
+            raise ValueError(f"format {config.get('format')!r}, this rnnkit reads {FORMAT!r}")
+        model = ModelConfig(**config["model"])
+        vocabulary = Vocabulary(chars)
+        if len(vocabulary) != model.vocab_size or not all(isinstance(c, str) and len(c) == 1 for c in chars):
+            raise ValueError("vocabulary does not match vocab_size")
+    except (AttributeError, KeyError, TypeError, ValueError) as error:
+        raise UserError(f"{directory / CONFIG_FILE}: not a usable run configuration ({error})") from None
+    return model, config, vocabulary
+
+
+def require_safetensors():
+    """The safetensors.torch module, or a UserError saying how to install it."""
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise UserError("checkpoints need the safetensors package: pip install 'rnnkit[cli]'") from None
+    return safetensors.torch
+
+
+# ---- checkpoints -----------------------------------------------------------------------
+
+@dataclass
+class Checkpoint:
+    """Everything a run needs to continue exactly; one safetensors file.
+
+    Tensors: ``model.*`` (the state_dict, torch.nn names), ``optimizer.<index>.<key>``,
+    ``state.<k>`` (the carried state), ``rng.torch`` / ``rng.cuda`` (generator states),
+    ``history.<name>`` (per-step series). Metadata (JSON strings): ``format``, ``progress``,
+    ``param_groups`` (the optimizer's), ``evaluations`` (the evaluation records).
+    """
+
+    model: Dict[str, torch.Tensor]
+    optimizer: dict
+    state: List[torch.Tensor] = field(default_factory=list)
+    rng: Dict[str, torch.Tensor] = field(default_factory=dict)
+    progress: dict = field(default_factory=dict)
+    history: Dict[str, torch.Tensor] = field(default_factory=dict)
+    evaluations: List[dict] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        st = require_safetensors()
+        # clone: state_dict entries are views of one packed buffer, and safetensors refuses shared storage
+        tensors = {f"model.{k}": _plain(v) for k, v in self.model.items()}
+        for index, entry in self.optimizer["state"].items():
+            for key, value in entry.items():
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"optimizer state {key!r} is not a tensor; cannot store it")
+                tensors[f"optimizer.{index}.{key}"] = _plain(value)
+        tensors.update({f"state.{k}": _plain(t) for k, t in enumerate(self.state)})
+        tensors.update({f"rng.{k}": _plain(t) for k, t in self.rng.items()})
+        tensors.update({f"history.{k}": _plain(t) for k, t in self.history.items()})
+        metadata = {
+            "format": FORMAT,
+            "progress": json.dumps(self.progress),
+            "param_groups": json.dumps(self.optimizer["param_groups"]),
+            "evaluations": json.dumps(self.evaluations),
+        }
+        return st.save(tensors, metadata=metadata)
+
+    @classmethod
+    def read(cls, path: Path) -> "Checkpoint":
+        """Load and validate a checkpoint file, or raise a one-line UserError saying what is wrong."""
+        tensors, metadata = _read_safetensors(Path(path))
+        try:
+            entries: Dict[int, Dict[str, torch.Tensor]] = {}
+            parts: Dict[str, Dict[str, torch.Tensor]] = {"model": {}, "state": {}, "rng": {}, "history": {}}
+            for key, value in tensors.items():
+                kind, _, name = key.partition(".")
+                if kind == "optimizer":
+                    index, _, name = name.partition(".")
+                    entries.setdefault(int(index), {})[name] = value
+                else:
+                    parts[kind][name] = value
+            state = [parts["state"][str(k)] for k in range(len(parts["state"]))]
+            return cls(
+                model=parts["model"],
+                optimizer={"state": entries, "param_groups": json.loads(metadata["param_groups"])},
+                state=state,
+                rng=parts["rng"],
+                progress=json.loads(metadata["progress"]),
+                history=parts["history"],
+                evaluations=json.loads(metadata["evaluations"]),
+            )
+        except (KeyError, ValueError, TypeError) as error:
+            raise UserError(f"{path}: damaged checkpoint ({type(error).__name__}: {error})".splitlines()[0]) from None
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True).contiguous()
+
+
+def _read_safetensors(path: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    st = require_safetensors()
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"{path}: no checkpoint there") from None
+    except OSError as error:
+        raise UserError(f"{path}: cannot read it ({error.strerror})") from None
+    try:
+        tensors = st.load(data)
+        # safetensors' layout: 8-byte little-endian header size, then the JSON header with __metadata__
+        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+        metadata = header.get("__metadata__") or {}
+    except Exception as error:  # safetensors raises its own error types for damaged files
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UserError(f"{path}: corrupted or truncated checkpoint ({reason})") from None
+    if metadata.get("format") != FORMAT:
+        found = metadata.get("format")
+        why = "written by another version of rnnkit" if str(found).startswith("rnnkit-charlm/") else "not an rnnkit character-model checkpoint"
+        raise UserError(f"{path}: {why} (format {found!r}, this rnnkit reads {FORMAT!r})")
+    return tensors, metadata

@@ -1,0 +1,115 @@
+"""The network: embedding -> rnnkit LSTM/GRU/RNN stack -> linear, and its configuration."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import List
+
+import torch
+from torch import nn
+
+import rnnkit
+
+from ..errors import UserError
+
+CELLS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the network is: the flags --cell, --hidden, --layers, --peephole, ... of ``rnnkit train``."""
+
+    vocab_size: int
+    cell: str = "lstm"
+    hidden: int = 256
+    layers: int = 1
+    embedding: int = 64
+    peephole: bool = False
+    layer_norm: bool = False
+    zoneout: float = 0.0
+    dropout: float = 0.0
+    proj: int = 0
+
+
+# the flags whose values are part of a run's identity, with their defaults
+MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"}
+
+_STACKS = {"lstm": rnnkit.LSTM, "gru": rnnkit.GRU}
+
+
+class CharLM(nn.Module):
+    """embedding -> rnnkit stack -> linear: next-character logits.
+
+    Dropout (``config.dropout``) acts on the embedded input, between layers and on the top
+    layer's output; zoneout, layer norm, peepholes and projection are the stack's options.
+
+    ``forward(x [T, B] int64, state or None) -> (logits [T, B, V], state)``; ``state`` is the
+    stack's (h_n, c_n) for LSTM, h_n otherwise.
+    """
+
+    def __init__(self, config: ModelConfig, backend: str = "auto"):
+        super().__init__()
+        self.config = config
+        options = {"backend": backend}
+        if config.layers > 1 and config.dropout:
+            options["dropout"] = config.dropout
+        if config.zoneout:
+            options["zoneout"] = config.zoneout
+        if config.layer_norm:
+            options["layer_norm"] = True
+        if config.peephole:
+            options["peephole"] = True
+        if config.proj:
+            options["proj_size"] = config.proj
+        self.embedding = nn.Embedding(config.vocab_size, config.embedding)
+        if config.cell in _STACKS:
+            self.rnn = _STACKS[config.cell](config.embedding, config.hidden, config.layers, **options)
+        else:
+            nonlinearity = config.cell.split("_")[1]
+            self.rnn = rnnkit.RNN(config.embedding, config.hidden, config.layers, nonlinearity=nonlinearity, **options)
+        self.drop = nn.Dropout(config.dropout)
+        self.head = nn.Linear(config.proj or config.hidden, config.vocab_size)
+
+    def forward(self, x: torch.Tensor, state=None):
+        y, state = self.rnn(self.drop(self.embedding(x)), state)  # y: [T, B, Hr]
+        return self.head(self.drop(y)), state
+
+
+_FLAGS = {"peephole": "--peephole", "proj_size": "--proj", "layer_norm": "--layer-norm",
+          "zoneout": "--zoneout", "dropout": "--dropout", "backend": "--backend"}
+
+
+def build_model(config: ModelConfig, backend: str = "auto") -> CharLM:
+    """CharLM on the CPU, with rnnkit's argument errors turned into one-line UserErrors naming the flag."""
+    try:
+        return CharLM(config, backend)
+    except rnnkit.BackendUnavailableError as error:
+        raise UserError(f"--backend {backend}: {error}") from None
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        for option, flag in _FLAGS.items():
+            if message.startswith(option + ":"):
+                message = f"{flag}: {message[len(option) + 1:].strip()}"
+                break
+        raise UserError(f"{message} (with --cell {config.cell})") from None
+
+
+def state_tensors(state) -> List[torch.Tensor]:
+    """The carried state as a flat list: [] (none yet), [h] or [h, c]."""
+    if state is None:
+        return []
+    return list(state) if isinstance(state, tuple) else [state]
+
+
+def state_from_tensors(tensors: List[torch.Tensor]):
+    """The inverse of :func:`state_tensors`."""
+    if not tensors:
+        return None
+    return tuple(tensors) if len(tensors) == 2 else tensors[0]
+
+
+def detach(state):
+    """Cut the graph at a chunk boundary (truncated BPTT); the values carry on."""
+    if isinstance(state, tuple):
+        return tuple(s.detach() for s in state)
+    return state.detach()

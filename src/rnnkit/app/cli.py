@@ -1,0 +1,450 @@
+"""The ``rnnkit`` command: train, sample, bench, doctor (also ``python -m rnnkit``).
+
+    rnnkit train --out runs/stdlib              # a character model of Python's stdlib, a few minutes on CPU
+    rnnkit train --out runs/stdlib --resume     # continue it (after Ctrl-C too) exactly where it stopped
+    rnnkit sample runs/stdlib --prime "def " --length 300 --seed 1
+    rnnkit doctor                               # versions, backends and why not, threads, extras
+    rnnkit bench ...                            # see rnnkit bench --help
+
+Every failure the user can cause (a bad flag value, a missing or empty corpus, a damaged
+checkpoint, resuming with another configuration) ends with one line on stderr and exit
+status 1 (2 for flags argparse refuses), and leaves the files already saved untouched.
+SIGINT (Ctrl-C) or SIGTERM during training checkpoints the step in progress and exits with
+130 / 143; a second signal stops at once, keeping the previous checkpoint. The model, data
+and training logic live in :mod:`rnnkit.app.charlm`; this file parses and reports.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import math
+import os
+import platform
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+import rnnkit
+
+from .charlm import checkpoint as files
+from .charlm import data, history, model, sample, train
+from .errors import UserError
+
+EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+EXTRAS = ("tqdm", "matplotlib", "safetensors", "ninja", "onnx", "onnxruntime")
+
+# defaults of `rnnkit train` that are not part of a run's identity
+DEFAULT_STEPS, DEFAULT_OUT = 2000, "rnnkit-run"
+# One thread by default: a recurrent step is a small matrix product that gains little from
+# more threads and loses much when the cores are shared (2-core machine, other jobs running:
+# 0.08 s per default training step with 1 thread, 0.24 s with 2).
+DEFAULT_THREADS = 1
+DEFAULT_SETTINGS = {"eval_every": 100, "eval_chars": 50_000}  # saved in config.json; a resumed run reuses them
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with errors on one line (the usage is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ---- argument types --------------------------------------------------------------------
+
+def _number(kind, test, expected):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    parse.__name__ = expected  # argparse names the type in its messages
+    return parse
+
+
+positive_int = _number(int, lambda v: v > 0, "a positive integer")
+non_negative_int = _number(int, lambda v: v >= 0, "a non-negative integer")
+probability = _number(float, lambda v: 0.0 <= v < 1.0, "a probability in [0, 1)")
+fraction = _number(float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
+non_negative_float = _number(float, lambda v: math.isfinite(v) and v >= 0, "a non-negative number")
+
+
+# ---- the parser ------------------------------------------------------------------------
+
+def build_parser(with_bench: bool = False) -> Parser:
+    """The command's parser; ``with_bench`` imports rnnkit.app.bench to describe its flags."""
+    backends = ["auto", *rnnkit.backends()]
+    parser = Parser(prog="rnnkit", description="Recurrent layers for PyTorch: train, sample, benchmark, diagnose.")
+    parser.add_argument("--version", action="version", version=f"rnnkit {rnnkit.__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    defaults, training = model.MODEL_DEFAULTS, train.TRAIN_DEFAULTS
+    command = commands.add_parser(
+        "train", help="train a character language model",
+        description="Train a character language model (embedding -> rnnkit stack -> linear) with truncated "
+                    "BPTT. With no --text it reads Python's own standard library, so it needs no download. "
+                    "Model and training flags left out take the defaults, or the saved values with --resume. "
+                    "Ctrl-C (SIGINT) or SIGTERM saves a checkpoint of the current step; --resume continues it exactly.",
+    )
+    group = command.add_argument_group("data and output")
+    group.add_argument("--text", metavar="FILE", help="a UTF-8 text file (default: ~1 MB of the stdlib's *.py files)")
+    group.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                       help=f"checkpoints, config, vocabulary, log and plot go here (default: {DEFAULT_OUT})")
+    group.add_argument("--resume", action="store_true", help="continue the run saved in --out from its last checkpoint")
+    group = command.add_argument_group("model")
+    group.add_argument("--cell", choices=model.CELLS, help=f"(default: {defaults['cell']})")
+    group.add_argument("--hidden", type=positive_int, metavar="N", help=f"hidden size (default: {defaults['hidden']})")
+    group.add_argument("--layers", type=positive_int, metavar="N", help=f"stacked layers (default: {defaults['layers']})")
+    group.add_argument("--embedding", type=positive_int, metavar="N",
+                       help=f"character embedding size (default: {defaults['embedding']})")
+    group.add_argument("--peephole", action="store_true", default=None, help="LSTM peephole connections")
+    group.add_argument("--layer-norm", action="store_true", default=None, help="layer-normalized cells")
+    group.add_argument("--zoneout", type=probability, metavar="P", help=f"zoneout on h (default: {defaults['zoneout']})")
+    group.add_argument("--dropout", type=probability, metavar="P",
+                       help=f"dropout on the embedding, between layers and before the output (default: {defaults['dropout']})")
+    group.add_argument("--proj", type=non_negative_int, metavar="P",
+                       help=f"LSTM projection size, 0 for none (default: {defaults['proj']})")
+    group = command.add_argument_group("training")
+    group.add_argument("--steps", type=positive_int, metavar="N", default=DEFAULT_STEPS,
+                       help=f"train until this step; with --resume, the new total (default: {DEFAULT_STEPS})")
+    group.add_argument("--seed", type=non_negative_int, metavar="S", help=f"(default: {training['seed']})")
+    group.add_argument("--bptt", type=positive_int, metavar="N",
+                       help=f"characters per truncated-BPTT chunk (default: {training['bptt']})")
+    group.add_argument("--batch", type=positive_int, metavar="N", help=f"parallel streams (default: {training['batch']})")
+    group.add_argument("--lr", type=positive_float, metavar="LR", help=f"Adam's peak learning rate (default: {training['lr']})")
+    group.add_argument("--schedule", choices=train.SCHEDULES,
+                       help=f"learning-rate schedule after the warm-up (default: {training['schedule']})")
+    group.add_argument("--warmup-steps", type=non_negative_int, metavar="N",
+                       help=f"linear warm-up from 0 to --lr over the first N steps (default: {training['warmup_steps']})")
+    group.add_argument("--final-lr-fraction", type=fraction, metavar="F",
+                       help=f"cosine only: the learning rate ends at F x --lr (default: {train.DEFAULT_FINAL_LR_FRACTION})")
+    group.add_argument("--decay-steps", type=positive_int, metavar="N",
+                       help="cosine only: the step where the decay ends, then constant (default: --steps of the first run)")
+    group.add_argument("--clip", type=non_negative_float, metavar="NORM",
+                       help=f"gradient-norm clipping, 0 for none (default: {training['clip']})")
+    group.add_argument("--precision", choices=train.PRECISIONS,
+                       help=f"bf16: forward and loss under torch.autocast to bfloat16 (default: {training['precision']})")
+    group.add_argument("--eval-every", type=positive_int, metavar="N",
+                       help=f"validate and checkpoint every N steps (default: {DEFAULT_SETTINGS['eval_every']})")
+    group.add_argument("--eval-chars", type=positive_int, metavar="N",
+                       help=f"validation characters scored at each evaluation (default: {DEFAULT_SETTINGS['eval_chars']})")
+    group = command.add_argument_group("where it runs (not part of the run: may change on --resume)")
+    group.add_argument("--device", choices=DEVICES, default="auto", help="auto: cuda when available, else cpu (default: auto)")
+    group.add_argument("--backend", choices=backends, default="auto",
+                       help="rnnkit backend (default: auto, the fastest available)")
+    group.add_argument("--threads", type=positive_int, metavar="N", default=DEFAULT_THREADS,
+                       help=f"torch intra-op threads (default: {DEFAULT_THREADS}; more help large models on idle cores)")
+    command.set_defaults(handler=_train)
+
+    command = commands.add_parser("sample", help="generate text from a trained model",
+                                  description="Generate text from a checkpoint written by rnnkit train.")
+    command.add_argument("directory", metavar="DIR", help="the --out directory of rnnkit train")
+    command.add_argument("--best", action="store_true",
+                         help="use best.safetensors (lowest validation bits/char) instead of the latest checkpoint")
+    command.add_argument("--prime", default="\n", help="text to start from (default: a newline)")
+    command.add_argument("--length", type=non_negative_int, default=500, metavar="N",
+                         help="characters to generate (default: 500)")
+    command.add_argument("--temperature", type=non_negative_float, default=0.8, metavar="T",
+                         help="softmax temperature; 0 is greedy (default: 0.8)")
+    command.add_argument("--seed", type=non_negative_int, default=0, metavar="S", help="(default: 0)")
+    command.add_argument("--device", choices=DEVICES, default="auto", help="(default: auto)")
+    command.add_argument("--backend", choices=backends, default="auto", help="(default: auto)")
+    command.add_argument("--threads", type=positive_int, metavar="N", default=DEFAULT_THREADS,
+                         help=f"torch intra-op threads (default: {DEFAULT_THREADS})")
+    command.set_defaults(handler=_sample)
+
+    command = commands.add_parser("doctor", help="versions, backends and why not, threads, extras",
+                                  description="Report what rnnkit can use on this machine.")
+    command.set_defaults(handler=_doctor)
+
+    command = commands.add_parser("bench", help="benchmark the backends against torch.nn",
+                                  description="Benchmark rnnkit's backends against torch.nn (BENCH.md's protocol).")
+    if with_bench:
+        from . import bench
+
+        bench.add_arguments(command)
+        command.set_defaults(handler=bench.run)
+    return parser
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device cuda: torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)")
+    return torch.device(name)
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return True  # unknown: say nothing
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+# ---- train -------------------------------------------------------------------------------
+
+def _tqdm():
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        raise UserError("rnnkit train shows its progress with tqdm, which is not installed: pip install 'rnnkit[cli]'") from None
+    return tqdm
+
+
+def _resolve(args):
+    """-> (model config, train config, vocabulary, train text, valid text, corpus record, settings)."""
+    out = Path(args.out)
+    given_model = {k: getattr(args, k) for k in model.MODEL_DEFAULTS if getattr(args, k) is not None}
+    given_train = {k: getattr(args, k) for k in train.TRAIN_DEFAULTS if getattr(args, k) is not None}
+    if args.resume:
+        if not (out / files.CHECKPOINT_FILE).exists():
+            raise UserError(f"--resume: no checkpoint in {out} ({files.CHECKPOINT_FILE} is missing)")
+        model_config, saved, vocabulary = files.read_run_files(out)
+        for section, given in (("model", given_model), ("training", given_train)):
+            for key, value in given.items():
+                if saved.get(section, {}).get(key) != value:
+                    flag = "--" + key.replace("_", "-")
+                    raise UserError(
+                        f"--resume: {flag} {value} differs from the checkpoint's {saved[section].get(key)} in "
+                        f"{out / files.CONFIG_FILE}; leave the flag out to continue that run, or choose another --out"
+                    )
+        corpus = saved.get("corpus", {})
+        source = args.text or corpus.get("source", "stdlib")
+        text = _corpus_text(source)
+        if data.fingerprint(text) != corpus.get("sha256"):
+            raise UserError(f"--resume: the corpus ({source}) is not the one the checkpoint in {out} was trained on")
+        try:
+            train_config = train.TrainConfig(**saved["training"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise UserError(f"{out / files.CONFIG_FILE}: not a usable run configuration ({error})") from None
+        settings = {**DEFAULT_SETTINGS, **saved.get("settings", {})}
+    else:
+        for name in (files.CHECKPOINT_FILE, files.BEST_FILE):
+            if (out / name).exists():
+                raise UserError(f"{out} already holds {name}; pass --resume to continue that run, or choose another --out")
+        values = {**train.TRAIN_DEFAULTS, **given_train}
+        if values["schedule"] == "cosine":  # the cosine's defaults; with a constant schedule these flags are refused
+            values["final_lr_fraction"] = given_train.get("final_lr_fraction", train.DEFAULT_FINAL_LR_FRACTION)
+            values["decay_steps"] = given_train.get("decay_steps", args.steps)
+        try:
+            train_config = train.TrainConfig(**values)
+        except ValueError as error:
+            raise UserError(str(error)) from None
+        source = str(Path(args.text).resolve()) if args.text else "stdlib"
+        text = _corpus_text(args.text or "stdlib")
+        vocabulary = data.Vocabulary.of(text)
+        model_config = model.ModelConfig(vocab_size=len(vocabulary), **{**model.MODEL_DEFAULTS, **given_model})
+        corpus = {"source": source, "sha256": data.fingerprint(text), "chars": len(text)}
+        settings = dict(DEFAULT_SETTINGS)
+    settings.update({k: getattr(args, k) for k in DEFAULT_SETTINGS if getattr(args, k) is not None})
+    train_text, valid_text = data.split(text)
+    corpus.update(train_chars=len(train_text), valid_chars=len(valid_text))
+    return model_config, train_config, vocabulary, train_text, valid_text, corpus, settings
+
+
+def _corpus_text(source: str) -> str:
+    if source == "stdlib":
+        return data.stdlib_corpus()
+    return data.read_corpus(source)
+
+
+class Interruption:
+    """SIGINT and SIGTERM while training: the first asks the loop to checkpoint the step in
+    progress and stop (calling the object says whether it did); a second stops at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: Optional[int] = None
+        self._previous = {}
+
+    def __enter__(self) -> "Interruption":
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals there only
+            for number in self.SIGNALS:
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def _handle(self, number, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = number
+
+    def __call__(self) -> bool:
+        return self.received is not None
+
+
+def _train(args) -> int:
+    tqdm = _tqdm()
+    files.require_safetensors()  # fail before training, not at the first checkpoint
+    torch.set_num_threads(args.threads)
+    device = _device(args.device)
+    with Interruption() as interruption:
+        model_config, train_config, vocabulary, train_text, valid_text, corpus, settings = _resolve(args)
+        run = train.prepare(Path(args.out), model_config, train_config, vocabulary, train_text, valid_text, corpus,
+                            backend=args.backend, device=device, resume=args.resume, settings=settings)
+        if run.removed_temporaries:
+            print(f"rnnkit: removed {len(run.removed_temporaries)} temporary file(s) that killed writes left in "
+                  f"{args.out}: {', '.join(run.removed_temporaries)}", file=sys.stderr)
+        start = run.progress.step
+        if start >= args.steps:
+            print(f"rnnkit: {args.out} is already at step {start} (--steps {args.steps}); nothing to do", file=sys.stderr)
+            return 0
+        if train_config.precision == "bf16" and device.type == "cpu" and not _cpu_has_bf16():
+            print("rnnkit: note: this CPU has no bfloat16 instructions (avx512_bf16 / amx_bf16); bf16 runs slower "
+                  "than fp32 here", file=sys.stderr)
+        parameters = sum(p.numel() for p in run.model.parameters())
+        what = "the standard library" if corpus["source"] == "stdlib" else corpus["source"]
+        print(
+            f"rnnkit: {'resuming at step ' + str(start) if args.resume else 'training'}: {model_config.cell} "
+            f"{model_config.layers}x{model_config.hidden}, {parameters:,} parameters, on {what} "
+            f"({len(train_text):,} training / {len(valid_text):,} validation characters, "
+            f"{len(vocabulary)} symbols), {device.type} {train_config.precision} -> {args.out}",
+            file=sys.stderr,
+        )
+        title = f"{model_config.cell} {model_config.layers}x{model_config.hidden} on {what}"
+        bar = tqdm(total=args.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+        speed = [None]
+        notes = set()
+
+        def plot():
+            note = history.plot_curve(run.directory, run.history, title)[1]
+            if note and note not in notes:
+                notes.add(note)
+                bar.write(f"rnnkit: {note}", file=sys.stderr)
+
+        def on_step(info):
+            speed[0] = info["chars_per_sec"] if speed[0] is None else 0.9 * speed[0] + 0.1 * info["chars_per_sec"]
+            bar.set_postfix_str(f"{_training_number(info['interval_bpc'], info['interval_steps'])}, "
+                                f"lr {info['lr']:.2e}, {speed[0]:,.0f} char/s", refresh=False)
+            bar.update(1)
+
+        def on_eval(record):
+            best = "" if record["best"] else f" (best {run.progress.best_val_bpc:.3f} at step {run.progress.best_step})"
+            bar.write(f"step {record['step']}: validation {record['val_bpc']:.3f} bits/char{best}, "
+                      f"{_training_number(record['train_bpc'], record['train_steps'])}, "
+                      f"{record['chars_per_sec']:,.0f} char/s", file=sys.stderr)
+            plot()
+
+        try:
+            finished = train.train(run, args.steps, settings["eval_every"], settings["eval_chars"], on_step, on_eval,
+                                   stop=interruption)
+        except KeyboardInterrupt:
+            bar.close()
+            kept = f"its checkpoint of step {run.saved_step}" if run.saved_step is not None else "no checkpoint"
+            print(f"rnnkit: interrupted again: stopped at once without saving; {args.out} keeps {kept}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        finally:
+            bar.close()
+    if not finished:
+        plot()
+        name = signal.Signals(interruption.received).name
+        print(f"rnnkit: {name}: saved the checkpoint of step {run.progress.step} in {args.out}; continue with: "
+              f"rnnkit train --out {args.out} --resume" + (f" --steps {args.steps}" if args.steps != DEFAULT_STEPS else ""),
+              file=sys.stderr)
+        return 128 + interruption.received
+    final = run.history.evaluations[-1]
+    best = f"; best {run.progress.best_val_bpc:.3f} at step {run.progress.best_step}" if run.progress.best_step != final["step"] else ""
+    print(
+        f"rnnkit: step {final['step']}: validation {final['val_bpc']:.3f} bits/char{best}, "
+        f"{final['elapsed_s']:.0f} s of training; try: rnnkit sample {args.out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _training_number(bpc: float, steps: int) -> str:
+    """The one training number the progress bar and the evaluation line show, labelled the same way."""
+    return f"train {bpc:.3f} bits/char (mean of the last {steps} step{'s' if steps != 1 else ''})"
+
+
+# ---- sample ------------------------------------------------------------------------------
+
+def _sample(args) -> int:
+    torch.set_num_threads(args.threads)
+    device = _device(args.device)
+    directory = Path(args.directory)
+    if not directory.is_dir():
+        raise UserError(f"{directory}: no such directory (the --out of rnnkit train)")
+    model_config, config, vocabulary = files.read_run_files(directory)
+    network = model.build_model(model_config, args.backend)
+    path = directory / (files.BEST_FILE if args.best else files.CHECKPOINT_FILE)
+    saved = files.Checkpoint.read(path)
+    try:
+        network.load_state_dict(saved.model, strict=True)
+    except RuntimeError as error:
+        raise UserError(f"{path}: does not match {files.CONFIG_FILE} ({str(error).strip().splitlines()[0]})") from None
+    precision = config.get("training", {}).get("precision", "fp32")
+    network.to(device)
+    train.check_precision(network, precision, args.backend)
+    text = sample.sample(network, vocabulary, args.prime, args.length, args.temperature, args.seed, precision)
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0
+
+
+# ---- doctor ------------------------------------------------------------------------------
+
+def _doctor(args) -> int:
+    import numpy
+
+    print(f"rnnkit   {rnnkit.__version__}")
+    print(f"torch    {torch.__version__}")
+    print(f"numpy    {numpy.__version__}")
+    print(f"python   {platform.python_version()} ({sys.executable})")
+    print(f"platform {platform.platform()}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(f"threads  torch {torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op; "
+          f"{cores} usable CPU cores")
+    print(f"cuda     {torch.cuda.is_available()}" + (f" ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else ""))
+    print("backends (auto takes, in this order, the first that can run the configuration):")
+    for name, report in rnnkit.backends().items():
+        status = "available" if report["available"] else f"unavailable: {report['reason']}"
+        print(f"  {name:<10} {status}")
+    print("extras:")
+    for extra in EXTRAS:
+        try:
+            version = importlib.metadata.version(extra)
+        except importlib.metadata.PackageNotFoundError:
+            version = "not installed"
+        print(f"  {extra:<12} {version}")
+    return 0
+
+
+# ---- entry point -------------------------------------------------------------------------
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the command; returns the exit status (``python -m rnnkit`` and the console script exit with it)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser(with_bench=bool(argv) and argv[0] == "bench").parse_args(argv)
+        return int(args.handler(args) or 0)
+    except UserError as error:
+        message = str(error)
+    except rnnkit.BackendUnavailableError as error:  # a named --backend that cannot run this model here
+        message = f"--backend: {error}"
+    except OSError as error:  # e.g. an --out that cannot be written
+        message = f"{error.filename}: {error.strerror}" if error.filename and error.strerror else str(error)
+    except KeyboardInterrupt:
+        print("rnnkit: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(f"rnnkit: error: {message}", file=sys.stderr)
+    return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
