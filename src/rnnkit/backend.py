@@ -13,7 +13,7 @@ kernels, CUDA) 25, fused (compiled CPU kernels) 20, reference 0.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -55,19 +55,43 @@ def check_name(name) -> str:
     return name
 
 
-def select(name: str, spec: RNNSpec, device: torch.device, dtype: torch.dtype):
-    """The backend that will run this call; raises BackendUnavailableError for a named one that can't."""
+def select(name: str, spec: RNNSpec, device: torch.device, dtype: torch.dtype, steps: Optional[int] = None):
+    """The backend that will run this call; raises BackendUnavailableError for a named one that can't.
+
+    ``"auto"`` tries the backends by priority, except that on the CPU a call of one time step
+    (the step API, generation loops) tries the fused kernels first: for one step their per-call
+    cost and matrix-vector loops beat oneDNN's (README, "Speed": the step-API rows). A backend
+    that must be built is built here, by the first call that chooses it (never when it is only
+    asked about, as ``backends()`` does); if that fails, ``"auto"`` moves on to the next one.
+    """
     check_name(name)
     if name == "auto":
-        for backend in _REGISTRY:
-            if backend.unavailable_reason() is None and backend.unsupported_reason(spec, device, dtype) is None:
+        order = _REGISTRY
+        if steps == 1 and torch.device(device).type == "cpu":
+            order = sorted(_REGISTRY, key=lambda b: b.name != "fused")  # stable: the rest keep their order
+        for backend in order:
+            if (backend.unavailable_reason() is None and backend.unsupported_reason(spec, device, dtype) is None
+                    and _prepare(backend) is None):
                 return backend
         raise BackendUnavailableError("backend='auto': no registered backend can run this call")
     backend = get(name)
-    reason = backend.unavailable_reason() or backend.unsupported_reason(spec, device, dtype)
+    reason = backend.unavailable_reason() or backend.unsupported_reason(spec, device, dtype) or _prepare(backend)
     if reason:
         raise BackendUnavailableError(f"backend={name!r} cannot run here: {reason}")
     return backend
+
+
+def _prepare(backend) -> Optional[str]:
+    """Build what the backend needs (the fused kernels) before its first call; why it failed, or None.
+    Nothing is built while torch.compile traces: the op runs, and builds, after tracing."""
+    prepare = getattr(backend, "prepare", None)
+    if prepare is None or torch.compiler.is_compiling():
+        return None
+    try:
+        prepare()
+    except RuntimeError as error:
+        return str(error)
+    return None
 
 
 def backends() -> Dict[str, Dict[str, object]]:

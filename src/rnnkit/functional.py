@@ -210,6 +210,15 @@ def run_stack(backend, spec: RNNSpec, weights: Sequence[PassWeights], x, h0s, c0
     return layer_input, h_ns, (c_ns if spec.mode == "lstm" else None)
 
 
+def _to_dtype(tree, dtype: torch.dtype):
+    """float32 tensors of a nested state / input cast to ``dtype`` (anything else as it is)."""
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_dtype(t, dtype) for t in tree)
+    if isinstance(tree, torch.Tensor) and tree.dtype == torch.float32:
+        return tree.to(dtype)
+    return tree
+
+
 def _autocast_dtype(device: torch.device, dtype: torch.dtype) -> Optional[torch.dtype]:
     """The lower-precision dtype the stack runs in under torch.autocast, or None.
 
@@ -240,20 +249,19 @@ def run(
 
     ``like`` is a weight tensor: the input must have its dtype and device.
     """
-    if torch.onnx.is_in_onnx_export():  # the pass ops become standard ONNX LSTM / GRU / RNN nodes
+    if torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export():  # pass ops -> ONNX LSTM / GRU / RNN
         from .interop import onnx_ops
 
         onnx_ops.check_exportable(spec)
+    low = _autocast_dtype(like.device, like.dtype)
+    if low is not None:  # inputs and states in float32 or the autocast dtype are taken, as torch.nn does
+        input, hx = _to_dtype(input, low), _to_dtype(hx, low)
+        weights = [PassWeights(*(None if t is None else t.to(low) for t in w)) for w in weights]
+        like = weights[0].W
     x, unbatched = check_input(spec, input, like, batch_first)
     lengths = check_lengths(lengths, x.shape[0], x.shape[1], unbatched)
     h0s, c0s = split_states(spec, hx, x, unbatched)
-    low = _autocast_dtype(x.device, x.dtype)
-    if low is not None:
-        cast = lambda t: None if t is None else t.to(low)  # noqa: E731
-        x, h0s = cast(x), [cast(h) for h in h0s]
-        c0s = None if c0s is None else [cast(c) for c in c0s]
-        weights = [PassWeights(*map(cast, w)) for w in weights]
-    chosen = backends_.select(backend, spec, x.device, x.dtype)
+    chosen = backends_.select(backend, spec, x.device, x.dtype, steps=x.shape[0])
     if low is not None:
         with torch.autocast(x.device.type, enabled=False):
             y, h_ns, c_ns = run_stack(chosen, spec, weights, x, h0s, c0s, lengths, training)

@@ -9,6 +9,7 @@ table (``rnnkit.spec.OPTIONS``, column ``native``).
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -17,6 +18,13 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from .spec import RNNSpec, options_in_use
 
 _OPS = {"lstm": "lstm", "gru": "gru", "rnn_tanh": "rnn_tanh", "rnn_relu": "rnn_relu"}
+_CELLS = {"lstm": "lstm_cell", "gru": "gru_cell", "rnn_tanh": "rnn_tanh_cell", "rnn_relu": "rnn_relu_cell"}
+_LOW = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported, torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}
+
+
+@lru_cache(maxsize=256)
+def _not_native(spec: RNNSpec) -> tuple:
+    return tuple(options_in_use(spec, native=False))
 _TORCH_SLOTS = ("W", "R", "b_W", "b_R", "W_hr")  # torch.nn's _flat_weights order within a pass
 
 
@@ -32,7 +40,7 @@ class NativeBackend:
         return "available"
 
     def unsupported_reason(self, spec: RNNSpec, device, dtype) -> Optional[str]:
-        extras = options_in_use(spec, native=False)
+        extras = _not_native(spec)
         if extras:
             return f"torch's RNN kernels compute only the plain cell, not {', '.join(extras)}"
         device = torch.device(device)
@@ -40,12 +48,22 @@ class NativeBackend:
             return f"runs on cpu and cuda tensors, got device {device}"
         if not dtype.is_floating_point:
             return f"needs a floating-point dtype, got {dtype}"
+        if device.type == "cpu" and dtype in _LOW and not _LOW[dtype]():
+            return (f"{dtype} on this CPU: oneDNN has no {dtype} RNN kernel without the CPU's {dtype} instructions "
+                    "(torch.nn's LSTM fails the same way); the fused backend computes it")
         if device.type == "cpu" and any(spec.proj_sizes):
             return "proj_size on the CPU: torch runs LSTMP without oneDNN (its slow path); the fused backend computes it"
         if device.type == "cpu" and torch.compiler.is_compiling():
             return ("torch.compile / torch.export cannot trace torch's oneDNN RNN op (mkldnn_rnn_layer); the fused "
                     "backend's custom ops trace")
         return None
+
+    def step(self, spec, w, x, h0, c0):
+        """One step of a one-layer, one-direction cell, as torch.nn's cells compute it -> (h, c or None)."""
+        op = getattr(torch._VF, _CELLS[spec.mode])
+        if spec.mode == "lstm":
+            return op(x, (h0, c0), w.W, w.R, w.b_W, w.b_R)
+        return op(x, h0, w.W, w.R, w.b_W, w.b_R), None
 
     def run_stack(self, spec, weights, x, h0s, c0s, lengths, training):
         """Whole stack through torch._VF -> (y [T, B, F], h_ns, c_ns) as functional.run_stack."""

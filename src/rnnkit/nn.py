@@ -10,7 +10,8 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from . import backend as backends_
 from . import functional as F
-from .params import TORCH_PIECES, Layout, initialize
+from .masks import draw_pass
+from .params import TORCH_PIECES, Layout, PassWeights, initialize
 from .spec import RNNSpec
 
 
@@ -354,7 +355,7 @@ class _Recurrent(_PackedModule):
         y, hy, ran = F.run(self.spec, weights, input, hx, lengths, training=self.training, backend=self.backend,
                            batch_first=batch_first, like=weights[0].W)
         if not torch.compiler.is_compiling():
-            self.last_backend = ran
+            self.__dict__["last_backend"] = ran  # a plain attribute: skips Module.__setattr__
         return y, hy
 
     @property
@@ -479,7 +480,57 @@ class _Cell(_PackedModule):
         self._init_packed(spec, False, backend, forget_bias, device, dtype)
         self.input_size, self.hidden_size, self.bias = input_size, hidden_size, bias
 
+    def _forward(self, input, hx):
+        plan = self._step_plan()
+        if plan is not None:
+            out = plan(input, hx)
+            if out is not None:
+                return out
+        return self._step(input, hx)
+
+    def _step_plan(self):
+        """The fused kernels' one-step plan (weights and scalars fixed once, one C++ call a step) when
+        this call can take it: eager, no gradient to record, no autocast, no random masks, the
+        parameters the plan was built on; else None. Generation loops live on this path: its
+        per-step cost is the kernel's plus about a microsecond (README, "Speed": step API)."""
+        if (self.training and self.spec.uses_dropout_masks) or not _plain_eager():
+            return None
+        params = self._parameters
+        tensors = tuple(params.get(name) for name in self._names)
+        if torch.is_grad_enabled() and any(t is None or t.requires_grad for t in tensors):
+            return None
+        cached = self.__dict__.get("_plan")
+        if cached is None or cached[1] != self.backend or any(a is not b for a, b in zip(cached[2], tensors)):
+            cached = (self._make_plan(tensors), self.backend, tensors)
+            self.__dict__["_plan"] = cached
+        plan = cached[0]
+        if plan is None or torch.is_autocast_enabled(tensors[0].device.type):
+            return None
+        self.__dict__["last_backend"] = "fused"
+        return plan
+
+    def _make_plan(self, tensors):
+        if any(t is None for t in tensors):  # a parametrized weight: computed each call
+            return None
+        W = tensors[0]
+        try:
+            chosen = backends_.select(self.backend, self.spec, W.device, W.dtype, steps=1)
+        except backends_.BackendUnavailableError:
+            return None  # the careful path says why
+        if chosen.name != "fused" or W.dtype not in (torch.float32, torch.float64):
+            return None
+        from .fused import build
+        from .passes import pass_scalars, pass_values
+
+        cell = self.spec.cell(0)
+        masks = draw_pass(self.spec, cell, 1, 1, W, False).masks  # evaluation: zoneout's expectation
+        w = self.layout.group(dict(zip(self._names, (t.detach() for t in tensors))))[0]
+        empty = W.new_empty(0)
+        return build.extension().step_plan(*pass_values(pass_scalars(cell, False, masks), empty, empty, None,
+                                                        tuple(w), (None,) * 4))
+
     def _step(self, input, hx):
+        """One step, straight to the backend's pass (no stack loop, no state lists)."""
         spec = self.spec
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"input: expected a tensor (B, input_size) or (input_size,), got {type(input).__name__}")
@@ -487,28 +538,40 @@ class _Cell(_PackedModule):
             raise ValueError(f"input: expected a 2-D tensor (B, input_size) or 1-D (input_size,), got shape {tuple(input.shape)}")
         if input.shape[-1] != spec.input_size:  # checked here so the message shows the caller's shape
             raise ValueError(f"input: expected feature size input_size={spec.input_size} in the last axis, got shape {tuple(input.shape)}")
-        weights = self._pass_weights()
+        w = self._pass_weights()[0]
+        low = F._autocast_dtype(w.W.device, w.W.dtype)
+        if low is not None:  # the stacks' autocast policy (functional.run)
+            input, hx = F._to_dtype(input, low), F._to_dtype(hx, low)
+            w = PassWeights(*(None if t is None else t.to(low) for t in w))
+        F.check_tensor("input", input, None, w.W)
         unbatched = input.dim() == 1
         B = 1 if unbatched else input.shape[0]
         cell = spec.cell(0)
         lstm = spec.mode == "lstm"
-        if hx is not None:
+        if hx is None:
+            h0 = input.new_zeros(B, cell.output_size)
+            c0 = input.new_zeros(B, cell.hidden_size) if lstm else None
+        else:
             if lstm and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
                 raise TypeError(f"hx: expected a pair (h, c) for an LSTM cell, got {type(hx).__name__}")
             parts = hx if lstm else (hx,)
             shapes = [("h", (B, cell.output_size))] + ([("c", (B, cell.hidden_size))] if lstm else [])
             for (name, shape), value in zip(shapes, parts):
-                F.check_tensor(f"hx ({name})", value, shape[1:] if unbatched else shape, weights[0].W)
-            hx = tuple(p.reshape(1, B, -1) for p in parts)
-            hx = hx if lstm else hx[0]
-        x = input.reshape(1, B, -1)
-        _, hy, ran = F.run(spec, weights, x, hx, None, training=self.training, backend=self.backend,
-                           batch_first=False, like=weights[0].W)
+                F.check_tensor(f"hx ({name})", value, shape[1:] if unbatched else shape, w.W)
+            h0 = parts[0].reshape(B, -1)
+            c0 = parts[1].reshape(B, -1) if lstm else None
+        x = input.reshape(B, -1)
+        chosen = backends_.select(self.backend, spec, x.device, x.dtype, steps=1)
+        if hasattr(chosen, "step"):
+            h, c = chosen.step(spec, w, x, h0, c0)
+        else:
+            masks = draw_pass(spec, cell, 1, B, x, self.training).masks
+            _, h, c = chosen.run_pass(cell, x.unsqueeze(0), h0, c0, w, None, False, masks)
         if not torch.compiler.is_compiling():
-            self.last_backend = ran
-        parts = hy if lstm else (hy,)
-        out = tuple(p[0, 0] if unbatched else p[0] for p in parts)
-        return out if lstm else out[0]
+            self.__dict__["last_backend"] = chosen.name  # a plain attribute: skips Module.__setattr__
+        if unbatched:
+            h, c = h[0], (c[0] if lstm else None)
+        return (h, c) if lstm else h
 
     def extra_repr(self) -> str:
         note = self._backend_note()
@@ -534,7 +597,7 @@ class LSTMCell(_Cell):
         super().__init__("lstm", input_size, hidden_size, bias, **options)
 
     def forward(self, input, hx=None):
-        return self._step(input, hx)
+        return self._forward(input, hx)
 
 
 class GRUCell(_Cell):
@@ -547,7 +610,7 @@ class GRUCell(_Cell):
         super().__init__("gru", input_size, hidden_size, bias, **options)
 
     def forward(self, input, hx=None):
-        return self._step(input, hx)
+        return self._forward(input, hx)
 
 
 class RNNCell(_Cell):
@@ -563,4 +626,4 @@ class RNNCell(_Cell):
         self.nonlinearity = nonlinearity
 
     def forward(self, input, hx=None):
-        return self._step(input, hx)
+        return self._forward(input, hx)

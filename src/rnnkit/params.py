@@ -140,6 +140,11 @@ class Layout:
                     offset += math.prod(shape)
         self.numel = offset
         self.index: Dict[str, ParamEntry] = {e.name: e for e in self.entries}
+        # per pass (layer by layer, forward first): (slot, entry name) of each of its pieces
+        D = spec.num_directions
+        self._pass_slots = [[] for _ in range(spec.num_layers * D)]
+        for e in self.entries:
+            self._pass_slots[e.layer * D + e.direction].append((SLOT_OF_PIECE[e.piece], e.name))
 
     def __iter__(self) -> Iterator[ParamEntry]:
         return iter(self.entries)
@@ -168,10 +173,7 @@ class Layout:
 
     def group(self, tensors: Dict[str, torch.Tensor]) -> List[PassWeights]:
         """{name: tensor} for every entry -> one PassWeights per pass, layer by layer, forward first."""
-        passes = [{} for _ in range(self.spec.num_layers * self.spec.num_directions)]
-        for e in self.entries:
-            passes[e.layer * self.spec.num_directions + e.direction][SLOT_OF_PIECE[e.piece]] = tensors[e.name]
-        return [PassWeights(**p) for p in passes]
+        return [PassWeights(**{slot: tensors[name] for slot, name in slots}) for slots in self._pass_slots]
 
     def new_buffer(self, device=None, dtype=None, forget_bias: Optional[float] = None) -> torch.Tensor:
         """A freshly initialized packed buffer (see :func:`initialize`)."""

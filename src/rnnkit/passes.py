@@ -9,7 +9,7 @@ A pass is one layer in one direction (docs/spec.md). Every compiled backend (``f
 
 ``PASS_ARGUMENTS`` (below) is written once: tensors by role (x, h0, c0, the weights by the slot
 names of :data:`rnnkit.params.WEIGHT_SLOTS`, lengths and the random masks), then the cell's
-scalars, all derived from :class:`~rnnkit.spec.CellSpec` by :func:`pass_arguments`. ``c_n`` and
+scalars, all derived from :class:`~rnnkit.spec.CellSpec` by :func:`pass_scalars`. ``c_n`` and
 ``dc0`` are empty tensors for GRU/RNN; ``saved`` is what the training forward keeps (empty tensors
 where a configuration keeps nothing); ``dweights`` is ONE gradient block holding the present
 weights' gradients in the packed buffer's order.
@@ -38,6 +38,7 @@ from .spec import CellSpec
 # ---- the one description of a pass ------------------------------------------------------------
 
 SLOTS = tuple(slot for slot, _ in WEIGHT_SLOTS)
+_W_HR = SLOTS.index("W_hr")
 
 PASS_ARGUMENTS = (
     ("x", "Tensor"),  # [T, B, I]
@@ -111,12 +112,22 @@ def mask_tensors(lengths, masks: PassMasks) -> tuple:
     return (lengths, masks.recurrent, tensor(masks.zoneout_h), tensor(masks.zoneout_c))
 
 
-def pass_arguments(scalars: PassScalars, x, h0, c0, weights: Sequence, mask_args: Sequence) -> Dict[str, object]:
-    """The named arguments of a pass op (without ``training``): the one place they are assembled."""
-    return dict(x=x, h0=h0, c0=c0, **dict(zip(SLOTS, weights)), **dict(zip(_MASKS, mask_args)), **scalars._asdict())
+def pass_values(scalars: PassScalars, x, h0, c0, weights: Sequence, mask_args: Sequence) -> tuple:
+    """A pass op's arguments in schema order (without ``training``): the one place they are assembled."""
+    return (x, h0, c0, *weights, *mask_args, *scalars)
+
+
+# the schema's order is the order pass_values assembles: checked once, here
+assert PASS_ARGUMENTS[:3] == (("x", "Tensor"), ("h0", "Tensor"), ("c0", "Tensor?")) and tuple(
+    name for name, _ in PASS_ARGUMENTS[3:]) == SLOTS + _MASKS + PassScalars._fields
 
 
 # ---- fake implementations (shapes only) ---------------------------------------------------------
+
+def named(values: Sequence, names: Sequence[str]) -> Dict[str, object]:
+    """An op's positional values by their schema names."""
+    return dict(zip(names, values))
+
 
 def output_shapes(args: Dict[str, object]):
     """(T, B, H, Hr) of a pass from its arguments."""
@@ -128,7 +139,7 @@ def output_shapes(args: Dict[str, object]):
 
 def _fake_forward(saved_shapes: Callable) -> Callable:
     def fake(*values):
-        args = dict(zip(FORWARD_NAMES, values))
+        args = named(values, FORWARD_NAMES)
         x = args["x"]
         T, B, H, Hr = output_shapes(args)
         c_n = x.new_empty(B, H) if args["mode"] == "lstm" else x.new_empty(0)
@@ -139,12 +150,37 @@ def _fake_forward(saved_shapes: Callable) -> Callable:
 
 
 def _fake_backward(*values):
-    args = dict(zip(BACKWARD_NAMES, values))
+    args = named(values, BACKWARD_NAMES)
     x, h0, c0 = args["x"], args["h0"], args["c0"]
     dx = torch.empty_like(x) if args["need_dx"] else x.new_empty(0)
     dc0 = torch.empty_like(c0) if c0 is not None else x.new_empty(0)
     numel = sum(args[slot].numel() for slot in SLOTS if args[slot] is not None)
     return dx, torch.empty_like(h0), dc0, args["W"].new_empty(numel)
+
+
+def _vmap_by_loop(op) -> Callable:
+    """torch.func.vmap of a pass op: the op once per element of the mapped dimension, results
+    stacked (correct for any mapped arguments, weights included; as fast as a Python loop)."""
+
+    def rule(info, in_dims, *values):
+        def select(value, dim, k):
+            if dim is None:
+                return value
+            if isinstance(value, (list, tuple)):
+                return [select(v, d, k) for v, d in zip(value, dim)]
+            return value.select(dim, k)
+
+        results = [op(*(select(v, d, k) for v, d in zip(values, in_dims))) for k in range(info.batch_size)]
+        stacked = []
+        for parts in zip(*results):  # y, h_n, c_n, saved / dx, dh0, dc0, dweights
+            if isinstance(parts[0], (list, tuple)):
+                stacked.append([torch.stack(list(items)) for items in zip(*parts)])
+            else:
+                stacked.append(torch.stack(list(parts)))
+        out_dims = tuple([0] * len(s) if isinstance(s, list) else 0 for s in stacked)
+        return tuple(stacked), out_dims
+
+    return rule
 
 
 # ---- the ops of one backend --------------------------------------------------------------------
@@ -166,9 +202,10 @@ class PassOps:
 
     Args:
         backend: the backend's name (the ops' name prefix).
-        forward_impl, backward_impl: the kernels, called with the schema's arguments by name
+        forward_impl, backward_impl: the kernels, called with the schema's arguments in order
             and returning (y, h_n, c_n, saved) / (dx, dh0, dc0, dweights).
-        saved_shapes: ``args -> [(shape, dtype), ...]``, what the training forward saves (for the fake).
+        saved_shapes: ``{name: argument} -> [(shape, dtype), ...]``, what the training forward
+            saves (for the fake implementation).
         device_types: where the implementations run ("cpu", "cuda").
     """
 
@@ -177,27 +214,30 @@ class PassOps:
         self.backend = backend
         self.forward_impl, self.backward_impl = forward_impl, backward_impl
         names = {}
-        for which, schema, impl, fake, arg_names in (
-            ("forward", FORWARD_SCHEMA, forward_impl, _fake_forward(saved_shapes), FORWARD_NAMES),
-            ("backward", BACKWARD_SCHEMA, backward_impl, _fake_backward, BACKWARD_NAMES),
+        for which, schema, impl, fake in (
+            ("forward", FORWARD_SCHEMA, forward_impl, _fake_forward(saved_shapes)),
+            ("backward", BACKWARD_SCHEMA, backward_impl, _fake_backward),
         ):
             qualname = f"rnnkit::{backend}_pass_{which}"
             torch.library.define(qualname, schema)
-            by_position = (lambda impl_, names_: lambda *values: impl_(**dict(zip(names_, values))))(impl, arg_names)
-            torch.library.impl(qualname, tuple(device_types))(by_position)
+            torch.library.impl(qualname, tuple(device_types))(impl)
             torch.library.register_fake(qualname)(fake)
-            names[which] = getattr(torch.ops.rnnkit, f"{backend}_pass_{which}").default
+            op = getattr(torch.ops.rnnkit, f"{backend}_pass_{which}").default
+            torch.library.register_vmap(qualname)(_vmap_by_loop(op))
+            names[which] = op
         self.forward_op, self.backward_op = names["forward"], names["backward"]
 
-    def forward(self, **args):
-        if _direct(args["x"]):
-            return self.forward_impl(**args)
-        return self.forward_op(*[args[name] for name in FORWARD_NAMES])
+    def forward(self, *values):
+        """The forward op on its arguments in schema order (:func:`pass_values`, then ``training``)."""
+        if _direct(values[0]):
+            return self.forward_impl(*values)
+        return self.forward_op(*values)
 
-    def backward(self, **args):
-        if _direct(args["x"]):
-            return self.backward_impl(**args)
-        return self.backward_op(*[args[name] for name in BACKWARD_NAMES])
+    def backward(self, *values):
+        """The backward op on its arguments in schema order."""
+        if _direct(values[0]):
+            return self.backward_impl(*values)
+        return self.backward_op(*values)
 
 
 # ---- autograd -----------------------------------------------------------------------------------
@@ -207,12 +247,15 @@ class PassFunction(torch.autograd.Function):
 
     ``apply(ops, scalars, x, h0, c0, lengths, recurrent_mask, zoneout_h_mask, zoneout_c_mask,
     *weights)`` with the weights in slot order (None where absent) -> (y, h_n, c_n, *saved).
+    Under torch.func.vmap the ops' own vmap rules run (:func:`_vmap_by_loop`).
     """
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(ops, scalars, x, h0, c0, *rest):
         mask_args, weights = rest[:4], rest[4:]
-        y, h_n, c_n, saved = ops.forward(**pass_arguments(scalars, x, h0, c0, weights, mask_args), training=True)
+        y, h_n, c_n, saved = ops.forward(*pass_values(scalars, x, h0, c0, weights, mask_args), True)
         return (y, h_n, c_n, *saved)
 
     @staticmethod
@@ -237,17 +280,17 @@ class PassFunction(torch.autograd.Function):
         need_x, need_h0, need_c0 = needs[2:5]
         need_weights = needs[9:]
         if torch.is_grad_enabled():  # create_graph: gradients that are themselves differentiable
-            return (None, None) + _reference_backward(ctx.scalars, x, h0, c0, weights, mask_args, dy, dh_n, dc_n,
-                                                      (need_x, need_h0, need_c0) + tuple(need_weights))
+            grads = _reference_backward(ctx.scalars, x, h0, c0, weights, mask_args, dy, dh_n, dc_n,
+                                        (need_x, need_h0, need_c0) + tuple(need_weights))
+            return (None, None) + grads[:3] + (None,) * 4 + grads[3:]
         dy = torch.zeros_like(y) if dy is None else dy
         dh_n = torch.zeros_like(h0) if dh_n is None else dh_n
         if c0 is not None and dc_n is None:
             dc_n = torch.zeros_like(c0)
-        args = pass_arguments(ctx.scalars, x, h0, c0, weights, mask_args)
         dx, dh0, dc0, dweights = ctx.ops.backward(
-            **args, y=y, saved=saved, dy=dy, dh_n=dh_n, dc_n=dc_n if c0 is not None else None,
-            need_dx=bool(need_x), need_dW=bool(need_weights[0]), need_dR=bool(need_weights[1]),
-            need_dW_hr=bool(need_weights[SLOTS.index("W_hr")]),
+            *pass_values(ctx.scalars, x, h0, c0, weights, mask_args), y, saved, dy, dh_n,
+            dc_n if c0 is not None else None, bool(need_x), bool(need_weights[0]), bool(need_weights[1]),
+            bool(need_weights[_W_HR]),
         )
         grads, offset = [], 0
         for w, need in zip(weights, need_weights):
@@ -310,5 +353,5 @@ def run_pass(ops: PassOps, cell: CellSpec, x, h0, c0, w: PassWeights, lengths, r
             and any(t is not None and t.requires_grad for t in differentiable)):
         out = PassFunction.apply(ops, scalars, x, h0, c0, *mask_args, *weights)
     else:
-        out = ops.forward(**pass_arguments(scalars, x, h0, c0, weights, mask_args), training=False)
+        out = ops.forward(*pass_values(scalars, x, h0, c0, weights, mask_args), False)
     return out[0], out[1], (out[2] if cell.mode == "lstm" else None)

@@ -306,6 +306,7 @@ class RNNSpec:
         set_("cell_clip", _clip("cell_clip", cell_clip))
         set_("zoneout", self._zoneout(zoneout))
         self._check_combinations()
+        set_("_cells", tuple(self._make_cell(k) for k in range(num_layers)))  # not a field: no part of ==, hash
         if self.dropout > 0 and num_layers == 1:
             warnings.warn(
                 "dropout > 0 acts only between layers, so with num_layers=1 it does nothing "
@@ -368,6 +369,9 @@ class RNNSpec:
 
     def cell(self, layer: int) -> CellSpec:
         """The cell of one layer (both directions share it)."""
+        return self._cells[layer]
+
+    def _make_cell(self, layer: int) -> CellSpec:
         return CellSpec(
             mode=self.mode,
             input_size=self.layer_input_size(layer),

@@ -63,6 +63,10 @@ class FusedCPUBackend:
     def status(self) -> str:
         return build.status()
 
+    def prepare(self) -> None:
+        """Build (or load) the kernels; RuntimeError with the reason when that fails."""
+        build.extension()
+
     def unsupported_reason(self, spec, device, dtype) -> Optional[str]:
         if torch.device(device).type != "cpu":
             return f"runs on CPU tensors only, got device {device}"

@@ -108,7 +108,9 @@ def extension():
                 _extension.set_poison(os.environ.get("RNNKIT_POISON", "0") == "1")
             except Exception as error:  # a missing compiler, ninja, headers, ...: all mean "unavailable"
                 lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-                first_error = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "")
+                # the compiler's first "error:" line says more than the build tool's summary
+                first_error = next((line for line in lines if "error:" in line),
+                                   next((line for line in lines if "error" in line.lower()), lines[-1] if lines else ""))
                 _failure = f"the C++ build failed ({type(error).__name__}: {first_error})"
                 print(f"rnnkit: fused CPU backend unavailable: {_failure}", file=sys.stderr)
         if _extension is None:

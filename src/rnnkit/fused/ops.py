@@ -10,12 +10,12 @@ from ..passes import PassOps, output_shapes
 from . import build
 
 
-def _forward(**args):
-    return build.extension().pass_forward(**args)
+def _forward(*values):
+    return build.extension().pass_forward(*values)
 
 
-def _backward(**args):
-    return build.extension().pass_backward(**args)
+def _backward(*values):
+    return build.extension().pass_backward(*values)
 
 
 def _saved_shapes(args) -> List[Tuple[tuple, torch.dtype]]:

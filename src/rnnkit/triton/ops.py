@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..passes import SLOTS, PassOps
+from ..passes import BACKWARD_NAMES, FORWARD_NAMES, SLOTS, PassOps, named
 
 _families: Optional[dict] = None
 _OPTIONAL = {"hin": "rmask", "m": "proj", "h_pre": "proj", "stats_h": "layer_norm", "stats_c": "layer_norm"}
@@ -76,7 +76,8 @@ def _input_projection(cfg, p):
     return gx_raw, gx, stats_x
 
 
-def _forward(**args):
+def _forward(*values):
+    args = named(values, FORWARD_NAMES)
     from .graphs import run_loop
     from .config import first_last
 
@@ -109,7 +110,8 @@ def _saved_shapes(args):
     ]
 
 
-def _backward(**args):
+def _backward(*values):
+    args = named(values, BACKWARD_NAMES)
     from .common import ln_rows_backward
 
     family = kernels()[args["mode"]]

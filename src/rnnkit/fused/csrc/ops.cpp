@@ -1,10 +1,10 @@
 // The extension's Python bindings: the two entry points of the fused pass ops (rnnkit/fused/ops.py
-// registers them as the custom ops rnnkit::fused_pass_forward / fused_pass_backward), taking every
-// argument by the name the op schema gives it (rnnkit/passes.py), and the buffer-cache controls.
+// registers them as the custom ops rnnkit::fused_pass_forward / fused_pass_backward), with the op
+// schema's argument names and order (rnnkit/passes.py), and the buffer-cache controls.
 #include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
-
-#include <set>
+#include <ATen/core/grad_mode.h>
 
 #include "pass.h"
 
@@ -13,55 +13,48 @@ namespace py = pybind11;
 namespace rnnkit {
 namespace {
 
-// The op's arguments, taken by name: a missing or an unknown name is an error that says which.
-class Named {
- public:
-  explicit Named(const py::kwargs& kwargs) : kwargs_(kwargs) {
-    for (const auto& item : kwargs_) unread_.insert(item.first.cast<std::string>());
-  }
-  template <typename T>
-  T get(const char* name) {
-    TORCH_CHECK(kwargs_.contains(name), "rnnkit fused: missing argument '", name, "'");
-    unread_.erase(name);
-    return kwargs_[name].cast<T>();
-  }
-  Tensor tensor(const char* name) {  // an optional tensor: None -> undefined
-    TORCH_CHECK(kwargs_.contains(name), "rnnkit fused: missing argument '", name, "'");
-    unread_.erase(name);
-    const py::handle value = kwargs_[name];
-    return value.is_none() ? Tensor() : value.cast<Tensor>();
-  }
-  void done() const {
-    TORCH_CHECK(unread_.empty(), "rnnkit fused: unknown argument '", *unread_.begin(), "'");
-  }
-
- private:
-  const py::kwargs& kwargs_;
-  std::set<std::string> unread_;
-};
+using OptTensor = std::optional<Tensor>;
 
 Tensor contiguous(const Tensor& t) { return t.defined() ? t.contiguous() : t; }
+Tensor contiguous(const OptTensor& t) { return t.has_value() ? t->contiguous() : Tensor(); }
 
-// The pass description every op shares (rnnkit/passes.py, PASS_ARGUMENTS).
-PassArgs pass_args(Named& in) {
+// The pass description every op shares, by name (rnnkit/passes.py, PASS_ARGUMENTS; the bindings
+// below list the same names in the same order, and tests/test_ops.py checks that they agree).
+#define RNNKIT_PASS_PARAMETERS                                                                                   \
+  const Tensor &x, const Tensor &h0, const OptTensor &c0, const Tensor &W, const Tensor &R, const OptTensor &b_W, \
+      const OptTensor &b_R, const OptTensor &W_hr, const OptTensor &peephole, const OptTensor &ln_x_gain,          \
+      const OptTensor &ln_x_shift, const OptTensor &ln_h_gain, const OptTensor &ln_h_shift,                       \
+      const OptTensor &ln_c_gain, const OptTensor &ln_c_shift, const OptTensor &lengths,                          \
+      const OptTensor &recurrent_mask, const OptTensor &zoneout_h_mask, const OptTensor &zoneout_c_mask,          \
+      const std::string &mode, double zoneout_h, double zoneout_c, std::optional<double> cell_clip,               \
+      std::optional<double> proj_clip, bool coupled_gates, bool reset_after, bool reverse
+#define RNNKIT_PASS_ARGUMENTS                                                                                    \
+  x, h0, c0, W, R, b_W, b_R, W_hr, peephole, ln_x_gain, ln_x_shift, ln_h_gain, ln_h_shift, ln_c_gain, ln_c_shift, \
+      lengths, recurrent_mask, zoneout_h_mask, zoneout_c_mask, mode, zoneout_h, zoneout_c, cell_clip, proj_clip,  \
+      coupled_gates, reset_after, reverse
+#define RNNKIT_PASS_PY_ARGS                                                                                      \
+  py::arg("x"), py::arg("h0"), py::arg("c0"), py::arg("W"), py::arg("R"), py::arg("b_W"), py::arg("b_R"),         \
+      py::arg("W_hr"), py::arg("peephole"), py::arg("ln_x_gain"), py::arg("ln_x_shift"), py::arg("ln_h_gain"),    \
+      py::arg("ln_h_shift"), py::arg("ln_c_gain"), py::arg("ln_c_shift"), py::arg("lengths"),                     \
+      py::arg("recurrent_mask"), py::arg("zoneout_h_mask"), py::arg("zoneout_c_mask"), py::arg("mode"),           \
+      py::arg("zoneout_h"), py::arg("zoneout_c"), py::arg("cell_clip"), py::arg("proj_clip"),                     \
+      py::arg("coupled_gates"), py::arg("reset_after"), py::arg("reverse")
+
+PassArgs pass_args(RNNKIT_PASS_PARAMETERS) {
   PassArgs a;
-  a.mode = in.get<std::string>("mode");
-  a.x = contiguous(in.tensor("x")), a.h0 = contiguous(in.tensor("h0")), a.c0 = contiguous(in.tensor("c0"));
-  a.W = contiguous(in.tensor("W")), a.R = contiguous(in.tensor("R"));
-  a.b_W = contiguous(in.tensor("b_W")), a.b_R = contiguous(in.tensor("b_R"));
-  a.W_hr = contiguous(in.tensor("W_hr")), a.peephole = contiguous(in.tensor("peephole"));
-  a.ln_x_gain = contiguous(in.tensor("ln_x_gain")), a.ln_x_shift = contiguous(in.tensor("ln_x_shift"));
-  a.ln_h_gain = contiguous(in.tensor("ln_h_gain")), a.ln_h_shift = contiguous(in.tensor("ln_h_shift"));
-  a.ln_c_gain = contiguous(in.tensor("ln_c_gain")), a.ln_c_shift = contiguous(in.tensor("ln_c_shift"));
-  a.lengths = in.tensor("lengths");
-  a.recurrent_mask = contiguous(in.tensor("recurrent_mask"));
-  a.zoneout_h = contiguous(in.tensor("zoneout_h_mask")), a.zoneout_c = contiguous(in.tensor("zoneout_c_mask"));
-  a.zoneout_h_p = in.get<double>("zoneout_h"), a.zoneout_c_p = in.get<double>("zoneout_c");
-  const auto cell_clip = in.get<std::optional<double>>("cell_clip");
-  const auto proj_clip = in.get<std::optional<double>>("proj_clip");
+  a.mode = mode;
+  a.x = x.contiguous(), a.h0 = h0.contiguous(), a.c0 = contiguous(c0);
+  a.W = W.contiguous(), a.R = R.contiguous(), a.b_W = contiguous(b_W), a.b_R = contiguous(b_R);
+  a.W_hr = contiguous(W_hr), a.peephole = contiguous(peephole);
+  a.ln_x_gain = contiguous(ln_x_gain), a.ln_x_shift = contiguous(ln_x_shift);
+  a.ln_h_gain = contiguous(ln_h_gain), a.ln_h_shift = contiguous(ln_h_shift);
+  a.ln_c_gain = contiguous(ln_c_gain), a.ln_c_shift = contiguous(ln_c_shift);
+  a.lengths = lengths.has_value() ? *lengths : Tensor();
+  a.recurrent_mask = contiguous(recurrent_mask);
+  a.zoneout_h = contiguous(zoneout_h_mask), a.zoneout_c = contiguous(zoneout_c_mask);
+  a.zoneout_h_p = zoneout_h, a.zoneout_c_p = zoneout_c;
   a.cell_clip = cell_clip.value_or(0), a.proj_clip = proj_clip.value_or(0);
-  a.coupled = in.get<bool>("coupled_gates"), a.reset_after = in.get<bool>("reset_after");
-  a.reverse = in.get<bool>("reverse");
+  a.coupled = coupled_gates, a.reset_after = reset_after, a.reverse = reverse;
   a.finish();
   return a;
 }
@@ -71,11 +64,9 @@ Tensor or_empty(const Tensor& t, const Tensor& like) { return t.defined() ? t : 
 
 // -> (y, h_n, c_n, saved): c_n empty unless LSTM; saved has Saved::kNumSaved entries when
 // training (empty where nothing is kept), none otherwise.
-py::tuple pass_forward(const py::kwargs& kwargs) {
-  Named in(kwargs);
-  const PassArgs a = pass_args(in);
-  const bool training = in.get<bool>("training");
-  in.done();
+py::tuple pass_forward(RNNKIT_PASS_PARAMETERS, bool training) {
+  const at::NoGradGuard no_grad;  // a kernel: below autograd, whoever calls it
+  const PassArgs a = pass_args(RNNKIT_PASS_ARGUMENTS);
   ForwardResult out;
   {
     py::gil_scoped_release no_gil;
@@ -94,30 +85,108 @@ py::tuple pass_forward(const py::kwargs& kwargs) {
 
 // -> (dx, dh0, dc0, dweights): dx empty unless need_dx, dc0 empty unless LSTM, dweights the
 // gradient block of the present weights in the packed buffer's order.
-py::tuple pass_backward(const py::kwargs& kwargs) {
-  Named in(kwargs);
-  const PassArgs a = pass_args(in);
-  const Tensor y = in.tensor("y");
-  const std::vector<Tensor> saved = in.get<std::vector<Tensor>>("saved");
-  const Tensor dy = in.tensor("dy"), dh_n = in.tensor("dh_n"), dc_n = in.tensor("dc_n");
-  GradNeeds needs;
-  needs.dx = in.get<bool>("need_dx"), needs.dW = in.get<bool>("need_dW");
-  needs.dR = in.get<bool>("need_dR"), needs.dW_hr = in.get<bool>("need_dW_hr");
-  in.done();
+py::tuple pass_backward(RNNKIT_PASS_PARAMETERS, const Tensor& y, const std::vector<Tensor>& saved, const Tensor& dy,
+                        const Tensor& dh_n, const OptTensor& dc_n, bool need_dx, bool need_dW, bool need_dR,
+                        bool need_dW_hr) {
+  const at::NoGradGuard no_grad;
+  const PassArgs a = pass_args(RNNKIT_PASS_ARGUMENTS);
   TORCH_CHECK(saved.size() == size_t(kNumSaved), "rnnkit fused: saved: expected ", int(kNumSaved), " tensors, got ",
               saved.size());
+  GradNeeds needs;
+  needs.dx = need_dx, needs.dW = need_dW, needs.dR = need_dR, needs.dW_hr = need_dW_hr;
+  const Tensor dc = dc_n.has_value() ? *dc_n : Tensor();
   BackwardResult g;
   {
     py::gil_scoped_release no_gil;
     if (a.mode == "lstm") {
-      g = lstm_backward(a, y, saved, dy, dh_n, dc_n, needs);
+      g = lstm_backward(a, y, saved, dy, dh_n, dc, needs);
     } else if (a.mode == "gru") {
-      g = gru_backward(a, y, saved, dy, dh_n, dc_n, needs);
+      g = gru_backward(a, y, saved, dy, dh_n, dc, needs);
     } else {
-      g = rnn_backward(a, y, saved, dy, dh_n, dc_n, needs);
+      g = rnn_backward(a, y, saved, dy, dh_n, dc, needs);
     }
   }
   return py::make_tuple(or_empty(g.dx, a.x), g.dh0, or_empty(g.dc0, a.x), g.dweights);
+}
+
+// One-step cells' fast path (rnnkit.LSTMCell / GRUCell / RNNCell in inference): the pass's
+// weights and scalars, fixed when the cell builds it, and a call that takes only x and the state.
+// It returns None instead of raising when the call is not one it can take (shapes, dtypes,
+// devices), so that Python's checks give their errors naming the argument.
+class StepPlan {
+ public:
+  explicit StepPlan(PassArgs weights) : base_(std::move(weights)) {}
+
+  py::object call(const Tensor& input, const py::object& hx) const {
+    const at::NoGradGuard no_grad;
+    const Tensor& W = base_.W;
+    if (input.dim() < 1 || input.dim() > 2 || input.size(-1) != W.size(1) || input.scalar_type() != W.scalar_type() ||
+        input.device() != W.device()) {
+      return py::none();
+    }
+    const bool unbatched = input.dim() == 1, lstm = base_.mode == "lstm";
+    const int64_t B = unbatched ? 1 : input.size(0);
+    const int64_t Hr = base_.R.size(1);
+    const int64_t H = base_.W_hr.defined() ? base_.W_hr.size(1) : (lstm ? W.size(0) / (base_.coupled ? 3 : 4) : Hr);
+    PassArgs a = base_;
+    a.x = input.reshape({1, B, input.size(-1)}).contiguous();
+    if (hx.is_none()) {
+      a.h0 = at::zeros({B, Hr}, input.options());
+      if (lstm) a.c0 = at::zeros({B, H}, input.options());
+    } else {
+      Tensor h, c;
+      if (lstm) {
+        if (!py::isinstance<py::tuple>(hx) && !py::isinstance<py::list>(hx)) return py::none();
+        const py::sequence pair = hx.cast<py::sequence>();
+        if (pair.size() != 2 || !THPVariable_Check(pair[0].ptr()) || !THPVariable_Check(pair[1].ptr())) return py::none();
+        h = pair[0].cast<Tensor>(), c = pair[1].cast<Tensor>();
+      } else {
+        if (!THPVariable_Check(hx.ptr())) return py::none();
+        h = hx.cast<Tensor>();
+      }
+      const auto state_ok = [&](const Tensor& t, int64_t n) {
+        return t.scalar_type() == W.scalar_type() && t.device() == W.device() &&
+               (unbatched ? (t.dim() == 1 && t.size(0) == n) : (t.dim() == 2 && t.size(0) == B && t.size(1) == n));
+      };
+      if (!state_ok(h, Hr) || (lstm && !state_ok(c, H))) return py::none();
+      a.h0 = h.reshape({B, Hr}).contiguous();
+      if (lstm) a.c0 = c.reshape({B, H}).contiguous();
+    }
+    a.finish();
+    ForwardResult out;
+    {
+      py::gil_scoped_release no_gil;
+      out = lstm ? lstm_forward(a, false) : (a.mode == "gru" ? gru_forward(a, false) : rnn_forward(a, false));
+    }
+    Tensor h = unbatched ? out[1][0] : out[1];
+    if (!lstm) return py::cast(h);
+    return py::make_tuple(h, unbatched ? out[2][0] : out[2]);
+  }
+
+ private:
+  PassArgs base_;
+};
+
+StepPlan make_step_plan(RNNKIT_PASS_PARAMETERS) {
+  PassArgs a;
+  a.mode = mode;
+  a.W = W, a.R = R, a.b_W = b_W.value_or(Tensor()), a.b_R = b_R.value_or(Tensor());
+  a.W_hr = W_hr.value_or(Tensor()), a.peephole = peephole.value_or(Tensor());
+  a.ln_x_gain = ln_x_gain.value_or(Tensor()), a.ln_x_shift = ln_x_shift.value_or(Tensor());
+  a.ln_h_gain = ln_h_gain.value_or(Tensor()), a.ln_h_shift = ln_h_shift.value_or(Tensor());
+  a.ln_c_gain = ln_c_gain.value_or(Tensor()), a.ln_c_shift = ln_c_shift.value_or(Tensor());
+  for (const Tensor* t : {&a.W, &a.R, &a.b_W, &a.b_R, &a.W_hr, &a.peephole, &a.ln_x_gain, &a.ln_x_shift, &a.ln_h_gain,
+                          &a.ln_h_shift, &a.ln_c_gain, &a.ln_c_shift}) {
+    TORCH_CHECK(!t->defined() || t->is_contiguous(), "rnnkit fused: a step plan needs contiguous weights");
+  }
+  TORCH_CHECK(!lengths.has_value() && !recurrent_mask.has_value() && !zoneout_h_mask.has_value() &&
+                  !zoneout_c_mask.has_value(),
+              "rnnkit fused: a step plan is for inference (no lengths, no masks)");
+  a.zoneout_h_p = zoneout_h, a.zoneout_c_p = zoneout_c;
+  a.cell_clip = cell_clip.value_or(0), a.proj_clip = proj_clip.value_or(0);
+  a.coupled = coupled_gates, a.reset_after = reset_after, a.reverse = reverse;
+  a.relu = mode == "rnn_relu";
+  return StepPlan(std::move(a));
 }
 
 }  // namespace
@@ -125,9 +194,16 @@ py::tuple pass_backward(const py::kwargs& kwargs) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "rnnkit fused CPU passes (LSTM, GRU, RNN): forward and backward time loops";
-  m.def("pass_forward", &rnnkit::pass_forward, "one layer-direction pass forward; arguments by name");
-  m.def("pass_backward", &rnnkit::pass_backward, "its backward; arguments by name");
+  m.def("pass_forward", &rnnkit::pass_forward, "one layer-direction pass forward", RNNKIT_PASS_PY_ARGS,
+        py::arg("training"));
+  m.def("pass_backward", &rnnkit::pass_backward, "its backward", RNNKIT_PASS_PY_ARGS, py::arg("y"),
+        py::arg("saved"), py::arg("dy"), py::arg("dh_n"), py::arg("dc_n"), py::arg("need_dx"), py::arg("need_dW"),
+        py::arg("need_dR"), py::arg("need_dW_hr"));
   m.def("saved_count", [] { return int(rnnkit::kNumSaved); }, "entries of the saved list");
+  py::class_<rnnkit::StepPlan>(m, "StepPlan", "a one-step cell's weights and scalars, fixed (inference)")
+      .def("__call__", &rnnkit::StepPlan::call, py::arg("input"), py::arg("hx"));
+  m.def("step_plan", &rnnkit::make_step_plan, "a StepPlan (the pass arguments; x, h0, c0 are ignored)",
+        RNNKIT_PASS_PY_ARGS);
   m.def("set_poison", [](bool on) { rnnkit::poison_flag() = on; }, "NaN-fill every buffer the kernels allocate");
   m.def("cached_buffer_bytes", &rnnkit::cached_buffer_bytes, "bytes of freed buffers the kernels keep for reuse");
   m.def("release_cached_buffers", &rnnkit::release_cached_buffers, "give the kept buffers back to the system");
