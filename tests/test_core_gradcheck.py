@@ -1,6 +1,6 @@
 """Rung two of truth for what torch.nn does not have: torch.autograd.gradcheck in float64
 on the reference backend, with respect to the input, the initial states and the packed
-weights, for every option of SPEC.md (stochastic ones in evaluation mode).
+weights, for every option of docs/spec.md (stochastic ones in evaluation mode).
 
 Clipping: gradcheck across a clamp edge is meaningless (the function has a kink there),
 so each clip case picks its clip value such that the clip is ACTIVE for some entries and

@@ -1,4 +1,4 @@
-"""Variable length on the reference backend (SPEC.md, "Stacking, directions, sequences"):
+"""Variable length on the reference backend (docs/spec.md, "Stacking, directions, sequences"):
 a batch with lengths gives, per sequence, exactly what running that sequence alone gives,
 in both directions and every layer; padded outputs are exactly zero; final states are the
 state after step length-1."""

@@ -281,7 +281,7 @@ def test_forget_bias_refused_without_forget_gate():
 
 
 def test_layout_order_follows_spec():
-    """SPEC.md: per layer, per direction (forward first), torch.nn's order, then the extras."""
+    """docs/spec.md: per layer, per direction (forward first), torch.nn's order, then the extras."""
     module = rnnkit.LSTM(I, H, 2, proj_size=P, bidirectional=True, peephole=True, layer_norm=True, backend=REF)
     names = [e.name for e in module.layout]
     expected = []

@@ -215,16 +215,16 @@ def test_unbatched_matches_torch_nn(variant, batch_first):
     assert_close(hy, hy_ref, "final states")
 
 
-# ---- where torch.nn has no twin: SPEC.md's equations, written out independently -----------
+# ---- where torch.nn has no twin: docs/spec.md's equations, written out independently -----------
 
 def _ln(v, gain, shift):
     mean = v.mean(-1, keepdim=True)
-    var = ((v - mean) ** 2).mean(-1, keepdim=True)  # biased variance, eps 1e-5 (SPEC.md)
+    var = ((v - mean) ** 2).mean(-1, keepdim=True)  # biased variance, eps 1e-5 (docs/spec.md)
     return (v - mean) / torch.sqrt(var + 1e-5) * gain + shift
 
 
 def _spec_step(mode, o, p, x, h, c):
-    """One step of SPEC.md's cell; ``o`` the options, ``p`` the module's named weights (suffix-free)."""
+    """One step of docs/spec.md's cell; ``o`` the options, ``p`` the module's named weights (suffix-free)."""
     get = lambda name: p.get(name)  # noqa: E731
     a_x, a_h = x @ p["weight_ih"].T, h @ p["weight_hh"].T
     if o.get("layer_norm"):

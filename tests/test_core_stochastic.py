@@ -1,5 +1,5 @@
 """Stochastic options on the reference backend: evaluation is the deterministic expectation
-of SPEC.md, training masks are reproducible under a seed and have the promised structure
+of docs/spec.md, training masks are reproducible under a seed and have the promised structure
 (variational masks constant over time, zoneout keeps exactly the masked units, DropConnect
 on R only, dropout between layers only)."""
 from __future__ import annotations
@@ -29,7 +29,7 @@ def rnn_cell(x, h, W, R, b_W, b_R):
 
 
 def lstm_cell(x, h, c, W, R, b_W, b_R):
-    """-> (h̃, c̃): SPEC.md's LSTM before zoneout."""
+    """-> (h̃, c̃): docs/spec.md's LSTM before zoneout."""
     i, f, g, o = (x @ W.T + b_W + h @ R.T + b_R).chunk(4, -1)
     c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     return torch.sigmoid(o) * torch.tanh(c_new), c_new

@@ -4,7 +4,7 @@
     >>> lstm = rnnkit.LSTM(8, 16, num_layers=2, peephole=True, layer_norm=True)
     >>> y, (h_n, c_n) = lstm(torch.randn(5, 3, 8))
 
-See SPEC.md for the equations and README.md for the tour.
+See docs/spec.md for the equations and README.md for the tour.
 """
 from .backend import BackendUnavailableError, backends
 from .functional import backward_data, backward_weights, forward_inference, forward_training, rnn

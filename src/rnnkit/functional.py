@@ -1,10 +1,10 @@
 """The functional API: argument checks, the stack loop, and cuDNN's four calls.
 
-Layers: a backend runs one layer in one direction (``run_pass``); :func:`rnn` validates
+Layers: a backend runs one layer in one direction (``run_pass``); `rnn` validates
 its arguments, draws the masks (``masks.py``), runs the passes of every layer and
 direction, and merges their outputs. On top of it sit the cuDNN-style calls
-:func:`forward_training`, :func:`forward_inference`, :func:`backward_data` and
-:func:`backward_weights`, for code ported from cuDNN.
+`forward_training`, `forward_inference`, `backward_data` and
+`backward_weights`, for code ported from cuDNN.
 """
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ def step_mask_of(lengths: Optional[torch.Tensor], T: int, device) -> Optional[to
 def run_stack(backend, spec: RNNSpec, weights: Sequence[PassWeights], x, h0s, c0s, lengths, training):
     """All layers and directions on time-major x -> (y [T, B, F], h_ns, c_ns).
 
-    ``weights`` has one :class:`PassWeights` per layer-direction (layer by layer, forward
+    ``weights`` has one `PassWeights` per layer-direction (layer by layer, forward
     first); h_ns / c_ns are lists over layer-directions of [B, Hr] / [B, H] (c_ns None unless
     LSTM). With lengths, the input's padding is zeroed first, so that nothing a caller leaves
     there (NaN, inf) reaches an output or a gradient: a batch with lengths equals each sequence
@@ -245,7 +245,7 @@ def run(
     batch_first: bool,
     like: torch.Tensor,
 ):
-    """:func:`rnn` with the weights given per pass (the modules' entry) -> (y, hy, backend name).
+    """`rnn` with the weights given per pass (the modules' entry) -> (y, hy, backend name).
 
     ``like`` is a weight tensor: the input must have its dtype and device.
     """
@@ -292,7 +292,7 @@ def rnn(
     """Run a recurrent stack: the one entry point the modules and the cuDNN-style calls share.
 
     Args:
-        spec: the stack's :class:`~rnnkit.RNNSpec`.
+        spec: the stack's `RNNSpec`.
         weights: the packed 1-D parameter buffer (``Layout(spec).numel`` values).
         input: (T, B, I), or (B, T, I) with ``batch_first``, or unbatched (T, I).
         hx: initial states, zeros when None. GRU/RNN: h_0 (L·D, B, Hr); LSTM: (h_0, c_0) with
@@ -333,7 +333,7 @@ def _zero_state(spec: RNNSpec, x_time_major: torch.Tensor, unbatched: bool):
 
 
 class Reserve:
-    """What :func:`backward_data` and :func:`backward_weights` need from :func:`forward_training`.
+    """What `backward_data` and `backward_weights` need from `forward_training`.
 
     Opaque; it holds the recorded computation until backward_data frees it.
     """
@@ -349,11 +349,11 @@ class Reserve:
 def forward_training(spec: RNNSpec, weights: torch.Tensor, input: torch.Tensor, hx=None, lengths=None, *, backend: str = "auto"):
     """Forward pass in training mode that records what backward needs (cudnnRNNForwardTraining).
 
-    Shapes as in :func:`rnn`. Dropouts and zoneout draw their masks.
+    Shapes as in `rnn`. Dropouts and zoneout draw their masks.
 
     Returns:
         (y, hy, reserve): ``hy`` is h_n, or (h_n, c_n) for LSTM; pass ``reserve`` to
-        :func:`backward_data` and then :func:`backward_weights`.
+        `backward_data` and then `backward_weights`.
 
     Example:
         >>> y, hy, reserve = forward_training(spec, w, x)
@@ -377,7 +377,7 @@ def forward_training(spec: RNNSpec, weights: torch.Tensor, input: torch.Tensor, 
 def forward_inference(spec: RNNSpec, weights: torch.Tensor, input: torch.Tensor, hx=None, lengths=None, *, backend: str = "auto"):
     """Forward pass in inference mode, keeping no per-step activations (cudnnRNNForwardInference).
 
-    Zoneout uses its expectation; dropouts are off. Returns (y, hy) as :func:`rnn`.
+    Zoneout uses its expectation; dropouts are off. Returns (y, hy) as `rnn`.
     """
     with torch.no_grad():
         return rnn(spec, weights, input, hx, lengths, training=False, backend=backend)
@@ -387,7 +387,7 @@ def backward_data(reserve: Reserve, dy: torch.Tensor, dhy=None, dcy=None):
     """Gradients with respect to the input and the initial states (cudnnRNNBackwardData).
 
     Args:
-        reserve: from :func:`forward_training`; consumed (call once).
+        reserve: from `forward_training`; consumed (call once).
         dy: gradient of y, shaped like y.
         dhy: gradient of h_n, shaped like h_n (None = zeros).
         dcy: gradient of c_n for LSTM (None = zeros).
@@ -432,7 +432,7 @@ def backward_data(reserve: Reserve, dy: torch.Tensor, dhy=None, dcy=None):
 def backward_weights(reserve: Reserve, dweights: Optional[torch.Tensor] = None, *, accumulate: bool = False) -> torch.Tensor:
     """Gradient with respect to the packed weights (cudnnRNNBackwardWeights).
 
-    Call after :func:`backward_data` with the same reserve.
+    Call after `backward_data` with the same reserve.
 
     Args:
         dweights: a packed buffer to write into (shape and dtype of the weights); a new

@@ -21,7 +21,7 @@ class PassMasks(NamedTuple):
 
     recurrent: [B, Hr] variational mask on the h that enters R, already scaled by 1/(1-p).
     zoneout_h: [T, B, Hr] keep-old-value indicators d in training; the probability p in
-        evaluation (the expectation, SPEC.md); None when zoneout is off.
+        evaluation (the expectation, docs/spec.md); None when zoneout is off.
     zoneout_c: [T, B, H] or p or None, likewise for the LSTM cell state.
     """
 

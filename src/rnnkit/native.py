@@ -72,7 +72,7 @@ class NativeBackend:
         state = (hx, torch.stack(c0s)) if spec.mode == "lstm" else hx
         op = getattr(torch._VF, _OPS[spec.mode])
         args = (flat_weights, spec.bias_mode == "double", spec.num_layers, spec.dropout, training, spec.bidirectional)
-        if lengths is None:
+        if lengths is None or x.shape[1] == 0:  # an empty batch has nothing to pack
             out = op(x, state, *args, False)
         else:
             packed = pack_padded_sequence(x, lengths, enforce_sorted=False)

@@ -105,7 +105,7 @@ class _PackedModule(nn.Module):
     each parameter's ``.grad`` is a view of it. Anything that breaks the aliasing (a
     parametrization, ``p.data = ...``, ``load_state_dict(assign=True)``, ``set_``) still computes
     correctly, the parameters then being passed to the kernels one by one, and warns once;
-    :meth:`flatten_parameters` re-establishes it.
+    `flatten_parameters` re-establishes it.
     """
 
     spec: RNNSpec
@@ -172,7 +172,7 @@ class _PackedModule(nn.Module):
             )
 
     def _pass_weights(self) -> list:
-        """One PassWeights per layer-direction: views of the packed buffer through :class:`_Pack`
+        """One PassWeights per layer-direction: views of the packed buffer through `_Pack`
         when the parameters alias it and a gradient is wanted, else the parameters themselves."""
         tensors = self._current()
         if _plain_eager():
@@ -331,7 +331,7 @@ class _Recurrent(_PackedModule):
         Args:
             input: (T, B, input_size), (B, T, input_size) with batch_first, (T, input_size)
                 unbatched, or a PackedSequence.
-            hx: initial state (zeros when None); see :func:`rnnkit.functional.rnn` for shapes.
+            hx: initial state (zeros when None); shapes as [`rnnkit.rnn`][rnnkit.rnn] says.
             lengths: (B,) valid lengths of a padded tensor input, in any order.
 
         Returns:
@@ -378,35 +378,62 @@ class _Recurrent(_PackedModule):
         return ", ".join(parts + ([note] if note else []))
 
 
-_OPTIONS_DOC = """
-    Beyond torch.nn's arguments, keyword options (SPEC.md has the equations):
-        bias_mode: "double" (default), "single_input", "single_recurrent" or "none".
-        merge: how bidirectional outputs combine, "concat" (default) or "sum".
-        input_dropout, recurrent_dropout: variational dropout on each layer's input and
-            on the h entering R, one mask per sequence.
-        dropconnect: DropConnect on R, one mask per forward call.
-        zoneout: probability of keeping the old h{zc} in training; expectation in eval.
-        layer_norm: layer-normalize the input and recurrent pre-activations{lnc}.
-        backend: "auto" (fastest available), "reference", or another registered backend.
-        device, dtype: where and in what type the packed buffer is made.
-
-    ``hidden_size`` may be a list with one entry per layer; states are then per-layer lists.
-    All parameters live in one packed tensor ``flat_weights``; ``weight_ih_l0`` etc. are
-    views of it, and ``state_dict()`` uses torch.nn's names.
-"""
-
-
 class LSTM(_Recurrent):
-    """Multi-layer LSTM, a drop-in for :class:`torch.nn.LSTM` with every variant of SPEC.md.
+    """Multi-layer LSTM, a drop-in for `torch.nn.LSTM`, with every variant of the spec.
 
-    Gates i, f, g, o (cuDNN / PyTorch order)::
+    For each layer and direction, gates in cuDNN / PyTorch order i, f, g, o:
 
-        i, f, g, o = σ, σ, tanh, σ of (W x + b_W + R h + b_R)   (+ peepholes on i, f, o)
-        c' = f ∘ c + i ∘ g,  h' = o ∘ tanh(c')                  (h' = W_hr h' with proj_size)
+    ```text
+    i = σ(W_i x_t + b_Wi + R_i h_{t-1} + b_Ri [+ p_i ∘ c_{t-1}])
+    f = σ(W_f x_t + b_Wf + R_f h_{t-1} + b_Rf [+ p_f ∘ c_{t-1}])      coupled_gates: f = 1 − i
+    g = tanh(W_g x_t + b_Wg + R_g h_{t-1} + b_Rg)
+    c_t = f ∘ c_{t-1} + i ∘ g                                         clamped to ±cell_clip if set
+    o = σ(W_o x_t + b_Wo + R_o h_{t-1} + b_Ro [+ p_o ∘ c_t])
+    h_t = o ∘ tanh(c_t)                                               proj_size: h_t = W_hr h_t (±proj_clip)
+    ```
 
-    LSTM-only options: proj_size (int or per-layer list), peephole, coupled_gates (f = 1 − i),
-    cell_clip, proj_clip, forget_bias (initial forget-gate bias).
-    {options}
+    With `layer_norm` the input and recurrent pre-activations are normalized separately and
+    `h_t = o ∘ tanh(LN_c(c_t))`; zoneout, variational dropout and DropConnect act as
+    docs/spec.md says.
+
+    Args:
+        input_size: I, the features of the input.
+        hidden_size: H, an int, or a list with one entry per layer (states then become per-layer lists).
+        num_layers: L, stacked layers.
+        bias: False is `bias_mode="none"`.
+        batch_first: input and output are (B, T, ·) instead of (T, B, ·).
+        dropout: dropout on every layer's output but the last (training only).
+        bidirectional: add a reverse direction (D = 2).
+        proj_size: P, the LSTMP projection (0 = none), an int or a per-layer list, P < H.
+        **options: the spec's other options, by keyword: `peephole`, `coupled_gates`, `cell_clip`,
+            `proj_clip`, `layer_norm`, `zoneout` (p, or `(p_h, p_c)`), `input_dropout`,
+            `recurrent_dropout`, `dropconnect`, `merge` ("concat" or "sum"), `bias_mode` ("double",
+            "single_input", "single_recurrent", "none"), `forget_bias` (initial forget-gate bias),
+            `backend` ("auto", "native", "fused", "triton", "reference"), `device`, `dtype`.
+            [`RNNSpec`][rnnkit.RNNSpec] documents each.
+
+    The call `lstm(input, hx=None, lengths=None)` takes:
+
+    - input: (T, B, I), (B, T, I) with `batch_first`, (T, I) unbatched, or a `PackedSequence`.
+    - hx: `(h_0, c_0)` with h_0 (L·D, B, Hr) and c_0 (L·D, B, H), Hr = P or H; zeros when None.
+      With per-layer sizes each is a list of L tensors (D, B, Hr_k) / (D, B, H_k).
+    - lengths: (B,) integers in [1, T] in any order, for a padded tensor input: steps past a
+      sequence's length output zeros and leave its state alone.
+
+    It returns `(output, (h_n, c_n))`: output (T, B, D·Hr) (Hr with `merge="sum"`), or a
+    `PackedSequence` when the input is one; h_n and c_n shaped like h_0 and c_0.
+
+    Attributes:
+        weight_ih_l{k}{_reverse} (nn.Parameter): W of layer k, (4H, I) for k = 0, else (4H, D·Hr); (3H, ·) with coupled gates.
+        weight_hh_l{k}{_reverse} (nn.Parameter): R, (4H, Hr).
+        bias_ih_l{k}{_reverse}, bias_hh_l{k}{_reverse} (nn.Parameter): b_W and b_R, (4H,), as `bias_mode` keeps them.
+        weight_hr_l{k}{_reverse} (nn.Parameter): W_hr, (P, H), with a projection.
+        weight_peephole_l{k}{_reverse} (nn.Parameter): the diagonal peepholes, rows i, f, o: (3, H); (2, H) rows i, o with coupled gates.
+        layer_norm_{ih,hh}_{weight,bias}_l{k}{_reverse} (nn.Parameter): LN gains (init 1) and shifts (init 0), (4H,).
+        layer_norm_c_{weight,bias}_l{k}{_reverse} (nn.Parameter): LN of the cell, (H,).
+        flat_weights (torch.Tensor): the one packed buffer all of the above are views of, in the spec's order.
+        last_backend (str): the backend that ran the last eager call.
+
     Example:
         >>> lstm = rnnkit.LSTM(10, 20, num_layers=2, peephole=True, zoneout=0.1)
         >>> y, (h_n, c_n) = lstm(torch.randn(5, 3, 10))    # y: (5, 3, 20), h_n: (2, 3, 20)
@@ -419,15 +446,42 @@ class LSTM(_Recurrent):
 
 
 class GRU(_Recurrent):
-    """Multi-layer GRU, a drop-in for :class:`torch.nn.GRU` with every variant of SPEC.md.
+    """Multi-layer GRU, a drop-in for `torch.nn.GRU`, with every variant of the spec.
 
-    Gates r, z, n (cuDNN / PyTorch order)::
+    For each layer and direction, gates in cuDNN / PyTorch order r, z, n:
 
-        r, z = σ(W_r x + b_Wr + R_r h + b_Rr), σ(W_z x + b_Wz + R_z h + b_Rz)
-        n = tanh(W_n x + b_Wn + r ∘ (R_n h + b_Rn))        reset_after=True (default)
-        n = tanh(W_n x + b_Wn + R_n (r ∘ h) + b_Rn)        reset_after=False
-        h' = (1 − z) ∘ n + z ∘ h
-    {options}
+    ```text
+    r = σ(W_r x_t + b_Wr + R_r h_{t-1} + b_Rr)
+    z = σ(W_z x_t + b_Wz + R_z h_{t-1} + b_Rz)
+    n = tanh(W_n x_t + b_Wn + r ∘ (R_n h_{t-1} + b_Rn))        reset_after=True (cuDNN, PyTorch; default)
+    n = tanh(W_n x_t + b_Wn + R_n (r ∘ h_{t-1}) + b_Rn)        reset_after=False (Keras, ONNX's default)
+    h_t = (1 − z) ∘ n + z ∘ h_{t-1}
+    ```
+
+    Args:
+        input_size: I, the features of the input.
+        hidden_size: H, an int, or a list with one entry per layer (states then become per-layer lists).
+        num_layers: L, stacked layers.
+        bias: False is `bias_mode="none"`.
+        batch_first: input and output are (B, T, ·) instead of (T, B, ·).
+        dropout: dropout on every layer's output but the last (training only).
+        bidirectional: add a reverse direction (D = 2).
+        **options: `reset_after`, `layer_norm` (reset_after only), `zoneout`, `input_dropout`,
+            `recurrent_dropout`, `dropconnect`, `merge`, `bias_mode`, `backend`, `device`,
+            `dtype`; [`RNNSpec`][rnnkit.RNNSpec] documents each.
+
+    The call `gru(input, hx=None, lengths=None)` takes input as [`LSTM`][rnnkit.LSTM] does and
+    h_0 (L·D, B, H) (per-layer sizes: a list of L tensors (D, B, H_k)); it returns
+    `(output, h_n)`, output (T, B, D·H).
+
+    Attributes:
+        weight_ih_l{k}{_reverse} (nn.Parameter): W, (3H, I) for layer 0, else (3H, D·H).
+        weight_hh_l{k}{_reverse} (nn.Parameter): R, (3H, H).
+        bias_ih_l{k}{_reverse}, bias_hh_l{k}{_reverse} (nn.Parameter): b_W and b_R, (3H,).
+        layer_norm_{ih,hh}_{weight,bias}_l{k}{_reverse} (nn.Parameter): LN gains and shifts, (3H,).
+        flat_weights (torch.Tensor): the packed buffer the parameters are views of.
+        last_backend (str): the backend that ran the last eager call.
+
     Example:
         >>> gru = rnnkit.GRU(10, 20, bidirectional=True, reset_after=False)
         >>> y, h_n = gru(torch.randn(5, 3, 10))             # y: (5, 3, 40), h_n: (2, 3, 20)
@@ -440,10 +494,30 @@ class GRU(_Recurrent):
 
 
 class RNN(_Recurrent):
-    """Multi-layer Elman RNN, a drop-in for :class:`torch.nn.RNN`: h' = act(W x + b_W + R h + b_R).
+    """Multi-layer Elman RNN, a drop-in for `torch.nn.RNN`: `h_t = act(W x_t + b_W + R h_{t-1} + b_R)`.
 
-    ``nonlinearity`` is "tanh" (default) or "relu".
-    {options}
+    Args:
+        input_size: I, the features of the input.
+        hidden_size: H, an int, or a list with one entry per layer.
+        num_layers: L, stacked layers.
+        nonlinearity: "tanh" (default) or "relu".
+        bias: False is `bias_mode="none"`.
+        batch_first: input and output are (B, T, ·) instead of (T, B, ·).
+        dropout: dropout on every layer's output but the last (training only).
+        bidirectional: add a reverse direction (D = 2).
+        **options: `layer_norm`, `zoneout`, `input_dropout`, `recurrent_dropout`, `dropconnect`,
+            `merge`, `bias_mode`, `backend`, `device`, `dtype`; [`RNNSpec`][rnnkit.RNNSpec]
+            documents each.
+
+    The call `rnn(input, hx=None, lengths=None)` takes and returns what [`GRU`][rnnkit.GRU]'s does.
+
+    Attributes:
+        weight_ih_l{k}{_reverse} (nn.Parameter): W, (H, I) for layer 0, else (H, D·H).
+        weight_hh_l{k}{_reverse} (nn.Parameter): R, (H, H).
+        bias_ih_l{k}{_reverse}, bias_hh_l{k}{_reverse} (nn.Parameter): b_W and b_R, (H,).
+        flat_weights (torch.Tensor): the packed buffer the parameters are views of.
+        last_backend (str): the backend that ran the last eager call.
+
     Example:
         >>> rnn = rnnkit.RNN(10, 20, nonlinearity="relu", layer_norm=True)
         >>> y, h_n = rnn(torch.randn(5, 3, 10))
@@ -456,11 +530,6 @@ class RNN(_Recurrent):
         super().__init__(f"rnn_{nonlinearity}", input_size, hidden_size, num_layers, bias, batch_first, dropout,
                          bidirectional, **options)
         self.nonlinearity = nonlinearity
-
-
-LSTM.__doc__ = LSTM.__doc__.format(options=_OPTIONS_DOC.format(zc=" (or a pair for h and c)", lnc=", and c"))
-GRU.__doc__ = GRU.__doc__.format(options=_OPTIONS_DOC.format(zc="", lnc=""))
-RNN.__doc__ = RNN.__doc__.format(options=_OPTIONS_DOC.format(zc="", lnc=""))
 
 
 # ---- cells: one step, for generation --------------------------------------------------
@@ -558,9 +627,9 @@ class _Cell(_PackedModule):
             shapes = [("h", (B, cell.output_size))] + ([("c", (B, cell.hidden_size))] if lstm else [])
             for (name, shape), value in zip(shapes, parts):
                 F.check_tensor(f"hx ({name})", value, shape[1:] if unbatched else shape, w.W)
-            h0 = parts[0].reshape(B, -1)
-            c0 = parts[1].reshape(B, -1) if lstm else None
-        x = input.reshape(B, -1)
+            h0 = parts[0].reshape(B, cell.output_size)  # sizes spelled out: B may be 0
+            c0 = parts[1].reshape(B, cell.hidden_size) if lstm else None
+        x = input.reshape(B, spec.input_size)
         chosen = backends_.select(self.backend, spec, x.device, x.dtype, steps=1)
         if hasattr(chosen, "step"):
             h, c = chosen.step(spec, w, x, h0, c0)
@@ -579,44 +648,97 @@ class _Cell(_PackedModule):
 
 
 class LSTMCell(_Cell):
-    """One LSTM step, a drop-in for :class:`torch.nn.LSTMCell`, with LSTM's options.
+    """One LSTM step, a drop-in for `torch.nn.LSTMCell`, with the LSTM's cell options.
 
-    Options: proj_size, peephole, coupled_gates, cell_clip, proj_clip, layer_norm, zoneout
-    (a probability, or a pair for h and c), bias_mode, forget_bias. Variational dropout and
-    DropConnect are per-sequence options and belong to :class:`LSTM`.
+    The step of [`LSTM`][rnnkit.LSTM] (its equations) for one layer and direction, for
+    generation loops and custom recurrences. In inference (no gradient to record) each call is
+    one C++ call on the CPU: the step costs the kernel plus about a microsecond.
 
-    ``forward(input (B, I), (h (B, Hr), c (B, H)) or None) -> (h', c')``.
+    Args:
+        input_size: I.
+        hidden_size: H.
+        bias: False is `bias_mode="none"`.
+        **options: `proj_size`, `peephole`, `coupled_gates`, `cell_clip`, `proj_clip`,
+            `layer_norm`, `zoneout` (p or `(p_h, p_c)`), `bias_mode`, `forget_bias`, `backend`,
+            `device`, `dtype`. Variational dropout and DropConnect are per-sequence options of
+            [`LSTM`][rnnkit.LSTM].
 
-    Example (generation with the carried state):
+    Attributes:
+        weight_ih (nn.Parameter): W, (4H, I).
+        weight_hh (nn.Parameter): R, (4H, Hr), Hr = P with a projection, else H.
+        bias_ih, bias_hh (nn.Parameter): b_W and b_R, (4H,).
+        weight_hr, weight_peephole, layer_norm_* (nn.Parameter): as in [`LSTM`][rnnkit.LSTM], without suffixes.
+        flat_weights (torch.Tensor): the packed buffer the parameters are views of.
+
+    Example:
         >>> cell = rnnkit.LSTMCell(10, 20, peephole=True)
         >>> h, c = cell(torch.randn(3, 10))
-        >>> h, c = cell(torch.randn(3, 10), (h, c))
+        >>> h, c = cell(torch.randn(3, 10), (h, c))    # generation: carry the state
     """
 
     def __init__(self, input_size, hidden_size, bias=True, **options):
         super().__init__("lstm", input_size, hidden_size, bias, **options)
 
     def forward(self, input, hx=None):
+        """One step.
+
+        Args:
+            input: (B, I), or (I,) unbatched.
+            hx: `(h, c)` with h (B, Hr) and c (B, H) (unbatched: (Hr,), (H,)); zeros when None.
+
+        Returns:
+            `(h', c')`, shaped like h and c.
+        """
         return self._forward(input, hx)
 
 
 class GRUCell(_Cell):
-    """One GRU step, a drop-in for :class:`torch.nn.GRUCell`; options reset_after, layer_norm, zoneout, bias_mode.
+    """One GRU step, a drop-in for `torch.nn.GRUCell`, with the GRU's cell options.
 
-    ``forward(input (B, I), h (B, H) or None) -> h'``.
+    The step of [`GRU`][rnnkit.GRU] for one layer and direction.
+
+    Args:
+        input_size: I.
+        hidden_size: H.
+        bias: False is `bias_mode="none"`.
+        **options: `reset_after`, `layer_norm`, `zoneout`, `bias_mode`, `backend`, `device`, `dtype`.
+
+    Attributes:
+        weight_ih (nn.Parameter): W, (3H, I).
+        weight_hh (nn.Parameter): R, (3H, H).
+        bias_ih, bias_hh (nn.Parameter): b_W and b_R, (3H,).
+
+    Example:
+        >>> cell = rnnkit.GRUCell(10, 20, reset_after=False)
+        >>> h = cell(torch.randn(3, 10))
     """
 
     def __init__(self, input_size, hidden_size, bias=True, **options):
         super().__init__("gru", input_size, hidden_size, bias, **options)
 
     def forward(self, input, hx=None):
+        """One step: input (B, I) or (I,), h (B, H) or (H,) or None (zeros) -> h', shaped like h."""
         return self._forward(input, hx)
 
 
 class RNNCell(_Cell):
-    """One Elman RNN step, a drop-in for :class:`torch.nn.RNNCell`; options layer_norm, zoneout, bias_mode.
+    """One Elman RNN step, a drop-in for `torch.nn.RNNCell`: `h' = act(W x + b_W + R h + b_R)`.
 
-    ``forward(input (B, I), h (B, H) or None) -> h'``.
+    Args:
+        input_size: I.
+        hidden_size: H.
+        bias: False is `bias_mode="none"`.
+        nonlinearity: "tanh" (default) or "relu".
+        **options: `layer_norm`, `zoneout`, `bias_mode`, `backend`, `device`, `dtype`.
+
+    Attributes:
+        weight_ih (nn.Parameter): W, (H, I).
+        weight_hh (nn.Parameter): R, (H, H).
+        bias_ih, bias_hh (nn.Parameter): b_W and b_R, (H,).
+
+    Example:
+        >>> cell = rnnkit.RNNCell(10, 20, nonlinearity="relu")
+        >>> h = cell(torch.randn(3, 10))
     """
 
     def __init__(self, input_size, hidden_size, bias=True, nonlinearity="tanh", **options):
@@ -626,4 +748,5 @@ class RNNCell(_Cell):
         self.nonlinearity = nonlinearity
 
     def forward(self, input, hx=None):
+        """One step: input (B, I) or (I,), h (B, H) or (H,) or None (zeros) -> h', shaped like h."""
         return self._forward(input, hx)

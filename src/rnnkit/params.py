@@ -1,10 +1,10 @@
 """The packed parameter buffer: its layout, its named views, and its initialization.
 
-Layout (SPEC.md, "Parameters: one packed buffer"): all parameters of a stack live in one
+Layout (docs/spec.md, "Parameters: one packed buffer"): all parameters of a stack live in one
 contiguous 1-D tensor. For each layer, for each direction (forward first), the pieces
 follow torch.nn / cuDNN order, then this layer-direction's extras::
 
-    weight_ih   (G·H, I_k)      gates stacked in SPEC.md's order (LSTM i f g o, GRU r z n)
+    weight_ih   (G·H, I_k)      gates stacked in docs/spec.md's order (LSTM i f g o, GRU r z n)
     weight_hh   (G·H, Hr)
     bias_ih     (G·H,)          bias_mode "double" or "single_input"
     bias_hh     (G·H,)          bias_mode "double" or "single_recurrent"
@@ -176,7 +176,7 @@ class Layout:
         return [PassWeights(**{slot: tensors[name] for slot, name in slots}) for slots in self._pass_slots]
 
     def new_buffer(self, device=None, dtype=None, forget_bias: Optional[float] = None) -> torch.Tensor:
-        """A freshly initialized packed buffer (see :func:`initialize`)."""
+        """A freshly initialized packed buffer (see `initialize`)."""
         flat = torch.empty(self.numel, device=device, dtype=dtype or torch.get_default_dtype())
         initialize(self, flat, forget_bias=forget_bias)
         return flat

@@ -8,14 +8,14 @@ A pass is one layer in one direction (docs/spec.md). Every compiled backend (``f
                                     need_dR, need_dW_hr) -> (dx, dh0, dc0, dweights)
 
 ``PASS_ARGUMENTS`` (below) is written once: tensors by role (x, h0, c0, the weights by the slot
-names of :data:`rnnkit.params.WEIGHT_SLOTS`, lengths and the random masks), then the cell's
-scalars, all derived from :class:`~rnnkit.spec.CellSpec` by :func:`pass_scalars`. ``c_n`` and
+names of `rnnkit.params.WEIGHT_SLOTS`, lengths and the random masks), then the cell's
+scalars, all derived from `CellSpec` by `pass_scalars`. ``c_n`` and
 ``dc0`` are empty tensors for GRU/RNN; ``saved`` is what the training forward keeps (empty tensors
 where a configuration keeps nothing); ``dweights`` is ONE gradient block holding the present
 weights' gradients in the packed buffer's order.
 
 Each op has a fake implementation (shapes for ``torch.compile`` / ``torch.export``), and one
-autograd path, :class:`PassFunction` (a ``torch.autograd.Function`` with ``setup_context``, which
+autograd path, `PassFunction` (a ``torch.autograd.Function`` with ``setup_context``, which
 ``torch.func`` and ``torch.compile`` both accept), calls the backward op under ``no_grad``. When a
 backward must itself be differentiable (``create_graph=True``: gradient penalties, Hessian-vector
 products, ``torch.func.grad``), it is computed by recomputing the pass with the reference backend
@@ -228,7 +228,7 @@ class PassOps:
         self.forward_op, self.backward_op = names["forward"], names["backward"]
 
     def forward(self, *values):
-        """The forward op on its arguments in schema order (:func:`pass_values`, then ``training``)."""
+        """The forward op on its arguments in schema order (`pass_values`, then ``training``)."""
         if _direct(values[0]):
             return self.forward_impl(*values)
         return self.forward_op(*values)
@@ -247,7 +247,7 @@ class PassFunction(torch.autograd.Function):
 
     ``apply(ops, scalars, x, h0, c0, lengths, recurrent_mask, zoneout_h_mask, zoneout_c_mask,
     *weights)`` with the weights in slot order (None where absent) -> (y, h_n, c_n, *saved).
-    Under torch.func.vmap the ops' own vmap rules run (:func:`_vmap_by_loop`).
+    Under torch.func.vmap the ops' own vmap rules run (`_vmap_by_loop`).
     """
 
     generate_vmap_rule = True
@@ -343,7 +343,7 @@ def run_pass(ops: PassOps, cell: CellSpec, x, h0, c0, w: PassWeights, lengths, r
 
     Without a gradient to compute (or under torch.export, whose programs are for inference) it
     calls the forward op in inference mode (nothing per step is kept); otherwise it goes through
-    :class:`PassFunction`.
+    `PassFunction`.
     """
     scalars = pass_scalars(cell, reverse, masks)
     mask_args = mask_tensors(lengths, masks)

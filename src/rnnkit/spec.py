@@ -1,9 +1,9 @@
 """The descriptor of a recurrent stack (the analogue of ``cudnnRNNDescriptor_t``).
 
-An :class:`RNNSpec` is validated once, at construction, and is immutable afterwards.
+An `RNNSpec` is validated once, at construction, and is immutable afterwards.
 Everything downstream (the packed buffer layout, the backends, the converters) reads
 sizes and options from it and never re-validates them. The equations every option
-refers to are in SPEC.md.
+refers to are in docs/spec.md.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ FORMATS = ("cudnn", "onnx", "keras", "flax", "tf", "mxnet", "haste")  # rnnkit.i
 
 @dataclass(frozen=True)
 class Option:
-    """One option of :class:`RNNSpec`: which cell families take it, which backends compute it, and
+    """One option of `RNNSpec`: which cell families take it, which backends compute it, and
     which foreign formats (rnnkit.interop) carry it.
 
     ``in_use(spec)`` says whether a spec uses the option in a way that matters (``reset_after`` has
@@ -88,7 +88,7 @@ def family(mode: str) -> str:
 
 
 def options_in_use(spec: "RNNSpec", *, native: Optional[bool] = None, inference_only: bool = False) -> List[str]:
-    """The labels of the options ``spec`` uses, from :data:`OPTIONS`; ``native=False`` keeps only
+    """The labels of the options ``spec`` uses, from `OPTIONS`; ``native=False`` keeps only
     those torch's own RNN ops do not compute, ``inference_only`` drops the training-only ones."""
     return [
         o.label for o in OPTIONS
@@ -331,7 +331,7 @@ class RNNSpec:
         if self.layer_norm and self.mode == "gru" and not self.reset_after:
             raise ValueError(
                 "layer_norm: has no reference definition for GRU with reset_after=False "
-                "(SPEC.md, Layer normalization); use reset_after=True"
+                "(docs/spec.md, Layer normalization); use reset_after=True"
             )
         for k, (hidden, proj) in enumerate(zip(self.hidden_sizes, self.proj_sizes)):
             if proj and proj >= hidden:

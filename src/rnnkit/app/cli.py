@@ -11,7 +11,7 @@ checkpoint, resuming with another configuration) ends with one line on stderr an
 status 1 (2 for flags argparse refuses), and leaves the files already saved untouched.
 SIGINT (Ctrl-C) or SIGTERM during training checkpoints the step in progress and exits with
 130 / 143; a second signal stops at once, keeping the previous checkpoint. The model, data
-and training logic live in :mod:`rnnkit.app.charlm`; this file parses and reports.
+and training logic live in `rnnkit.app.charlm`; this file parses and reports.
 """
 from __future__ import annotations
 

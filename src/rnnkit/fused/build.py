@@ -2,7 +2,7 @@
 changes the build.
 
 ``import rnnkit`` compiles nothing, and neither does asking what can run
-(:func:`unavailable_reason`, ``rnnkit.backends()``, ``rnnkit doctor``, ``backend="auto"``): they
+(`unavailable_reason`, ``rnnkit.backends()``, ``rnnkit doctor``, ``backend="auto"``): they
 report "not built yet". The first call that runs a fused pass builds the extension and says so in
 one line on stderr. A failed build is remembered with its reason, said once, and reported from
 then on, so that ``backend="auto"`` moves on and ``backend="fused"`` raises with it.
@@ -57,7 +57,7 @@ def _build_key() -> str:
 
 def cache_dir() -> Path:
     """Where the build lives: $TORCH_EXTENSIONS_DIR or ~/.cache/rnnkit/<torch>/, then
-    rnnkit_fused_cpu/<build key> (see :func:`_build_key`)."""
+    rnnkit_fused_cpu/<build key> (see `_build_key`)."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root:
         return Path(root) / _NAME / _build_key()

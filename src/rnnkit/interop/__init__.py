@@ -10,7 +10,7 @@
     haste   Haste LSTM, GRU, LayerNormLSTM and LayerNormGRU weights (with zoneout)
 
 Every converter refuses, with a ValueError naming the option, a module option its format
-cannot represent. Gate orders are SPEC.md's table "Gate orders elsewhere"; the third-party
+cannot represent. Gate orders are docs/spec.md's table "Gate orders elsewhere"; the third-party
 library a format belongs to is imported only when a function needs it. The tests check
 each format against the real library: live (onnxruntime, Keras, Flax) or through
 tests/fixtures/interop/, whose README says which library and version made each file.

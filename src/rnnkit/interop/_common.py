@@ -1,6 +1,6 @@
 """What every converter shares: gate reordering, option checks, and building a module.
 
-Gate orders (SPEC.md, "Gate orders elsewhere") are written as strings of rnnkit's gate
+Gate orders (docs/spec.md, "Gate orders elsewhere") are written as strings of rnnkit's gate
 letters, so one function maps any format onto any other:
 
     rnnkit LSTM "ifgo" (coupled: "igo"), GRU "rzn", RNN "h"
@@ -102,7 +102,7 @@ def to_numpy(value, name: str = "value") -> np.ndarray:
 def torch_pieces(module) -> Dict[str, torch.Tensor]:
     """{torch.nn name: detached copy} of every piece of the module's weights, in buffer order.
 
-    Reads through the layout's views of ``module.flat_weights`` (SPEC.md, "Parameters:
+    Reads through the layout's views of ``module.flat_weights`` (docs/spec.md, "Parameters:
     one packed buffer"), the one place converters read weights from.
     """
     with torch.no_grad():

@@ -9,7 +9,7 @@ which PyTorch copies into cuDNN's weight space one linLayerID at a time.
 
     pseudoLayer = layer * D + direction      (D = 2 when bidirectional, reverse second)
 
-    linLayerID   LSTM (SPEC.md: i f g o)     GRU (r z n)         RNN
+    linLayerID   LSTM (docs/spec.md: i f g o)     GRU (r z n)         RNN
     0 .. G-1     W_gate  (H, I_layer)        W_r, W_z, W_n       W
     G .. 2G-1    R_gate  (H, Hr)             R_r, R_z, R_n       R
     8            W_hr    (P, H), no bias     (LSTM with projection only)
@@ -17,7 +17,7 @@ which PyTorch copies into cuDNN's weight space one linLayerID at a time.
 Biases share the linLayerID of their matrix and are (H,); with bias mode
 ``single_input`` only IDs 0..G-1 have one, with ``single_recurrent`` only G..2G-1,
 with ``none`` none do (cuDNN's CUDNN_RNN_DOUBLE_BIAS, SINGLE_INP_BIAS, SINGLE_REC_BIAS,
-NO_BIAS). The gate order is rnnkit's own (SPEC.md, "Gate orders elsewhere": cuDNN and
+NO_BIAS). The gate order is rnnkit's own (docs/spec.md, "Gate orders elsewhere": cuDNN and
 PyTorch share it), so no reordering happens here.
 
 What cuDNN cannot represent, and is refused naming the option: peephole, coupled_gates,
@@ -94,10 +94,10 @@ def to_cudnn(module) -> dict:
 
 
 def from_cudnn(params: dict, *, batch_first: bool = False, dtype=None):
-    """Build an rnnkit module from :func:`to_cudnn`'s structure (or one filled from cuDNN).
+    """Build an rnnkit module from `to_cudnn`'s structure (or one filled from cuDNN).
 
     Args:
-        params: ``{"config", "matrices", "biases"}`` as described in :func:`to_cudnn`.
+        params: ``{"config", "matrices", "biases"}`` as described in `to_cudnn`.
         batch_first: the module's input layout (not a cuDNN weight property).
         dtype: the module's dtype (default float32).
     """

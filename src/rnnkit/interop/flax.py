@@ -10,7 +10,7 @@ read from ``flax/linen/recurrent.py`` (flax 0.12):
         n = tanh(in(x) + r ∘ hn(h)): rnnkit's reset_after=True; b_Rr, b_Rz fold into ir, iz
     SimpleCell                    i (bias)                    h (no bias); h' = act(i(x) + h(h))
 
-Gate names are the gates themselves, so SPEC.md's order (i f g o, r z n; "Gate orders
+Gate names are the gates themselves, so docs/spec.md's order (i f g o, r z n; "Gate orders
 elsewhere": Flax shares cuDNN's) only fixes which block of rnnkit's W each Dense takes.
 
 A stacked module maps to one ``nn.RNN(cell)`` per layer, ``{"cell": cell_params}``, or with
@@ -124,7 +124,7 @@ def _pieces_from_cell(spec: RNNSpec, tree, layer: int, direction: int, pieces: d
 
 
 def from_flax(params: Sequence[dict], mode: str, *, merge: str = "concat", batch_first: bool = True, dtype=None):
-    """Build an rnnkit module from per-layer Flax parameter trees (as :func:`to_flax` makes).
+    """Build an rnnkit module from per-layer Flax parameter trees (as `to_flax` makes).
 
     Args:
         params: one tree per layer, ``{"cell": ...}`` or ``{"forward_rnn": ..., "backward_rnn": ...}``;

@@ -12,8 +12,8 @@ of them, one dict per layer, keyed as the Haste layer's ``state_dict()`` (so
                    shifts), gamma_h, beta_h (H,): the LN of c in h = o ∘ tanh(LN(c))
     LayerNormGRU   GRU's, plus gamma (2, 3H): LN over all 3H of W x and of R h, gains only
 
-Gate orders: SPEC.md, "Gate orders elsewhere" (Haste LSTM i g f o = "igfo", GRU z r h =
-"zrn" in rnnkit letters). SPEC.md's layer norm is Haste's; rnnkit's extra LN shifts β_x,
+Gate orders: docs/spec.md, "Gate orders elsewhere" (Haste LSTM i g f o = "igfo", GRU z r h =
+"zrn" in rnnkit letters). docs/spec.md's layer norm is Haste's; rnnkit's extra LN shifts β_x,
 β_h are constants added beside the biases, so they fold into Haste's: LSTM's one bias
 takes b_W + b_R + β_x + β_h; GRU's ``bias`` takes b_W + β_x and ``recurrent_bias``
 takes b_R + β_h (β_h sits inside r ∘ (·) with b_R, as rnnkit's LN_h(R h) + b_R does).
@@ -102,7 +102,7 @@ def from_haste(layers: Sequence[Dict[str, object]], mode: str, *, zoneout: float
     """Build an rnnkit module from Haste weights, one dict per stacked layer.
 
     Args:
-        layers: per layer, the Haste layer's ``state_dict()`` (or :func:`to_haste`'s dict):
+        layers: per layer, the Haste layer's ``state_dict()`` (or `to_haste`'s dict):
             LSTM / GRU keys, plus ``gamma`` (and for LSTM ``gamma_h``, ``beta_h``) for the
             LayerNorm variants.
         mode: "lstm" (LSTM, LayerNormLSTM) or "gru" (GRU, LayerNormGRU).

@@ -7,7 +7,7 @@ Per layer and direction Keras holds (https://keras.io/api/layers/recurrent_layer
     bias              (G·H,)      one bias: b_W + b_R (LSTM, SimpleRNN, GRU reset_after=False)
                       (2, G·H)    GRU reset_after=True: rows [b_W, b_R]
 
-Gate orders (SPEC.md, "Gate orders elsewhere"): Keras LSTM i f c o is rnnkit's i f g o;
+Gate orders (docs/spec.md, "Gate orders elsewhere"): Keras LSTM i f c o is rnnkit's i f g o;
 Keras GRU z r h is rnnkit's r z n with the first two blocks swapped. A single Keras bias
 is exact for every rnnkit bias mode because both biases are added outside any product;
 for the GRU with reset_after=False that holds too (b_Rn is outside r ∘ (·) there).
@@ -102,7 +102,8 @@ def from_keras(
             layer's: forward then backward).
         mode: "lstm", "gru", "rnn_tanh" or "rnn_relu" (SimpleRNN's activation).
         reset_after: the Keras GRU's ``reset_after``.
-        bidirectional, merge: the Keras ``Bidirectional`` wrapper and its merge_mode.
+        bidirectional: the layers are Keras ``Bidirectional`` wrappers.
+        merge: the wrappers' merge_mode ("concat" or "sum").
         use_bias: the Keras layers' ``use_bias``.
         bias_mode: where a single Keras bias goes: "double" (default; into bias_ih,
             bias_hh zero, as torch.nn expects) or "single_input" / "single_recurrent".

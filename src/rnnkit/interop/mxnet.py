@@ -1,18 +1,20 @@
 """MXNet 1.x: the fused ``RNN`` operator's flat parameter vector and Gluon's parameter names.
 
 Gluon's ``rnn.LSTM / GRU / RNN`` layers register, per layer ``k`` and direction ``l``
-(forward) / ``r`` (reverse), in this order::
+(forward) / ``r`` (reverse), in this order:
 
-    {l,r}{k}_i2h_weight  (G·H, I_k)     {l,r}{k}_h2h_weight  (G·H, Hr)
-    {l,r}{k}_i2h_bias    (G·H,)         {l,r}{k}_h2h_bias    (G·H,)
-    {l,r}{k}_h2r_weight  (P, H)         LSTM with projection_size
+```text
+{l,r}{k}_i2h_weight  (G·H, I_k)     {l,r}{k}_h2h_weight  (G·H, Hr)
+{l,r}{k}_i2h_bias    (G·H,)         {l,r}{k}_h2h_bias    (G·H,)
+{l,r}{k}_h2r_weight  (P, H)         LSTM with projection_size
+```
 
 ``collect_params()`` puts the block's prefix before them (``lstm0_l0_i2h_weight``), and
 ``save_parameters()`` files name them by structure: ``_unfused.{k}.i2h_weight``
 (unidirectional) or ``_unfused.{k}.{l,r}_cell.i2h_weight`` (bidirectional). The layers
 hand the fused operator one flat vector: ALL weights first (for each layer, for each
 direction: i2h, h2h, h2r), then ALL biases (for each layer, for each direction: i2h,
-h2h). Gate order (SPEC.md, "Gate orders elsewhere") is cuDNN's: LSTM i f g o, GRU r z n
+h2h). Gate order (docs/spec.md, "Gate orders elsewhere") is cuDNN's: LSTM i f g o, GRU r z n
 (reset after the recurrent product), so no reordering.
 
 MXNet's ``lstm_state_clip_min/max`` clip the cell: rnnkit's ``cell_clip`` (symmetric),
@@ -127,7 +129,7 @@ def from_gluon(named: Mapping[str, object], mode: str, *, cell_clip=None, batch_
     """Build an rnnkit module from one Gluon layer's parameters.
 
     Args:
-        named: {name: array} under any of the names :func:`gluon_names` accepts; values
+        named: {name: array} under any of the names `gluon_names` accepts; values
             may be numpy arrays, MXNet NDArrays or Gluon Parameters (``collect_params()``).
         mode: "lstm", "gru", "rnn_tanh" or "rnn_relu"; sizes, layers, directions and the
             projection are read from the arrays.

@@ -8,7 +8,7 @@ https://onnx.ai/onnx/operators/). Its tensors, per node:
     B  [D, 2·G·H]      [W_b, R_b]           (bias_ih, bias_hh; a missing one is zeros)
     P  [D, 3·H]        peepholes i, o, f    (LSTM; rnnkit rows i, f, o)
 
-Gate orders (SPEC.md, "Gate orders elsewhere"): ONNX LSTM is i o f c, GRU z r h, RNN one
+Gate orders (docs/spec.md, "Gate orders elsewhere"): ONNX LSTM is i o f c, GRU z r h, RNN one
 block; rnnkit is i f g o and r z n. Written as rnnkit's letters below ("iofg", "zrn").
 Other correspondences: GRU ``linear_before_reset=1`` is ``reset_after=True``; LSTM
 ``input_forget=1`` is ``coupled_gates=True`` (f := 1 − i; the f blocks of W, R, B, P are
@@ -279,7 +279,7 @@ class _StackReader:
     """Walks an ONNX graph and accepts exactly a stack of recurrent nodes with the exporter's glue.
 
     Every tensor gets a tag saying what it holds; a node is accepted only when its inputs
-    carry the tags its place in such a stack needs. The glue :func:`export` writes:
+    carry the tags its place in such a stack needs. The glue `export` writes:
 
         input  -> [Transpose 1,0,2: batch_first] -> node 0
         node k Y [T, D, B, H] -> Squeeze axis 1 (D = 1) | Transpose 0,2,1,3 + Reshape [0, 0, -1]
@@ -443,12 +443,12 @@ def import_model(model, *, batch_first: Optional[bool] = None, dtype=None):
     """Build an rnnkit module from an ONNX model that is one stack of LSTM / GRU / RNN nodes.
 
     The graph must be exactly such a stack: node k + 1 reads node k's output through the
-    glue :func:`export` writes (Squeeze, Transpose + Reshape, ReduceSum), the input and
+    glue `export` writes (Squeeze, Transpose + Reshape, ReduceSum), the input and
     output may be transposed (batch_first), lengths cast, initial states sliced, final
     states concatenated; W, R, B, P must be initializers (or Constant nodes). A single
     node whose raw outputs are the graph's outputs (as other exporters write) imports
     too. Merge ("concat" / "sum") and batch_first are read from the glue; a model written
-    by :func:`export` also carries its options in its metadata.
+    by `export` also carries its options in its metadata.
 
     Args:
         model: a path or an ``onnx.ModelProto`` (not modified).

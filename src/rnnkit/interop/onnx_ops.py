@@ -10,9 +10,9 @@ the exporter's optimizer folds into constants.
 
 The translations are registered with onnxscript's torch library, the registry torch's exporter
 reads (before it traces the model): right after that module is imported, through a post-import
-hook that ``import rnnkit`` installs (:func:`install`), so importing rnnkit does not import
+hook that ``import rnnkit`` installs (`install`), so importing rnnkit does not import
 onnxscript. Configurations ONNX's recurrent operators cannot express raise a ValueError naming
-the option (:func:`check_exportable`).
+the option (`check_exportable`).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def check_exportable(spec: RNNSpec) -> None:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Runs :func:`register` right after onnxscript's torch-library registry module is imported."""
+    """Runs `register` right after onnxscript's torch-library registry module is imported."""
 
     def find_spec(self, name, path=None, target=None):
         if name != _REGISTRY_MODULE:

@@ -11,8 +11,8 @@ LSTMCell and BasicLSTMCell (TF 1.x ``rnn_cell_impl.py``), per layer and directio
     c = σ(f + forget_bias [+ w_f_diag c_prev]) c_prev + σ(i [+ w_i_diag c_prev]) tanh(j)
     c = clip(c, ±cell_clip);  m = σ(o [+ w_o_diag c]) tanh(c);  m = clip(m @ proj, ±proj_clip)
 
-This is SPEC.md's LSTM with peepholes (Greff), cell_clip and proj_clip; the gate order
-(SPEC.md, "Gate orders elsewhere": TF i j f o is rnnkit's "igfo") is reordered here.
+This is docs/spec.md's LSTM with peepholes (Greff), cell_clip and proj_clip; the gate order
+(docs/spec.md, "Gate orders elsewhere": TF i j f o is rnnkit's "igfo") is reordered here.
 ``forget_bias`` is added at run time by TF, so import folds it into the forget bias and
 export subtracts it. TF's one bias is b_W + b_R (exact for every rnnkit bias mode).
 
@@ -24,12 +24,12 @@ GRUCell, per layer and direction:
     r, u = σ([x, h] @ gates/kernel + gates/bias)
     c = tanh([x, r ∘ h] @ candidate/kernel + candidate/bias);  h' = u h + (1 − u) c
 
-which is SPEC.md's GRU with ``reset_after=False`` (u is rnnkit's z; b_Rn sits outside
+which is docs/spec.md's GRU with ``reset_after=False`` (u is rnnkit's z; b_Rn sits outside
 the reset there, so one bias per gate is exact for every bias mode).
 
 Stacks and directions: ``MultiRNNCell`` is a stack of layers, ``bidirectional_dynamic_rnn``
 one bidirectional layer (concatenate its two outputs for the next layer, as rnnkit's
-merge="concat"). :func:`cells_from_names` groups TF's variable names into
+merge="concat"). `cells_from_names` groups TF's variable names into
 ``cells[layer][direction]``. TF zeroes outputs past ``sequence_length`` and its reverse
 direction starts at each sequence's last valid step, as rnnkit does.
 
@@ -37,7 +37,7 @@ Refused naming the option: coupled_gates (TF's CoupledInputForgetGateLSTMCell is
 cell), layer_norm, zoneout, merge="sum", GRU reset_after=True, RNN modes.
 
 CudnnLSTM / CudnnGRU (``tf.contrib.cudnn_rnn``) keep cuDNN's canonical weights: see
-:func:`to_tf_cudnn`, built on :mod:`rnnkit.interop.cudnn`. TF 2.21's
+`to_tf_cudnn`, built on `rnnkit.interop.cudnn`. TF 2.21's
 ``CudnnRNNParamsToCanonical`` / ``CudnnRNNCanonicalToParams`` have no CPU kernel, so that
 path is checked only against cuDNN's documented (pseudoLayer, linLayerID) addressing.
 
@@ -186,11 +186,13 @@ def from_tf(variables, *, forget_bias=None, cell_clip=None, proj_clip=None, batc
     """Build an rnnkit LSTM or GRU from TF 1.x LSTMCell / BasicLSTMCell / GRUCell variables.
 
     Args:
-        variables: :func:`to_tf`'s ``{"config", "cells"}``, or TF's own names mapped to
-            arrays (grouped by :func:`cells_from_names`). Sizes, peepholes, the projection,
+        variables: `to_tf`'s ``{"config", "cells"}``, or TF's own names mapped to
+            arrays (grouped by `cells_from_names`). Sizes, peepholes, the projection,
             layers and directions are read from the arrays.
-        forget_bias, cell_clip, proj_clip: the LSTMCells' settings (they are not variables);
-            default: ``variables["config"]``'s, else TF's defaults (1.0, None, None).
+        forget_bias: the LSTMCells' forget_bias (a setting, not a variable); default:
+            ``variables["config"]``'s, else TF's default 1.0.
+        cell_clip: the LSTMCells' cell_clip; default: the config's, else None.
+        proj_clip: the LSTMCells' proj_clip; default: the config's, else None.
         batch_first: the module's layout (``time_major=False`` in TF).
         dtype: the module's dtype (default float32).
 
@@ -301,7 +303,7 @@ def _gru_from_tf(cells, batch_first: bool, dtype):
 def to_tf_cudnn(module) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """CudnnLSTM / CudnnGRU / CudnnRNNTanh / CudnnRNNRelu canonical (weights, biases).
 
-    The lists run over layers, directions, then cuDNN's linLayerIDs (SPEC.md: TF's cuDNN
+    The lists run over layers, directions, then cuDNN's linLayerIDs (docs/spec.md: TF's cuDNN
     layers keep cuDNN's gate order), as ``CudnnRNNParamsToCanonical`` returns them;
     each matrix is (H, in) as cuDNN stores it, the projection (linLayerID 8) last.
     """

@@ -1,4 +1,4 @@
-"""The reference backend: readable loops that are the executable form of SPEC.md.
+"""The reference backend: readable loops that are the executable form of docs/spec.md.
 
 Every fused backend is tested against these. Each pass has the signature
 ``(cell, x, h0, c0, weights, step_mask, reverse, masks) -> (y, h_n, c_n)``; the backend's

@@ -1,4 +1,4 @@
-"""Reference GRU, both reset conventions (SPEC.md, "Cells"): a plain loop over time."""
+"""Reference GRU, both reset conventions (docs/spec.md, "Cells"): a plain loop over time."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,4 +1,4 @@
-"""Reference LSTM (SPEC.md, "Cells" and "Options"): a plain loop over time, autograd through ops."""
+"""Reference LSTM (docs/spec.md, "Cells" and "Options"): a plain loop over time, autograd through ops."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,4 +1,4 @@
-"""Reference Elman RNN, tanh or relu (SPEC.md, "Cells"): a plain loop over time."""
+"""Reference Elman RNN, tanh or relu (docs/spec.md, "Cells"): a plain loop over time."""
 from __future__ import annotations
 
 from typing import Optional

@@ -84,7 +84,7 @@ def row_sum(v0, v1, v2, v3, valid, G: tl.constexpr):
 
 @triton.jit
 def ln_stats(v0, v1, v2, v3, valid, N, eps, G: tl.constexpr):
-    """Mean and 1/sqrt(var + eps) over a row of N = G·H values (biased variance, SPEC.md)."""
+    """Mean and 1/sqrt(var + eps) over a row of N = G·H values (biased variance, docs/spec.md)."""
     mean = row_sum(v0, v1, v2, v3, valid, G) / N
     d0, d1, d2, d3 = v0 - mean, v1 - mean, v2 - mean, v3 - mean
     var = row_sum(d0 * d0, d1 * d1, d2 * d2, d3 * d3, valid, G) / N
@@ -99,7 +99,7 @@ def ln_input_grad(g, xhat, rstd, mean_g, mean_gx):
 
 @triton.jit
 def keep_old(zone, old, new, keep, cols, valid, ZONE: tl.constexpr):
-    """SPEC.md's zoneout d ∘ old + (1 − d) ∘ new, then the lengths mask (masked steps keep old).
+    """docs/spec.md's zoneout d ∘ old + (1 − d) ∘ new, then the lengths mask (masked steps keep old).
 
     ZONE: 0 off, 1 a row of 0/1 draws at ``zone`` (training), 2 the probability p at ``zone``.
     """
@@ -115,7 +115,7 @@ def keep_old(zone, old, new, keep, cols, valid, ZONE: tl.constexpr):
 
 @triton.jit
 def keep_old_grad(zone, d_out, keep, cols, valid, ZONE: tl.constexpr):
-    """Backward of :func:`keep_old`: (d new, d old) from d out."""
+    """Backward of `keep_old`: (d new, d old) from d out."""
     d_new = d_out
     d_old = tl.zeros_like(d_out)
     if ZONE == 1:
@@ -143,7 +143,7 @@ def write_h(h_new, h_prev, b, HR, cols, valid, keep, zone, rmask, h_out, hin_out
 
 @triton.jit
 def h_grad(b, HR, cols, valid, keep, zone, rmask, dh_carry, dh_in, dy, ZONE: tl.constexpr, RMASK: tl.constexpr):
-    """Backward of :func:`write_h` and of the recurrent mask -> (d h̃, d h_prev through the state).
+    """Backward of `write_h` and of the recurrent mask -> (d h̃, d h_prev through the state).
 
     The gradient reaching the state out of this step is the carried one plus R's (d h_in ∘ mask).
     """
@@ -159,7 +159,7 @@ def h_grad(b, HR, cols, valid, keep, zone, rmask, dh_carry, dh_in, dy, ZONE: tl.
 
 @triton.jit
 def zone_pointer(zone, scalars, b, N, WHICH: tl.constexpr, ZONE: tl.constexpr):
-    """Where :func:`keep_old` reads d: this row of the draws, or the probability in ``scalars``."""
+    """Where `keep_old` reads d: this row of the draws, or the probability in ``scalars``."""
     if ZONE == 1:
         ptr = zone + b * N
     else:
@@ -209,7 +209,7 @@ def ln_rows_forward(x: torch.Tensor, gain, shift, scalars):
 
 
 def ln_rows_backward(d_out: torch.Tensor, x: torch.Tensor, stats, gain):
-    """-> (d x, d gain, d shift) of :func:`ln_rows_forward`."""
+    """-> (d x, d gain, d shift) of `ln_rows_forward`."""
     N = x.shape[-1]
     rows = x.numel() // N
     d_out = d_out.contiguous()

@@ -145,8 +145,8 @@ def slot(cfg: PassConfig, t: int) -> int:
 def recurrent_steps(cfg: PassConfig, buf: dict) -> Iterator[Tuple[int, int, int, int, torch.Tensor]]:
     """The forward time loop's shared head: per step, R h_in into the step's ``rh`` buffer.
 
-    Yields (t, i, o, s, rh): the step, the state indices it reads and writes (:func:`io`), its
-    per-step slot (:func:`slot`), and rh = R h_in [B, G·H] (saved per step under layer norm).
+    Yields (t, i, o, s, rh): the step, the state indices it reads and writes (`io`), its
+    per-step slot (`slot`), and rh = R h_in [B, G·H] (saved per step under layer norm).
     """
     R_t = buf["R"].t()
     for t in time_steps(cfg):

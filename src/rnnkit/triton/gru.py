@@ -1,4 +1,4 @@
-"""GRU on Triton, both reset conventions (SPEC.md, "Cells"); gates r, z, n.
+"""GRU on Triton, both reset conventions (docs/spec.md, "Cells"); gates r, z, n.
 
 reset_after=True: per step one GEMM R·h_in (all 3 gates) and one fused kernel (LN_h, biases,
 gates, zoneout, lengths). reset_after=False needs r before R_n can be applied, so per step:

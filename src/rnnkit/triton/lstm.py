@@ -1,4 +1,4 @@
-"""LSTM on Triton (SPEC.md, "Cells" and "Options"): one fused pointwise kernel per step.
+"""LSTM on Triton (docs/spec.md, "Cells" and "Options"): one fused pointwise kernel per step.
 
 Per step: R·h_in (one GEMM over all gates) -> ``lstm_forward_kernel`` (LN_h, biases,
 peepholes, gates, cell clip, LN_c, zoneout, lengths) and, with a projection, m·W_hrᵀ (GEMM)

@@ -5,7 +5,7 @@ Per pass, around the family's recurrent loop: the input projection W·x as one G
 steps (and LN_x over all rows at once); in backward, dx and dW as one GEMM each over all
 steps, and the bias gradients as sums over all steps. The training forward's saved list is
 [W x, LN_x's statistics] and then the family's saved buffers that the configuration keeps
-(:func:`saved_names`); the backward fills in the others (:func:`complete_saved`).
+(`saved_names`); the backward fills in the others (`complete_saved`).
 
 The kernels are imported on the first Triton pass (never by ``import rnnkit``).
 """

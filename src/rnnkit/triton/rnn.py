@@ -1,4 +1,4 @@
-"""Elman RNN on Triton (SPEC.md, "Cells"): h̃ = act(LN_x(W x) + b_W + LN_h(R h_in) + b_R), per step
+"""Elman RNN on Triton (docs/spec.md, "Cells"): h̃ = act(LN_x(W x) + b_W + LN_h(R h_in) + b_R), per step
 one GEMM and one fused pointwise kernel; backward mirrors it."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``rnnkit bench``: rnnkit's runners against torch.nn, measured as BENCH.md says.
 
 Registries (one entry each to add): shapes and variants in ``registry.py``, runners in
-``runners.py`` (rnnkit backends are discovered from :func:`rnnkit.backends`). The
+``runners.py`` (rnnkit backends are discovered from `rnnkit.backends`). The
 protocol is ``measure.py``; the JSON, markdown and PNG, and the warnings, are ``report.py``.
 
     rnnkit bench                                  # the CPU grid, every variant and runner

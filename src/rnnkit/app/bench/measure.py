@@ -1,8 +1,8 @@
 """How it is measured (BENCH.md's protocol): check first, then time interleaved, then memory.
 
-One :class:`Case` is one shape x variant on one device and dtype: the shared inputs, the
+One `Case` is one shape x variant on one device and dtype: the shared inputs, the
 rnnkit reference modules whose weights every runner loads, and the reference results the
-runners are checked against. :func:`measure_case` runs the protocol for one mode.
+runners are checked against. `measure_case` runs the protocol for one mode.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Who is measured: torch.nn, rnnkit's backends, onnxruntime — a registry of runners.
 
-A runner builds a :class:`Model` on the case's shared weights (the rnnkit reference
+A runner builds a `Model` on the case's shared weights (the rnnkit reference
 module's state_dict). Every model answers the same calls, so the protocol (measure.py)
 checks and times them all alike:
 
@@ -145,7 +145,7 @@ class Runner:
         return None
 
     def build(self, case) -> Model:
-        """A model on ``case``'s weights; raises :class:`Unsupported` when it cannot run the case."""
+        """A model on ``case``'s weights; raises `Unsupported` when it cannot run the case."""
         raise NotImplementedError
 
 

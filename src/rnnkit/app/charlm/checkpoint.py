@@ -2,14 +2,14 @@
 
     config.json              model and training configuration, corpus fingerprint, settings
     vocab.json               the characters, in id order
-    checkpoint.safetensors   the latest checkpoint (see :class:`Checkpoint`)
+    checkpoint.safetensors   the latest checkpoint (see `Checkpoint`)
     best.safetensors         the checkpoint with the lowest validation bits/char so far
     log.jsonl, curve.png     written by history.py
 
 Every file is written to a temporary name beside it (``.NAME.tmp-PID``), flushed to disk and
 moved into place with ``os.replace``, so a reader sees the old file or the new one, never
 half of one. A write killed before the rename leaves its temporary behind;
-:func:`remove_stale_temporaries` removes those on the next start. Nothing is unpickled:
+`remove_stale_temporaries` removes those on the next start. Nothing is unpickled:
 checkpoints are safetensors (tensors) with JSON metadata.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
 # ---- atomic files ----------------------------------------------------------------------
 
 def temporary_name(path: Path) -> Path:
-    """Where :func:`atomic_write` puts ``path``'s bytes before the rename."""
+    """Where `atomic_write` puts ``path``'s bytes before the rename."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 

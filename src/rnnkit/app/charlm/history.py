@@ -88,7 +88,7 @@ def _line(record: dict) -> str:
 
 
 def append_log(directory: Path, records: List[dict]) -> None:
-    """Append records to log.jsonl (not atomic: a line cut by a crash is dropped by :func:`read_log`
+    """Append records to log.jsonl (not atomic: a line cut by a crash is dropped by `read_log`
     and rebuilt from the checkpoint on resume)."""
     with open(Path(directory) / LOG_FILE, "a", encoding="utf-8") as file:
         file.write("".join(_line(r) for r in records))

@@ -102,7 +102,7 @@ def state_tensors(state) -> List[torch.Tensor]:
 
 
 def state_from_tensors(tensors: List[torch.Tensor]):
-    """The inverse of :func:`state_tensors`."""
+    """The inverse of `state_tensors`."""
     if not tensors:
         return None
     return tuple(tensors) if len(tensors) == 2 else tensors[0]

@@ -4,7 +4,7 @@ Truncated backpropagation through time: the text is cut into ``batch`` parallel 
 read ``bptt`` characters at a time; the recurrent state is carried from one chunk to the
 next but detached between them, so gradients stop at chunk boundaries.
 
-The loop (:func:`train`) checkpoints at every evaluation, at the end, and when ``stop()``
+The loop (`train`) checkpoints at every evaluation, at the end, and when ``stop()``
 turns true between two steps (the command line sets it on SIGINT / SIGTERM). A checkpoint
 holds everything the next step depends on, so ``prepare(..., resume=True)`` followed by
 ``train`` computes bit for bit what the uninterrupted run computes (same device, backend

@@ -1,4 +1,4 @@
-// Fused GRU pass (SPEC.md "Cells": gates r z n), both reset conventions, with layer norm
+// Fused GRU pass (docs/spec.md "Cells": gates r z n), both reset conventions, with layer norm
 // (reset_after only) and zoneout. The reference is ref/gru.py.
 //
 // reset_after=True: one GEMM R h per step; n = tanh(x_n + r ∘ (LN_h(R h)_n + b_Rn)).

@@ -1,4 +1,4 @@
-// Layer normalization of rows (SPEC.md "Layer normalization": biased variance, eps 1e-5): the
+// Layer normalization of rows (docs/spec.md "Layer normalization": biased variance, eps 1e-5): the
 // statistics, the apply every LN uses forward and recomputed, a whole-buffer apply, and the
 // row backward.
 #pragma once

@@ -1,4 +1,4 @@
-// Fused LSTM pass (SPEC.md "Cells": gates i f g o, or i g o with coupled gates), with
+// Fused LSTM pass (docs/spec.md "Cells": gates i f g o, or i g o with coupled gates), with
 // peepholes, layer norm, cell / projection clips, projection and zoneout. The reference is
 // ref/lstm.py; the inner loops below follow its step line by line.
 #include "pass.h"

@@ -1,4 +1,4 @@
-// Fused Elman RNN pass (SPEC.md "Cells": h = act(W x + b_W + R h + b_R), tanh or relu), with
+// Fused Elman RNN pass (docs/spec.md "Cells": h = act(W x + b_W + R h + b_R), tanh or relu), with
 // layer norm and zoneout. The reference is ref/rnn.py.
 #include "pass.h"
 

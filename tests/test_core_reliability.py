@@ -1,0 +1,108 @@
+"""Reliability (issue 18): what a caller leaves in the padding never reaches a result, empty
+batches return empty results, bad `lengths` are named, and the compiled kernels' build cache is
+keyed by everything that changes the build."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import rnnkit
+from helpers import MODULES, flatten, make_module
+
+T, B, I, H = 5, 3, 4, 6
+LENGTHS = [5, 2, 3]
+BACKENDS = ["reference", "fused", "native"]
+
+
+def _grads(module, x, lengths, packed: bool):
+    """Outputs and the gradients of every weight and of x, with random upstream gradients."""
+    x = x.detach().requires_grad_(True)
+    if packed:
+        y, hy = module(pack_padded_sequence(x, torch.tensor(lengths), enforce_sorted=False))
+        y = y.data
+    else:
+        y, hy = module(x, lengths=lengths)
+    outputs = [y] + flatten(hy)
+    generator = torch.Generator().manual_seed(3)
+    upstream = [torch.randn(o.shape, generator=generator, dtype=o.dtype) for o in outputs]
+    weights = list(module.named_weights().values())
+    grads = torch.autograd.grad(outputs, [x] + weights, upstream)
+    return [o.detach() for o in outputs], list(grads)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["lengths", "packed"])
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
+@pytest.mark.parametrize("mode", list(MODULES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_never_reaches_a_result(backend, mode, bidirectional, packed):
+    """Whatever the padding holds, outputs and every gradient are those of zero padding: finite,
+    and the padded steps' input gradient is exactly 0 (the spec: a batch with lengths equals each
+    sequence run alone)."""
+    module = make_module(mode, I, H, torch.float32, backend=backend, bidirectional=bidirectional, num_layers=2)
+    x = torch.randn(T, B, I)
+    clean = x.clone()
+    for b, (n, poison) in enumerate(zip(LENGTHS, [0.0, float("nan"), float("inf")])):
+        x[n:, b] = poison  # sequence 0 has no padding; 1 has NaN, 2 inf
+        clean[n:, b] = 0
+    out, grads = _grads(module, x, LENGTHS, packed)
+    out_clean, grads_clean = _grads(module, clean, LENGTHS, packed)
+    for name, a, e in zip(["y", "final states"] + ["dx"] + list(module.named_weights()), out + grads,
+                          out_clean + grads_clean):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, e), name
+    dx = grads[0]
+    for b, n in enumerate(LENGTHS):
+        assert torch.equal(dx[n:, b], torch.zeros_like(dx[n:, b]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", list(MODULES))
+def test_an_empty_batch_returns_empty_results(backend, mode):
+    """B = 0, as torch.nn: empty outputs and states of the right shapes, and a backward that runs."""
+    module = make_module(mode, I, H, torch.float32, backend=backend, num_layers=2, bidirectional=True)
+    x = torch.randn(T, 0, I, requires_grad=True)
+    for lengths in (None, torch.zeros(0, dtype=torch.int64)):
+        y, hy = module(x, lengths=lengths)
+        assert y.shape == (T, 0, 2 * H)
+        for state in flatten(hy):
+            assert state.shape == (4, 0, H)
+        (y.sum() + sum(s.sum() for s in flatten(hy))).backward()
+        assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("cls", [rnnkit.LSTMCell, rnnkit.GRUCell, rnnkit.RNNCell])
+def test_a_cell_on_an_empty_batch(cls):
+    reference = {rnnkit.LSTMCell: torch.nn.LSTMCell, rnnkit.GRUCell: torch.nn.GRUCell,
+                 rnnkit.RNNCell: torch.nn.RNNCell}[cls](I, H)
+    cell = cls(I, H)
+    x = torch.randn(0, I, requires_grad=True)
+    out, expected = cell(x), reference(x)
+    for a, e in zip(flatten(out), flatten(expected)):
+        assert a.shape == e.shape == (0, H)
+    sum(o.sum() for o in flatten(out)).backward()
+    with torch.no_grad():  # the inference path too
+        assert [o.shape for o in flatten(cell(torch.randn(0, I)))] == [e.shape for e in flatten(expected)]
+
+
+def test_lengths_on_the_meta_device_are_named():
+    with pytest.raises(ValueError, match="lengths: .*meta device"):
+        rnnkit.LSTM(I, H)(torch.randn(T, 2, I), lengths=torch.tensor([5, 3], device="meta"))
+
+
+def test_the_build_cache_is_keyed_by_what_changes_the_build(monkeypatch):
+    """Two environments with the same torch version (other install paths, other Python ABI, other
+    compiler) never share a build folder; the same environment always finds its own."""
+    from rnnkit.fused import build
+
+    first = build.cache_dir()
+    assert build.cache_dir() == first
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+    moved = build.cache_dir()
+    assert moved != first and moved.parent == first.parent
+    monkeypatch.undo()
+    monkeypatch.setattr(build.sys.implementation, "cache_tag", "cpython-312")
+    assert build.cache_dir() != first
+    monkeypatch.undo()
+    monkeypatch.setattr(build, "_flags", lambda: ["-O2"])
+    assert build.cache_dir() != first
