@@ -399,6 +399,18 @@ def _sample(args) -> int:
 
 # ---- doctor ------------------------------------------------------------------------------
 
+def _cpu_model() -> str:
+    """The CPU's model name and its vector extensions that matter here (from /proc/cpuinfo on Linux)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((set(line.split(":", 1)[1].split()) for line in info.splitlines() if line.startswith("flags")), set())
+    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16") if f in flags]
+    return f"{model} ({', '.join(wanted) or 'no AVX2'})"
+
+
 def _doctor(args) -> int:
     import numpy
 
@@ -411,9 +423,12 @@ def _doctor(args) -> int:
     print(f"threads  torch {torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op; "
           f"{cores} usable CPU cores")
     print(f"cuda     {torch.cuda.is_available()}" + (f" ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else ""))
-    print("backends (auto takes, in this order, the first that can run the configuration):")
+    print(f"cpu      {_cpu_model()}; torch dispatches to {torch.backends.cpu.get_cpu_capability()}; "
+          f"oneDNN bf16 {'yes' if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 'no'}")
+    print("backends (auto takes, in this order, the first that can run the configuration; one-step calls on "
+          "the CPU try fused first):")
     for name, report in rnnkit.backends().items():
-        status = "available" if report["available"] else f"unavailable: {report['reason']}"
+        status = report["status"] if report["available"] else f"unavailable: {report['reason']}"
         print(f"  {name:<10} {status}")
     print("extras:")
     for extra in EXTRAS:

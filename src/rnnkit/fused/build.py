@@ -16,6 +16,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -35,16 +36,21 @@ def _compiler() -> Optional[str]:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
+@lru_cache(maxsize=8)
+def _compiler_version(compiler: str) -> str:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def _build_key() -> str:
     """Hash of what changes the binary: the sources, the flags, the compiler and its version, the
     torch build (install path and git revision: two environments with the same torch version
     have different include paths) and the Python ABI. Two environments never share a build."""
     digest = hashlib.sha256()
     compiler = _compiler() or ""
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = ""
+    version = _compiler_version(compiler)
     for part in (
         " ".join(_flags()), compiler, version, torch.__version__, str(getattr(torch.version, "git_version", "")),
         str(Path(torch.__file__).parent), sys.implementation.cache_tag, sysconfig.get_platform(),
@@ -152,10 +158,16 @@ def unavailable_reason() -> Optional[str]:
 
 
 def status() -> str:
-    """"built", "not built yet" (it builds on first use), or why it cannot run; never builds."""
+    """"loaded", "built (loads on first use)", "not built yet (builds on first use)", or why it
+    cannot run; never builds or loads anything."""
     if _extension is not None:
-        return "built"
-    return unavailable_reason() or "not built yet (builds on first use, about a minute)"
+        return "loaded"
+    reason = unavailable_reason()
+    if reason:
+        return reason
+    if any(cache_dir().glob(f"{_NAME}*.so")):
+        return f"built (in {cache_dir()}; loads on first use)"
+    return "not built yet (builds on first use, about a minute)"
 
 
 def set_poison(on: bool) -> None:

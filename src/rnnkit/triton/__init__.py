@@ -64,8 +64,8 @@ class TritonBackend:
         if interpreting():
             return None
         if not torch.cuda.is_available():
-            return ("no CUDA device (torch.cuda.is_available() is False); set RNNKIT_TRITON_INTERPRET=1 to run "
-                    "on CPU tensors under Triton's interpreter")
+            return ("no CUDA device (torch.cuda.is_available() is False); to run on CPU tensors under Triton's "
+                    "interpreter set TRITON_INTERPRET=1 (before triton is imported) and RNNKIT_TRITON_INTERPRET=1")
         return None
 
     def status(self) -> str:
