@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from . import backend as backends_
-from . import functional as F
+from . import functional
 from .masks import draw_pass
 from .params import TORCH_PIECES, Layout, PassWeights, initialize
 from .spec import RNNSpec
@@ -352,7 +352,7 @@ class _Recurrent(_PackedModule):
         return self._run(weights, input, hx, lengths, batch_first=self.spec.batch_first)
 
     def _run(self, weights, input, hx, lengths, batch_first: bool):
-        y, hy, ran = F.run(self.spec, weights, input, hx, lengths, training=self.training, backend=self.backend,
+        y, hy, ran = functional.run(self.spec, weights, input, hx, lengths, training=self.training, backend=self.backend,
                            batch_first=batch_first, like=weights[0].W)
         if not torch.compiler.is_compiling():
             self.__dict__["last_backend"] = ran  # a plain attribute: skips Module.__setattr__
@@ -608,11 +608,11 @@ class _Cell(_PackedModule):
         if input.shape[-1] != spec.input_size:  # checked here so the message shows the caller's shape
             raise ValueError(f"input: expected feature size input_size={spec.input_size} in the last axis, got shape {tuple(input.shape)}")
         w = self._pass_weights()[0]
-        low = F._autocast_dtype(w.W.device, w.W.dtype)
+        low = functional._autocast_dtype(w.W.device, w.W.dtype)
         if low is not None:  # the stacks' autocast policy (functional.run)
-            input, hx = F._to_dtype(input, low), F._to_dtype(hx, low)
+            input, hx = functional._to_dtype(input, low), functional._to_dtype(hx, low)
             w = PassWeights(*(None if t is None else t.to(low) for t in w))
-        F.check_tensor("input", input, None, w.W)
+        functional.check_tensor("input", input, None, w.W)
         unbatched = input.dim() == 1
         B = 1 if unbatched else input.shape[0]
         cell = spec.cell(0)
@@ -626,7 +626,7 @@ class _Cell(_PackedModule):
             parts = hx if lstm else (hx,)
             shapes = [("h", (B, cell.output_size))] + ([("c", (B, cell.hidden_size))] if lstm else [])
             for (name, shape), value in zip(shapes, parts):
-                F.check_tensor(f"hx ({name})", value, shape[1:] if unbatched else shape, w.W)
+                functional.check_tensor(f"hx ({name})", value, shape[1:] if unbatched else shape, w.W)
             h0 = parts[0].reshape(B, cell.output_size)  # sizes spelled out: B may be 0
             c0 = parts[1].reshape(B, cell.hidden_size) if lstm else None
         x = input.reshape(B, spec.input_size)
