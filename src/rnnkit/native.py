@@ -9,7 +9,6 @@ table (``rnnkit.spec.OPTIONS``, column ``native``).
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -21,10 +20,6 @@ _OPS = {"lstm": "lstm", "gru": "gru", "rnn_tanh": "rnn_tanh", "rnn_relu": "rnn_r
 _CELLS = {"lstm": "lstm_cell", "gru": "gru_cell", "rnn_tanh": "rnn_tanh_cell", "rnn_relu": "rnn_relu_cell"}
 _LOW = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported, torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}
 
-
-@lru_cache(maxsize=256)
-def _not_native(spec: RNNSpec) -> tuple:
-    return tuple(options_in_use(spec, native=False))
 _TORCH_SLOTS = ("W", "R", "b_W", "b_R", "W_hr")  # torch.nn's _flat_weights order within a pass
 
 
@@ -40,7 +35,7 @@ class NativeBackend:
         return "available"
 
     def unsupported_reason(self, spec: RNNSpec, device, dtype) -> Optional[str]:
-        extras = _not_native(spec)
+        extras = options_in_use(spec, native=False)
         if extras:
             return f"torch's RNN kernels compute only the plain cell, not {', '.join(extras)}"
         device = torch.device(device)

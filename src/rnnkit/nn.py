@@ -80,17 +80,20 @@ class _Pack(torch.autograd.Function):
 
 
 def _already_packed(grads, packing, total: int) -> Optional[torch.Tensor]:
-    """The buffer the gradients already form, laid out as ``packing`` says, or None."""
-    if any(g is None or not g.is_contiguous() for g in grads):
+    """The buffer the gradients already form, laid out as ``packing`` says, or None. A missing
+    gradient (a frozen weight) is allowed where another one shows the buffer."""
+    present = [(g, offset) for g, (offset, _, _) in zip(grads, packing) if g is not None]
+    if not present or any(not g.is_contiguous() for g, _ in present):
         return None
-    storage = grads[0].untyped_storage()
-    start = grads[0].storage_offset() - packing[0][0]
-    if start < 0 or storage.nbytes() < (start + total) * grads[0].element_size():
+    first, first_offset = present[0]
+    storage = first.untyped_storage()
+    start = first.storage_offset() - first_offset
+    if start < 0 or storage.nbytes() < (start + total) * first.element_size():
         return None
-    for g, (offset, _, _) in zip(grads, packing):
+    for g, offset in present:
         if g.untyped_storage().data_ptr() != storage.data_ptr() or g.storage_offset() != start + offset:
             return None
-    return grads[0].new_empty(0).set_(storage, start, (total,))
+    return first.new_empty(0).set_(storage, start, (total,))
 
 
 class _PackedModule(nn.Module):

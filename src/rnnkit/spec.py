@@ -91,8 +91,8 @@ def options_in_use(spec: "RNNSpec", *, native: Optional[bool] = None, inference_
     """The labels of the options ``spec`` uses, from `OPTIONS`; ``native=False`` keeps only
     those torch's own RNN ops do not compute, ``inference_only`` drops the training-only ones."""
     return [
-        o.label for o in OPTIONS
-        if o.in_use(spec) and (native is None or o.native == native) and (o.changes_inference or not inference_only)
+        o.label for o in spec._in_use
+        if (native is None or o.native == native) and (o.changes_inference or not inference_only)
     ]
 
 
@@ -100,7 +100,7 @@ def not_carried_by(fmt: str, spec: "RNNSpec") -> List[str]:
     """The labels of the options ``spec`` uses in evaluation that the format ``fmt`` cannot carry."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
-    return [o.label for o in OPTIONS if o.changes_inference and o.in_use(spec) and fmt not in o.formats]
+    return [o.label for o in spec._in_use if o.changes_inference and fmt not in o.formats]
 
 
 @dataclass(frozen=True)
@@ -306,7 +306,9 @@ class RNNSpec:
         set_("cell_clip", _clip("cell_clip", cell_clip))
         set_("zoneout", self._zoneout(zoneout))
         self._check_combinations()
-        set_("_cells", tuple(self._make_cell(k) for k in range(num_layers)))  # not a field: no part of ==, hash
+        # not fields (no part of ==, hash): what every call would otherwise recompute
+        set_("_cells", tuple(self._make_cell(k) for k in range(num_layers)))
+        set_("_in_use", tuple(o for o in OPTIONS if o.in_use(self)))
         if self.dropout > 0 and num_layers == 1:
             warnings.warn(
                 "dropout > 0 acts only between layers, so with num_layers=1 it does nothing "
