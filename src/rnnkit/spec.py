@@ -90,17 +90,15 @@ def family(mode: str) -> str:
 def options_in_use(spec: "RNNSpec", *, native: Optional[bool] = None, inference_only: bool = False) -> List[str]:
     """The labels of the options ``spec`` uses, from `OPTIONS`; ``native=False`` keeps only
     those torch's own RNN ops do not compute, ``inference_only`` drops the training-only ones."""
-    return [
-        o.label for o in spec._in_use
-        if (native is None or o.native == native) and (o.changes_inference or not inference_only)
-    ]
+    used = [OPTIONS[k] for k in spec._in_use]
+    return [o.label for o in used if (native is None or o.native == native) and (o.changes_inference or not inference_only)]
 
 
 def not_carried_by(fmt: str, spec: "RNNSpec") -> List[str]:
     """The labels of the options ``spec`` uses in evaluation that the format ``fmt`` cannot carry."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
-    return [o.label for o in spec._in_use if o.changes_inference and fmt not in o.formats]
+    return [OPTIONS[k].label for k in spec._in_use if OPTIONS[k].changes_inference and fmt not in OPTIONS[k].formats]
 
 
 @dataclass(frozen=True)
@@ -308,7 +306,7 @@ class RNNSpec:
         self._check_combinations()
         # not fields (no part of ==, hash): what every call would otherwise recompute
         set_("_cells", tuple(self._make_cell(k) for k in range(num_layers)))
-        set_("_in_use", tuple(o for o in OPTIONS if o.in_use(self)))
+        set_("_in_use", tuple(k for k, o in enumerate(OPTIONS) if o.in_use(self)))  # indices: picklable
         if self.dropout > 0 and num_layers == 1:
             warnings.warn(
                 "dropout > 0 acts only between layers, so with num_layers=1 it does nothing "
