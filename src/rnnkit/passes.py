@@ -226,6 +226,8 @@ class PassOps:
             torch.library.register_vmap(qualname)(_vmap_by_loop(op))
             names[which] = op
         self.forward_op, self.backward_op = names["forward"], names["backward"]
+        torch.library.register_autograd(f"rnnkit::{backend}_pass_forward", _op_backward_for(self),
+                                        setup_context=_op_setup_context)
 
     def forward(self, *values):
         """The forward op on its arguments in schema order (`pass_values`, then ``training``)."""
@@ -277,36 +279,75 @@ class PassFunction(torch.autograd.Function):
         mask_args, weights = stored[3:7], stored[7:7 + len(SLOTS)]
         y, saved = stored[7 + len(SLOTS)], list(stored[8 + len(SLOTS):])
         needs = ctx.needs_input_grad
-        need_x, need_h0, need_c0 = needs[2:5]
-        need_weights = needs[9:]
-        if torch.is_grad_enabled():  # create_graph: gradients that are themselves differentiable
-            grads = _reference_backward(ctx.scalars, x, h0, c0, weights, mask_args, dy, dh_n, dc_n,
-                                        (need_x, need_h0, need_c0) + tuple(need_weights))
-            return (None, None) + grads[:3] + (None,) * 4 + grads[3:]
-        dy = torch.zeros_like(y) if dy is None else dy
-        dh_n = torch.zeros_like(h0) if dh_n is None else dh_n
-        if c0 is not None and dc_n is None:
-            dc_n = torch.zeros_like(c0)
-        dx, dh0, dc0, dweights = ctx.ops.backward(
-            *pass_values(ctx.scalars, x, h0, c0, weights, mask_args), y, saved, dy, dh_n,
-            dc_n if c0 is not None else None, bool(need_x), bool(need_weights[0]), bool(need_weights[1]),
-            bool(need_weights[_W_HR]),
-        )
-        grads, offset = [], 0
-        for w, need in zip(weights, need_weights):
-            if w is None:
-                grads.append(None)
-                continue
-            n = w.numel()
-            grads.append(dweights[offset:offset + n].view(w.shape) if need else None)
-            offset += n
-        return (None, None, dx if need_x else None, dh0 if need_h0 else None,
-                dc0 if (need_c0 and c0 is not None) else None, None, None, None, None, *grads)
+        grads = pass_gradients(ctx.ops, ctx.scalars, x, h0, c0, weights, mask_args, y, saved, dy, dh_n, dc_n,
+                               needs[2:5] + needs[9:])
+        return (None, None) + grads[:3] + (None,) * 4 + grads[3:]
+
+
+def pass_gradients(ops: "PassOps", scalars: PassScalars, x, h0, c0, weights, mask_args, y, saved, dy, dh_n, dc_n,
+                   needs) -> tuple:
+    """(dx, dh0, dc0, *one gradient per weight slot) of one pass, None where not needed or absent.
+
+    ``needs`` says which of x, h0, c0 and the weight slots want a gradient. The weights' gradients
+    are views of the one block the backward op returns. Under ``create_graph`` (grad mode on in a
+    backward) they are computed by :func:`_reference_backward` instead, so they are differentiable.
+    """
+    need_x, need_h0, need_c0 = needs[:3]
+    need_weights = needs[3:]
+    if torch.is_grad_enabled():  # create_graph: gradients that are themselves differentiable
+        return _reference_backward(scalars, x, h0, c0, weights, mask_args, dy, dh_n, dc_n, tuple(needs))
+    dy = torch.zeros_like(y) if dy is None else dy
+    dh_n = torch.zeros_like(h0) if dh_n is None else dh_n
+    if c0 is not None and dc_n is None:
+        dc_n = torch.zeros_like(c0)
+    dx, dh0, dc0, dweights = ops.backward(
+        *pass_values(scalars, x, h0, c0, weights, mask_args), y, saved, dy, dh_n,
+        dc_n if c0 is not None else None, bool(need_x), bool(need_weights[0]), bool(need_weights[1]),
+        bool(need_weights[_W_HR]),
+    )
+    grads, offset = [], 0
+    for w, need in zip(weights, need_weights):
+        if w is None:
+            grads.append(None)
+            continue
+        n = w.numel()
+        grads.append(dweights[offset:offset + n].view(w.shape) if need else None)
+        offset += n
+    return (dx if need_x else None, dh0 if need_h0 else None, dc0 if (need_c0 and c0 is not None) else None,
+            *grads)
+
+
+def _op_setup_context(ctx, inputs, output):
+    """The forward op's own autograd (torch.library.register_autograd), for code that calls the op
+    directly: it needs ``training=True`` (the saved activations)."""
+    ctx.values = inputs[:-1]  # every argument but training
+    ctx.training = inputs[-1]
+    ctx.save_for_backward(*(v for v in inputs[:-1] if isinstance(v, torch.Tensor)), output[0], *output[3])
+
+
+def _op_backward_for(ops: "PassOps"):
+    def backward(ctx, dy, dh_n, dc_n, dsaved):
+        if not ctx.training:
+            raise RuntimeError(f"rnnkit::{ops.backend}_pass_forward: differentiating it needs training=True (the "
+                               "activations the backward reads)")
+        stored = iter(ctx.saved_tensors)
+        values = [next(stored) if isinstance(v, torch.Tensor) else v for v in ctx.values]
+        y, saved = next(stored), list(stored)
+        x, h0, c0 = values[:3]
+        weights = values[3:3 + len(SLOTS)]
+        mask_args = values[3 + len(SLOTS):7 + len(SLOTS)]
+        scalars = PassScalars(*values[7 + len(SLOTS):])
+        needs = ctx.needs_input_grad
+        grads = pass_gradients(ops, scalars, x, h0, c0, weights, mask_args, y, saved, dy, dh_n, dc_n,
+                               needs[:3] + needs[3:3 + len(SLOTS)])
+        return grads + (None,) * (len(FORWARD_NAMES) - len(grads))
+
+    return backward
 
 
 def _reference_backward(scalars: PassScalars, x, h0, c0, weights, mask_args, dy, dh_n, dc_n, needs) -> tuple:
-    """The gradients of a pass as a differentiable computation: the pass recomputed by the
-    reference backend under autograd, differentiated with ``create_graph=True``."""
+    """(dx, dh0, dc0, *weight gradients) of a pass as a differentiable computation: the pass
+    recomputed by the reference backend under autograd, differentiated with ``create_graph=True``."""
     from .ref import PASSES
     from .spec import CellSpec
 
