@@ -1,0 +1,735 @@
+"""Parameters that behave like torch.nn's (issue 12): named leaf parameters aliasing one packed buffer.
+
+Every configuration runs on every backend that computes it here, and is checked against the same
+code run on its torch.nn twin (the same state_dict) where torch.nn has the configuration, else
+against the reference backend. Float64 throughout, so five optimizer steps compare at the
+float64 tolerance. The two-process runs (DDP, FSDP2) launch tests/distributed_worker.py.
+(The state_dict round trips of every torch.nn module: test_core_params.py.)
+"""
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+import distributed_worker
+import rnnkit
+from helpers import assert_close, flatten
+from rnnkit.fused.ops import OPS
+from rnnkit.params import TORCH_PIECES
+from rnnkit.passes import BACKWARD_NAMES, FORWARD_NAMES, SLOTS
+
+I, H, P, T, B = 3, 4, 2, 4, 2
+F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class Config:
+    kit: type
+    options: dict = field(default_factory=dict)
+    twin: Optional[type] = None  # torch.nn's class, where torch.nn has the configuration
+    native: bool = False  # torch's own ops compute it on the CPU
+
+
+CONFIGS = {
+    "lstm": Config(rnnkit.LSTM, {"num_layers": 2}, torch.nn.LSTM, native=True),
+    "lstm-peephole-ln": Config(rnnkit.LSTM, {"peephole": True, "layer_norm": True}),
+    "lstm-proj": Config(rnnkit.LSTM, {"num_layers": 2, "proj_size": P}, torch.nn.LSTM),  # native refuses it on CPU
+    "lstm-sizes": Config(rnnkit.LSTM, {"num_layers": 2, "hidden_size": [H, H + 1]}),
+    "lstm-bi": Config(rnnkit.LSTM, {"num_layers": 2, "bidirectional": True}, torch.nn.LSTM, native=True),
+    "gru": Config(rnnkit.GRU, {}, torch.nn.GRU, native=True),  # reset_after=True is torch.nn's GRU
+    "gru-reset-before": Config(rnnkit.GRU, {"reset_after": False}),
+    "rnn-tanh": Config(rnnkit.RNN, {}, torch.nn.RNN, native=True),
+    "rnn-relu": Config(rnnkit.RNN, {"nonlinearity": "relu", "num_layers": 2}, torch.nn.RNN, native=True),
+}
+TWINNED = [name for name, c in CONFIGS.items() if c.twin]
+
+
+def backends_of(name: str) -> list:
+    return ["reference", "fused"] + (["native"] if CONFIGS[name].native else [])
+
+
+CASES = [pytest.param(name, backend, id=f"{name}-{backend}") for name in CONFIGS for backend in backends_of(name)]
+
+
+# ---- building and running ----------------------------------------------------------------------
+
+def build(name: str, backend: str, dtype=F64, device=None, seed: int = 0):
+    c = CONFIGS[name]
+    options = dict(c.options)
+    hidden = options.pop("hidden_size", H)
+    torch.manual_seed(seed)
+    return c.kit(I, hidden, backend=backend, dtype=dtype, device=device, **options)
+
+
+def make(name: str, backend: str, dtype=F64, seed: int = 0):
+    """(rnnkit module with its weights nudged off their init, its torch.nn twin with the same
+    state_dict or None)."""
+    kit = build(name, backend, dtype, seed=seed)
+    with torch.no_grad():  # LN gains off 1 and shifts off 0, so their gradients mean something
+        kit.flat_weights.add_(0.1 * torch.randn_like(kit.flat_weights))
+    c = CONFIGS[name]
+    twin = None
+    if c.twin:
+        options = dict(c.options)
+        twin = c.twin(I, options.pop("hidden_size", H), dtype=dtype, **options)
+        twin.load_state_dict(kit.state_dict())
+    return kit, twin
+
+
+def reference_of(kit):
+    """The same module on the reference backend: the expectation where torch.nn has no twin."""
+    reference = copy.deepcopy(kit)
+    reference.backend = "reference"
+    return reference
+
+
+def inputs(seed: int, dtype=F64) -> torch.Tensor:
+    """Batch ``seed``: the same values in every dtype (drawn in float64)."""
+    return torch.randn(T, B, I, generator=torch.Generator().manual_seed(seed), dtype=F64).to(dtype)
+
+
+def loss_of(out, seed: int) -> torch.Tensor:
+    """A scalar whose gradients are random upstream gradients on y and every final state."""
+    generator = torch.Generator().manual_seed(1000 + seed)
+    return sum((t * torch.randn(t.shape, generator=generator, dtype=F64).to(t.dtype)).sum() for t in flatten(out))
+
+
+def run_step(module, seed: int, cached: bool = False) -> list:
+    """Forward and backward on batch ``seed``; the outputs, detached."""
+    with parametrize.cached() if cached else nullcontext():
+        out = module(inputs(seed, module_dtype(module)))
+    loss_of(out, seed).backward()
+    return [t.detach() for t in flatten(out)]
+
+
+def module_dtype(module) -> torch.dtype:
+    return next(module.parameters()).dtype
+
+
+def train(module, optimizer, steps: int = 5, first: int = 10, cached: bool = False) -> list:
+    """``steps`` optimizer steps -> per step: the outputs, and {name: (weight after the step, its gradient)}."""
+    history = []
+    for step in range(first, first + steps):
+        optimizer.zero_grad()
+        outputs = run_step(module, step, cached)
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters()}
+        optimizer.step()
+        history.append((outputs, {n: (p.detach().clone(), grads[n]) for n, p in module.named_parameters()}))
+    return history
+
+
+def adamw(module_or_groups):
+    params = module_or_groups.parameters() if isinstance(module_or_groups, torch.nn.Module) else module_or_groups
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def assert_same_history(actual: list, expected: list) -> None:
+    assert len(actual) == len(expected)
+    for step, ((out_a, state_a), (out_e, state_e)) in enumerate(zip(actual, expected)):
+        assert_close(out_a, out_e, f"step {step}: outputs")
+        assert sorted(state_a) == sorted(state_e), f"step {step}: parameter names"
+        for name, (value, grad) in state_e.items():
+            assert_close(state_a[name][1], grad, f"step {step}: grad of {name}")
+            assert_close(state_a[name][0], value, f"step {step}: {name}")
+
+
+def expected_history(kit, twin, optimizer_of, steps: int = 5, cached: bool = False) -> list:
+    """The trajectory of torch.nn's twin, or of the reference backend where torch.nn lacks the configuration."""
+    expectation = twin if twin is not None else reference_of(kit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the expectation's own warnings are not under test here
+        return train(expectation, optimizer_of(expectation), steps, cached=cached)
+
+
+def assert_zero_copy(module) -> None:
+    """Every weight is a leaf nn.Parameter whose memory is its slot of flat_weights."""
+    flat = module.flat_weights
+    assert flat.is_contiguous() and not flat.requires_grad
+    size = flat.element_size()
+    assert sorted(n for n, _ in module.named_parameters()) == sorted(e.name for e in module.layout)
+    for name, p in module.named_parameters():
+        entry = module.layout.index[name]
+        assert isinstance(p, torch.nn.Parameter) and p.is_leaf, name
+        assert p.data_ptr() == flat.data_ptr() + entry.offset * size, f"{name} is not its slot of flat_weights"
+        assert p.shape == entry.shape, name
+
+
+def assert_grads_are_views(module) -> None:
+    """Each weight's .grad is its slot of flat_weights.grad: equal values, the same memory."""
+    grad = module.flat_weights.grad
+    assert grad is not None and grad.shape == module.flat_weights.shape
+    size = grad.element_size()
+    for name, p in module.named_weights().items():
+        entry = module.layout.index[name]
+        assert torch.equal(p.grad, module.layout.view(grad, name)), name
+        assert p.grad.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr(), f"{name}.grad: own storage"
+        assert p.grad.data_ptr() == grad.data_ptr() + entry.offset * size, f"{name}.grad: not its slot"
+
+
+def ours(caught) -> list:
+    """rnnkit's "aliasing broken" warnings among the caught ones."""
+    return [w for w in caught if issubclass(w.category, UserWarning) and "flatten_parameters" in str(w.message)]
+
+
+def torch_order(module) -> list:
+    """Parameter names as torch.nn registers them, rnnkit's extras after."""
+    entries = module.layout.entries
+    return [e.name for e in entries if e.piece in TORCH_PIECES] + [e.name for e in entries if e.piece not in TORCH_PIECES]
+
+
+# ---- 1. the torch.nn parameter idioms --------------------------------------------------------------
+
+def init_by_name(module, seed: int) -> list:
+    """The everyday loop: orthogonal recurrent matrices, found by name."""
+    torch.manual_seed(seed)
+    touched = []
+    for n, p in module.named_parameters():
+        if "weight_hh" in n:
+            torch.nn.init.orthogonal_(p)
+            touched.append(n)
+    return touched
+
+
+def grouped(module):
+    """The everyday recipe: no weight decay on biases and 1-D gains, a lower learning rate for the
+    recurrent matrices -> ({group: names}, optimizer param groups)."""
+    groups = {"decay": [], "no_decay": [], "recurrent": []}
+    for n, p in module.named_parameters():
+        key = "recurrent" if "weight_hh" in n else "no_decay" if ("bias" in n or p.dim() == 1) else "decay"
+        groups[key].append((n, p))
+    names = {key: [n for n, _ in members] for key, members in groups.items()}
+    params = {key: [p for _, p in members] for key, members in groups.items()}
+    return names, [{"params": params["decay"]}, {"params": params["no_decay"], "weight_decay": 0.0},
+                   {"params": params["recurrent"], "lr": 3e-3}]
+
+
+@pytest.mark.parametrize("name,backend", CASES)
+def test_init_by_name_and_param_groups_train_as_torch_nn(name, backend):
+    kit, twin = make(name, backend)
+    assert [n for n, _ in kit.named_parameters()] == torch_order(kit)
+    touched = init_by_name(kit, seed=3)
+    assert touched == [n for n in torch_order(kit) if n.startswith("weight_hh")] and touched
+    for n in touched:  # orthogonal, and in the buffer the kernels read
+        p = getattr(kit, n)
+        assert_close(p.T @ p, torch.eye(p.shape[1], dtype=F64), f"{n}: columns orthonormal")
+        assert torch.equal(kit.layout.view(kit.flat_weights, n), p), n
+    names, groups = grouped(kit)
+    assert sorted(sum(names.values(), [])) == sorted(kit.named_weights())  # each weight in exactly one group
+    assert names["no_decay"] and all(n.startswith(("bias", "layer_norm")) for n in names["no_decay"])
+    if twin is not None:
+        assert init_by_name(twin, seed=3) == touched
+        assert grouped(twin)[0] == names
+    start = {n: p.detach().clone() for n, p in kit.named_parameters()}
+    expected = expected_history(kit, twin, lambda m: adamw(grouped(m)[1]))
+    actual = train(kit, adamw(groups))
+    assert_same_history(actual, expected)
+    for n, p in kit.named_parameters():
+        assert not torch.equal(p, start[n]), f"{n} did not train"
+    assert kit.last_backend == backend
+    assert_zero_copy(kit)
+
+
+# ---- 2. requires_grad_(False) ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,backend", CASES)
+def test_frozen_weight_hh_stays_bit_identical_under_adamw(name, backend):
+    kit, twin = make(name, backend)
+    for module in filter(None, (kit, twin)):
+        module.weight_hh_l0.requires_grad_(False)
+    start = {n: p.detach().clone() for n, p in kit.named_parameters()}
+    expected = expected_history(kit, twin, adamw)
+    actual = train(kit, adamw(kit))  # weight decay 0.1: it would move the weight if AdamW saw it
+    for step, (_, state) in enumerate(actual):
+        assert state["weight_hh_l0"][1] is None, f"step {step}: the frozen weight got a gradient"
+    assert kit.weight_hh_l0.grad is None
+    assert torch.equal(kit.weight_hh_l0, start["weight_hh_l0"])
+    assert torch.equal(kit.layout.view(kit.flat_weights, "weight_hh_l0"), start["weight_hh_l0"])
+    for n, p in kit.named_parameters():
+        if n != "weight_hh_l0":
+            assert not torch.equal(p, start[n]), f"{n} did not train"
+    assert_same_history(actual, expected)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fused_backward_skips_frozen_recurrent_matrices(name, monkeypatch):
+    """The issue: "the fused kernels skip work for frozen weights where that is cheap": with every
+    weight_hh frozen, no backward pass is asked for dR."""
+    kit, _ = make(name, "fused")
+    for n, p in kit.named_parameters():
+        if "weight_hh" in n:
+            p.requires_grad_(False)
+    asked = []
+    backward = OPS.backward_impl
+
+    def recording(*values):
+        asked.append(values[BACKWARD_NAMES.index("need_dR")])
+        return backward(*values)
+
+    monkeypatch.setattr(OPS, "backward_impl", recording)
+    run_step(kit, 1)
+    assert len(asked) == kit.spec.num_layers * kit.spec.num_directions
+    assert not any(asked), f"need_dR per pass: {asked}"
+
+
+# ---- 3. hooks and gradients --------------------------------------------------------------------------
+
+def expected_grads(kit, twin, seed: int) -> dict:
+    expectation = twin if twin is not None else reference_of(kit)
+    names, params = zip(*expectation.named_parameters())
+    out = expectation(inputs(seed))
+    return dict(zip(names, torch.autograd.grad(loss_of(out, seed), params)))
+
+
+@pytest.mark.parametrize("name,backend", CASES)
+def test_hooks_fire_once_and_grads_are_slices_of_the_packed_gradient(name, backend):
+    kit, twin = make(name, backend)
+    expected = [expected_grads(kit, twin, seed) for seed in (1, 2, 3)]
+    calls = {n: [] for n, _ in kit.named_parameters()}
+    for n, p in kit.named_parameters():
+        p.register_hook(lambda g, n=n: calls[n].append(g.detach().clone()))
+    optimizer = torch.optim.SGD(kit.parameters(), lr=0.1)
+
+    run_step(kit, 1)
+    for n, p in kit.named_parameters():
+        assert len(calls[n]) == 1, f"{n}: hook fired {len(calls[n])} times in one backward"
+        assert_close(calls[n][0], expected[0][n], f"{n}: hook's gradient")
+        assert_close(p.grad, expected[0][n], f"{n}.grad")
+    assert_grads_are_views(kit)
+
+    run_step(kit, 2)  # no zero_grad: the gradients accumulate
+    for n, p in kit.named_parameters():
+        assert len(calls[n]) == 2, f"{n}: hook fired {len(calls[n])} times in two backwards"
+        assert_close(calls[n][1], expected[1][n], f"{n}: hook's second gradient")
+        assert_close(p.grad, expected[0][n] + expected[1][n], f"{n}.grad accumulated")
+    assert_grads_are_views(kit)
+
+    optimizer.zero_grad()  # set_to_none
+    assert all(p.grad is None for p in kit.parameters()) and kit.flat_weights.grad is None
+    run_step(kit, 3)
+    for n, p in kit.named_parameters():
+        assert_close(p.grad, expected[2][n], f"{n}.grad after zero_grad")
+    assert_grads_are_views(kit)
+
+
+# ---- 4. parametrizations -----------------------------------------------------------------------------
+
+PARAMETRIZATIONS = {
+    "weight_norm": lambda m: weight_norm(m, "weight_hh_l0"),
+    "spectral_norm": lambda m: spectral_norm(m, "weight_hh_l0"),
+}
+# torch.nn's twin where it has the configuration; else the fused kernels against the reference backend
+PARAMETRIZED_CASES = [
+    pytest.param(name, backend, kind, id=f"{name}-{backend}-{kind}")
+    for kind in PARAMETRIZATIONS
+    for name in CONFIGS
+    for backend in (backends_of(name) if CONFIGS[name].twin else ["fused"])
+]
+
+
+@pytest.mark.parametrize("name,backend,kind", PARAMETRIZED_CASES)
+def test_parametrized_weight_hh_trains_as_the_reference_and_flatten_restores_zero_copy(name, backend, kind):
+    kit, twin = make(name, backend)
+    twin = twin if twin is not None else reference_of(kit)
+    for module in (kit, twin):
+        torch.manual_seed(4)  # spectral_norm draws its power-iteration vectors here
+        PARAMETRIZATIONS[kind](module)
+    # torch.nn's LSTM reads each parametrized weight 4 times a forward (each a power iteration of
+    # spectral_norm); parametrize.cached() makes it once on both sides, so the two compute the same
+    cached = kind == "spectral_norm"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = train(kit, adamw(kit), steps=3, cached=cached)
+    assert len(ours(caught)) == 1, [str(w.message) for w in ours(caught)]
+    expected = expected_history(kit, twin, adamw, steps=3, cached=cached)
+    assert any(n.startswith("parametrizations.weight_hh_l0.original") for n in actual[0][1])
+    assert_same_history(actual, expected)
+
+    for module in (kit, twin):
+        parametrize.remove_parametrizations(module, "weight_hh_l0")
+    kit.flatten_parameters()
+    assert_zero_copy(kit)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = train(kit, adamw(kit), steps=2)
+    assert not ours(caught), "warned after flatten_parameters"
+    assert_same_history(actual, expected_history(kit, twin, adamw, steps=2))
+    assert_grads_are_views(kit)
+
+
+@pytest.mark.parametrize("kind", list(PARAMETRIZATIONS))
+def test_flat_weights_of_a_parametrized_module_is_a_quiet_copy(kind):
+    """flat_weights while weight_hh_l0 is parametrized: the current weights packed (a copy, as
+    documented), with rnnkit's one warning and no other."""
+    kit, _ = make("lstm", "fused")
+    PARAMETRIZATIONS[kind](kit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one warning: checked in the test above
+        run_step(kit, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flat = kit.flat_weights
+    others = [str(w.message)[:120] for w in caught if w not in ours(caught)]
+    assert not others, others
+    with torch.no_grad():
+        for n in kit.layout.index:
+            assert_close(kit.layout.view(flat, n), getattr(kit, n), n)
+
+
+# ---- aliasing broken by hand, and flatten_parameters -------------------------------------------------
+
+def _rebind_data(module):
+    module.weight_ih_l0.data = module.weight_ih_l0.detach() + 0.5
+
+
+def _assign_state(module):
+    module.load_state_dict({k: v + 0.5 for k, v in module.state_dict().items()}, assign=True)
+
+
+def _set_(module):
+    with torch.no_grad():
+        module.weight_ih_l0.set_(module.weight_ih_l0.detach() + 0.5)
+
+
+BREAKERS = {"p.data": _rebind_data, "assign": _assign_state, "set_": _set_}
+BREAKER_CASES = [pytest.param(name, backend, "p.data", id=f"{name}-{backend}-p.data") for name in CONFIGS
+                 for backend in backends_of(name)]
+BREAKER_CASES += [pytest.param(name, "fused", breaker, id=f"{name}-fused-{breaker}") for breaker in ("assign", "set_")
+                  for name in CONFIGS]
+
+
+@pytest.mark.parametrize("name,backend,breaker", BREAKER_CASES)
+def test_broken_aliasing_warns_once_computes_right_and_flatten_repacks(name, backend, breaker):
+    kit, twin = make(name, backend)
+    expectation = twin if twin is not None else reference_of(kit)
+    BREAKERS[breaker](kit)
+    expectation.load_state_dict(kit.state_dict())
+    optimizer, expectation_optimizer = adamw(kit), adamw(expectation)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = train(kit, optimizer, steps=2)
+        flat = kit.flat_weights  # a copy while broken: the current weights, packed
+    assert len(ours(caught)) == 1, [str(w.message) for w in ours(caught)]
+    for n, p in kit.named_weights().items():
+        assert torch.equal(kit.layout.view(flat, n), p), n
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_same_history(actual, train(expectation, expectation_optimizer, steps=2))
+
+    kit.flatten_parameters()  # the optimizer goes on with the same Parameter objects
+    assert_zero_copy(kit)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = train(kit, optimizer, steps=2, first=20)
+    assert not ours(caught), "warned after flatten_parameters"
+    assert_grads_are_views(kit)
+    assert_same_history(actual, train(expectation, expectation_optimizer, steps=2, first=20))
+
+
+# ---- 5. torch.func and safetensors -------------------------------------------------------------------
+
+def _perturbed(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return module
+
+
+@pytest.mark.parametrize("name,backend", CASES)
+def test_functional_call_with_torch_nn_names(name, backend):
+    kit, twin = make(name, backend)
+    own = {n: p.detach().clone() for n, p in kit.named_parameters()}
+    y_own = [t.detach() for t in flatten(kit(inputs(1)))]
+    source = _perturbed(copy.deepcopy(twin if twin is not None else reference_of(kit)))
+    params = dict(source.named_parameters())  # torch.nn's names; the twin's own Parameters
+    expected = copy.deepcopy(source)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # whether it warns: test_functional_call_does_not_warn
+        out = torch.func.functional_call(kit, params, (inputs(1),))
+    loss_of(out, 1).backward()
+    loss_of(expected(inputs(1)), 1).backward()
+    assert_close(flatten(out), flatten(expected(inputs(1))), "outputs")
+    for n, p in params.items():
+        assert_close(p.grad, dict(expected.named_parameters())[n].grad, f"grad of {n} through functional_call")
+    assert all(p.grad is None for p in kit.parameters())
+    for n, p in kit.named_parameters():  # the module itself is untouched
+        assert torch.equal(p, own[n]), n
+    assert_zero_copy(kit)
+    assert_close([t.detach() for t in flatten(kit(inputs(1)))], y_own, "outputs after functional_call")
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused", "native"])
+def test_functional_call_does_not_warn_and_a_later_break_still_does(backend):
+    """functional_call swaps parameters for one call: nothing is broken, so no "call
+    flatten_parameters()" warning, and the one warning is still there for a real break."""
+    kit, twin = make("lstm", backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.func.functional_call(kit, dict(twin.named_parameters()), (inputs(1),))
+        torch.func.functional_call(kit, {n: p.detach() for n, p in twin.named_parameters()}, (inputs(1),))
+        kit(inputs(1))
+    assert not ours(caught), [str(w.message) for w in ours(caught)]
+    _rebind_data(kit)
+    with pytest.warns(UserWarning, match="flatten_parameters"):
+        kit(inputs(1))
+
+
+ENSEMBLE_CASES = [pytest.param(name, backend, id=f"{name}-{backend}") for name in CONFIGS
+                  for backend in ("reference", "fused")]
+# torch's own RNN ops have no vmap rule (torch.nn's LSTM fails under vmap too); "auto" is what a user
+# writes, and should pick a backend that runs under vmap
+ENSEMBLE_CASES += [pytest.param(name, "auto", id=f"{name}-auto") for name in ("lstm", "gru")]
+
+
+@pytest.mark.parametrize("name,backend", ENSEMBLE_CASES)
+def test_stack_module_state_and_vmap_ensemble(name, backend):
+    members = [make(name, backend, seed=seed)[0] for seed in range(3)]
+    params, buffers = torch.func.stack_module_state(members)
+    assert list(params) == [n for n, _ in members[0].named_parameters()]
+    for n, p in members[0].named_parameters():
+        assert params[n].shape == (3, *p.shape), n
+    base = copy.deepcopy(members[0]).to("meta")
+    x = inputs(1)
+    generator = torch.Generator().manual_seed(2)  # drawn outside vmap, which refuses random ops
+    upstream = [torch.randn(t.shape, generator=generator, dtype=F64) for t in flatten(members[0](x))]
+
+    def member(p, b, x):
+        return tuple(flatten(torch.func.functional_call(base, (p, b), (x,))))
+
+    def member_loss(p, b, x):
+        return sum((o * u).sum() for o, u in zip(member(p, b, x), upstream))
+
+    out = torch.vmap(member, in_dims=(0, 0, None))(params, buffers, x)
+    grads = torch.vmap(torch.func.grad(member_loss), in_dims=(0, 0, None))(params, buffers, x)
+    for k, m in enumerate(members):
+        expected = flatten(m(x))
+        assert_close([o[k] for o in out], [e.detach() for e in expected], f"member {k}: outputs")
+        names, weights = zip(*m.named_parameters())
+        loss = sum((o * u).sum() for o, u in zip(expected, upstream))
+        for n, g in zip(names, torch.autograd.grad(loss, weights)):
+            assert_close(grads[n][k], g, f"member {k}: grad of {n}")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_safetensors_round_trip(name, tmp_path):
+    from safetensors.torch import load_file, load_model, save_file, save_model
+
+    kit, twin = make(name, "reference")
+    save_model(kit, str(tmp_path / "model.safetensors"))
+    fresh = build(name, "reference", seed=1)
+    missing, unexpected = load_model(fresh, str(tmp_path / "model.safetensors"))
+    assert not missing and not unexpected
+    for n, p in kit.named_parameters():
+        assert torch.equal(getattr(fresh, n), p), n
+    assert_zero_copy(fresh)
+    assert_close(flatten(fresh(inputs(1))), flatten(kit(inputs(1))), "outputs after load_model")
+
+    save_file(kit.state_dict(), str(tmp_path / "state.safetensors"))
+    loaded = load_file(str(tmp_path / "state.safetensors"))
+    state = kit.state_dict()
+    assert sorted(loaded) == sorted(state)
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value), key
+    if twin is not None:
+        reference = copy.deepcopy(twin)
+        _perturbed(reference).load_state_dict(loaded, strict=True)
+        assert_close(flatten(reference(inputs(1))), flatten(kit(inputs(1))), "torch.nn from the file")
+
+
+# ---- 6. DDP and FSDP2, two processes -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_process_results(tmp_path_factory):
+    """Run tests/distributed_worker.py under torchrun once: 2 processes, gloo, CPU."""
+    import socket
+
+    out = tmp_path_factory.mktemp("distributed")
+    logs = out / "logs"  # each rank's own output: torchrun's summary alone hides why a rank died
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = Path(__file__).resolve().parent
+    package_root = Path(rnnkit.__file__).resolve().parent.parent  # the rnnkit under test, in the workers too
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(package_root), str(here), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--log-dir", str(logs),
+               "--tee", "3", "--master_addr", "127.0.0.1", "--master_port", str(port),
+               str(here / "distributed_worker.py"), str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    ranks = "".join(f"--- {log.relative_to(logs)}\n{log.read_text()[-2000:]}\n" for log in sorted(logs.rglob("*.log")))
+    assert result.returncode == 0, ranks + result.stderr[-2000:]
+    return out
+
+
+@pytest.mark.parametrize("case", list(distributed_worker.CASES))
+@pytest.mark.parametrize("wrapper", distributed_worker.WRAPPERS)
+def test_two_processes_match_one(two_process_results, wrapper, case):
+    two = torch.load(two_process_results / f"{wrapper}-{case}.pt")
+    one = distributed_worker.train(distributed_worker.build(case), case)
+    assert two["backend"] == one["backend"]
+    for step, (g2, g1) in enumerate(zip(two["grads"], one["grads"])):
+        assert sorted(g2) == sorted(g1)
+        for n in g1:
+            assert_close(g2[n], g1[n], f"step {step}: grad of {n}")
+    for n, value in one["params"].items():
+        assert_close(two["params"][n], value, n)
+
+
+# ---- 7. no copy of the packed buffer -----------------------------------------------------------------
+
+def _pointers(tensors) -> tuple:
+    return tuple(0 if t is None else t.data_ptr() for t in tensors)
+
+
+NO_COPY_CASES = [pytest.param(name, backend, id=f"{name}-{backend}") for name in CONFIGS
+                 for backend in backends_of(name) if backend != "reference"]
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+@pytest.mark.parametrize("name,backend", NO_COPY_CASES)
+def test_kernels_take_the_packed_buffer_without_a_copy(name, backend, grad, monkeypatch):
+    kit, _ = make(name, backend, dtype=torch.float32)  # float32: oneDNN's own path for native
+    assert_zero_copy(kit)
+    weights = kit.layout.group(kit.named_weights())  # PassWeights per layer-direction
+    calls = []
+    if backend == "fused":
+        forward, backward = OPS.forward_impl, OPS.backward_impl
+        first = FORWARD_NAMES.index(SLOTS[0])
+        blocks = []
+
+        def recording_forward(*values):
+            calls.append(("forward", _pointers(values[first:first + len(SLOTS)])))
+            return forward(*values)
+
+        def recording_backward(*values):
+            calls.append(("backward", _pointers(values[first:first + len(SLOTS)])))
+            out = backward(*values)
+            blocks.append(out[3])
+            return out
+
+        monkeypatch.setattr(OPS, "forward_impl", recording_forward)
+        monkeypatch.setattr(OPS, "backward_impl", recording_backward)
+        expected = sorted(_pointers(w) for w in weights)
+    else:
+        op_name = kit.spec.mode
+        op = getattr(torch._VF, op_name)
+
+        def recording_op(*args):
+            calls.append(("forward", _pointers(args[2])))
+            return op(*args)
+
+        monkeypatch.setattr(torch._VF, op_name, recording_op)
+        expected = [_pointers([getattr(kit, n) for n in torch_order(kit)])]
+
+    with torch.set_grad_enabled(grad):
+        out = kit(inputs(1, torch.float32))
+    assert kit.last_backend == backend
+    assert sorted(p for kind, p in calls if kind == "forward") == expected, "a kernel got a copy of the weights"
+    if not grad:
+        return
+    loss_of(out, 1).backward()
+    assert_grads_are_views(kit)
+    if backend != "fused":
+        return
+    assert sorted(p for kind, p in calls if kind == "backward") == expected, "a backward got a copy of the weights"
+    if kit.spec.num_layers == 1 and kit.spec.num_directions == 1:  # the kernel's gradient block IS flat_weights.grad
+        block = blocks[0]
+        assert kit.flat_weights.grad.data_ptr() == block.data_ptr(), "the packed gradient is a copy of the kernel's"
+        for n, p in kit.named_parameters():
+            assert p.grad.untyped_storage().data_ptr() == block.untyped_storage().data_ptr(), n
+
+
+# ---- 8. what stays: state_dicts, conversions, copies, meta construction ------------------------------
+
+@pytest.mark.parametrize("name", TWINNED)
+def test_torch_nn_state_dicts_load_both_ways_and_keep_the_aliasing(name):
+    kit, twin = make(name, "reference")
+    _perturbed(twin)
+    fresh = build(name, "reference", seed=1)
+    result = fresh.load_state_dict(twin.state_dict(), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert_zero_copy(fresh)
+    assert list(fresh.state_dict()) == list(twin.state_dict())
+    for key, value in twin.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    back = _perturbed(copy.deepcopy(twin))
+    back.load_state_dict(kit.state_dict(), strict=True)
+    for key, value in kit.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+    assert_close(flatten(fresh(inputs(1))), flatten(twin(inputs(1))), "outputs")
+
+
+CONVERSIONS = {
+    "to-float64": lambda m: m.to(torch.float64),
+    "double": lambda m: m.double(),
+    "half": lambda m: m.half(),
+    "deepcopy": copy.deepcopy,
+    "pickle": lambda m: pickle.loads(pickle.dumps(m)),
+}
+
+
+@pytest.mark.parametrize("conversion", list(CONVERSIONS))
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_conversions_and_copies_keep_the_aliasing(name, conversion):
+    kit, _ = make(name, "auto", dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in kit.named_parameters()}
+    expected = reference_of(kit).double()
+    converted = CONVERSIONS[conversion](kit)
+    dtype = module_dtype(converted)
+    assert converted.flat_weights.dtype == dtype
+    assert_zero_copy(converted)
+    for n, value in before.items():
+        assert torch.equal(getattr(converted, n), value.to(dtype)), n
+    y = run_step(converted, 1)
+    assert_grads_are_views(converted)
+    expected_y = [t.detach() for t in flatten(expected(inputs(1)))]
+    assert_close([t.double() for t in y], expected_y, "outputs", dtype=dtype)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_meta_construction_to_empty_reset_parameters(name):
+    module = build(name, "reference", device="meta")
+    assert all(p.is_meta for p in module.parameters())
+    module.to_empty(device="cpu")
+    torch.manual_seed(5)
+    module.reset_parameters()
+    assert_zero_copy(module)
+    spec = module.spec
+    uniform = []
+    for n, value in module.named_weights().items():
+        entry = module.layout.index[n]
+        if entry.piece.startswith("layer_norm_"):
+            assert torch.all(value == (1.0 if entry.piece.endswith("_weight") else 0.0)), n
+            continue
+        bound = spec.hidden_sizes[entry.layer] ** -0.5
+        assert value.abs().max() <= bound and value.std() > 0, n
+        uniform.append((value.detach() / bound).flatten())
+    uniform = torch.cat(uniform).sort().values  # should be U(-1, 1): Kolmogorov-Smirnov at p = 0.001
+    n = uniform.numel()
+    cdf = (uniform + 1) / 2
+    steps = torch.arange(n + 1, dtype=F64) / n
+    distance = torch.maximum(steps[1:] - cdf, cdf - steps[:-1]).max()
+    assert distance < 1.95 / n**0.5, f"the weights are not uniform in ±1/sqrt(H): KS distance {distance:.3f}, n={n}"
+    c = CONFIGS[name]
+    if c.twin is not None:  # torch.nn's own draws, under the same seed
+        options = dict(c.options)
+        twin = c.twin(I, options.pop("hidden_size", H), dtype=F64, device="meta", **options)
+        twin.to_empty(device="cpu")
+        torch.manual_seed(5)
+        twin.reset_parameters()
+        for key, value in twin.state_dict().items():
+            assert torch.equal(module.state_dict()[key], value), key
+    run_step(module, 1)
+    assert_grads_are_views(module)
