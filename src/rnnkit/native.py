@@ -48,9 +48,13 @@ class NativeBackend:
                     "(torch.nn's LSTM fails the same way); the fused backend computes it")
         if device.type == "cpu" and any(spec.proj_sizes):
             return "proj_size on the CPU: torch runs LSTMP without oneDNN (its slow path); the fused backend computes it"
-        if device.type == "cpu" and torch.compiler.is_compiling():
-            return ("torch.compile / torch.export cannot trace torch's oneDNN RNN op (mkldnn_rnn_layer); the fused "
-                    "backend's custom ops trace")
+        if torch.compiler.is_compiling():
+            if device.type == "cpu":
+                return ("torch.compile / torch.export cannot trace torch's oneDNN RNN op (mkldnn_rnn_layer); the "
+                        "fused backend's custom ops trace")
+        elif torch._C._functorch.peek_interpreter_stack() is not None:
+            return ("torch.func transforms (vmap) have no rule for torch's RNN ops; the fused and triton backends' "
+                    "custom ops have one")
         return None
 
     def step(self, spec, w, x, h0, c0):

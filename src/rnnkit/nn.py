@@ -138,6 +138,8 @@ class _PackedModule(nn.Module):
     def _set_flat(self, flat: Optional[torch.Tensor]) -> None:
         self._flat = flat
         self._warned_unpacked = False
+        self._rebound = False  # a weight was assigned (module.weight_ih_l0 = ..., load_state_dict(assign=True))
+        self._packed = tuple(self._parameters.get(name) for name in self._names)  # the Parameters packed
         if flat is None:
             self._expected_ptrs = None
         else:
@@ -157,14 +159,15 @@ class _PackedModule(nn.Module):
         )
 
     def _note_unpacked(self, tensors) -> None:
-        """Warn once that the parameters no longer alias the packed buffer (unless they were
-        swapped in for one call, as torch.func.functional_call does)."""
+        """Warn once that the parameters no longer alias the packed buffer: a weight is parametrized,
+        was assigned, or one the module packed was moved (``p.data = ...``, ``set_``). Not for
+        tensors swapped in for a call without assignment, as torch.func.functional_call and FSDP
+        do (they are not the module's to re-pack)."""
         if self._warned_unpacked:
             return
         registered = [self._parameters.get(name) for name in self._names]
-        if all(isinstance(p, nn.Parameter) or p is None for p in registered) and not all(
-            p is None for p in registered
-        ):
+        moved = any(p is not None and p is q for p, q in zip(registered, self._packed))
+        if any(p is None for p in registered) or self._rebound or moved:
             self._warned_unpacked = True
             warnings.warn(
                 f"{type(self).__name__}: the weights are not views of one packed buffer any more (a parametrization, "
@@ -182,7 +185,9 @@ class _PackedModule(nn.Module):
             if not self._aliased(tensors):
                 self._note_unpacked(tensors)
             elif torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-                tensors = _Pack.apply(self._flat, self._packing, *tensors)
+                views = _Pack.apply(self._flat, self._packing, *tensors)
+                # a frozen weight goes as itself (the same memory), so the kernels skip its gradient
+                tensors = [v if t.requires_grad else t for v, t in zip(views, tensors)]
         return self.layout.group(dict(zip(self._names, tensors)))
 
     @property
@@ -200,7 +205,7 @@ class _PackedModule(nn.Module):
         else:
             self._note_unpacked(tensors)
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        grads = [getattr(t, "grad", None) for t in tensors]
+        grads = [None if p is None else p.grad for p in (self._parameters.get(n) for n in self._names)]
         if all(g is None for g in grads):
             flat.grad = None
         else:
@@ -272,6 +277,11 @@ class _PackedModule(nn.Module):
                 p = self._parameters.get(name)
                 if p is not None:
                     p.copy_(fresh[offset:offset + numel].view(shape))
+
+    def __setattr__(self, name, value) -> None:
+        super().__setattr__(name, value)
+        if name in self.__dict__.get("_names", ()):
+            self.__dict__["_rebound"] = True
 
     def named_weights(self):
         """{torch.nn name: weight} for every piece, in buffer order."""
