@@ -50,8 +50,8 @@ class NativeBackend:
             return "proj_size on the CPU: torch runs LSTMP without oneDNN (its slow path); the fused backend computes it"
         if torch.compiler.is_compiling():
             if device.type == "cpu":
-                return ("torch.compile / torch.export cannot trace torch's oneDNN RNN op (mkldnn_rnn_layer); the "
-                        "fused backend's custom ops trace")
+                return ("under torch.compile / torch.export on the CPU every cell family runs on the fused "
+                        "backend's custom ops (torch's oneDNN LSTM op, mkldnn_rnn_layer, cannot be traced)")
         elif torch._C._functorch.peek_interpreter_stack() is not None:
             return ("torch.func transforms (vmap) have no rule for torch's RNN ops; the fused and triton backends' "
                     "custom ops have one")

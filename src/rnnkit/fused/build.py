@@ -146,13 +146,15 @@ def unavailable_reason() -> Optional[str]:
     only (once) that a compiler and ninja are present; a build that then fails is reported from
     then on. Under torch.compile it reads only what is known (no file system probes in a graph)."""
     global _missing_tool
+    if torch.compiler.is_compiling():
+        # no guard on this module's state (loading the kernels would recompile the graph): the op
+        # builds, or says why it cannot, when it runs; torch.compile needs a compiler on the CPU anyway
+        return None
     if _failure is not None:
         return _failure
     if _extension is not None:
         return None
     if _missing_tool is _PROBED:
-        if torch.compiler.is_compiling():
-            return None  # torch.compile itself needs a C++ compiler on the CPU
         _missing_tool = _probe_tools()
     return _missing_tool
 

@@ -168,6 +168,8 @@ struct Gru {
 
     std::vector<Tensor> out = {y, h, Tensor()};
     if (training) {
+      zero_masked_rows(a, gates);
+      if (ln) zero_masked_rows(a, stats[0]), zero_masked_rows(a, stats[1]);
       saved[kGates] = gates;
       if (ln) saved[kRecurrentRaw] = gh, saved[kRecurrentMean] = stats[0].clone(), saved[kRecurrentRstd] = stats[1].clone();
       out.insert(out.end(), saved.begin(), saved.end());

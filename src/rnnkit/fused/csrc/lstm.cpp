@@ -209,6 +209,7 @@ struct Lstm {
     if (training) {
       saved[kGates] = steps.all().view({T, B, GH}), saved[kCellPrev] = cell_prev;
       if (ln) {
+        for (int64_t k = 0; k < 4; ++k) zero_masked_rows(a, stats[k]);
         saved[kRecurrentRaw] = gh, saved[kRecurrentMean] = stats[0].clone(), saved[kRecurrentRstd] = stats[1].clone();
         saved[kCellMean] = stats[2].clone(), saved[kCellRstd] = stats[3].clone();
       }

@@ -215,6 +215,20 @@ BackwardResult dispatch_backward(const PassArgs& a, const Tensor& y, const std::
   return out;
 }
 
+// The rows of steps past a sequence's length, which a pass does not compute, zeroed in a training
+// forward's saved buffer [T, B, ...] (contiguous): what the op returns is then a function of its
+// inputs (torch.library's contract), whatever the buffer held before.
+inline void zero_masked_rows(const PassArgs& a, const Tensor& buf) {
+  const bool* mask = a.mask_ptr();
+  if (mask == nullptr || a.T * a.B == 0) return;
+  const int64_t n = buf.numel() / (a.T * a.B);
+  AT_DISPATCH_FLOATING_TYPES(buf.scalar_type(), "rnnkit_zero_masked_rows", [&] {
+    scalar_t* p = buf.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < a.T * a.B; ++r)
+      if (!mask[r]) std::fill(p + r * n, p + (r + 1) * n, scalar_t(0));
+  });
+}
+
 // Saved-list helper shared by the three families.
 inline std::vector<Tensor> saved_slots() { return std::vector<Tensor>(kNumSaved); }
 

@@ -99,6 +99,8 @@ struct Rnn {
 
     std::vector<Tensor> out = {y, h, Tensor()};
     if (training) {
+      zero_masked_rows(a, h_tilde);
+      if (ln) zero_masked_rows(a, stats[0]), zero_masked_rows(a, stats[1]);
       saved[kGates] = h_tilde;
       if (ln) saved[kRecurrentRaw] = gh, saved[kRecurrentMean] = stats[0].clone(), saved[kRecurrentRstd] = stats[1].clone();
       out.insert(out.end(), saved.begin(), saved.end());
