@@ -4,7 +4,7 @@ from typing import Optional
 from onnxscript.function_libs.torch_lib.tensor_typing import TFloat, TTensor
 from onnxscript.onnx_opset import opset18 as op
 
-from .onnx_ops import NOT_IN_ONNX
+from .onnx_ops import refusal
 
 _ONNX_GATES = {"lstm": "iofg", "gru": "zrn", "rnn_tanh": "h", "rnn_relu": "h"}
 
@@ -35,15 +35,16 @@ def pass_forward(
     zoneout_c: float, cell_clip: Optional[float], proj_clip: Optional[float], coupled_gates: bool,
     reset_after: bool, reverse: bool, training: bool,
 ):
-    """One pass (rnnkit/passes.py's schema) as one ONNX recurrent node."""
-    if W_hr is not None or proj_clip is not None:
-        raise ValueError("torch.onnx.export: proj_size: ONNX's LSTM has no projection")
-    if ln_h_gain is not None or ln_x_gain is not None:
-        raise ValueError("torch.onnx.export: layer_norm: ONNX's recurrent operators have no layer normalization")
-    if cell_clip is not None:
-        raise ValueError(f"torch.onnx.export: cell_clip: {NOT_IN_ONNX['cell_clip']}")
-    if zoneout_h or zoneout_c or zoneout_h_mask is not None or zoneout_c_mask is not None:
-        raise ValueError(f"torch.onnx.export: zoneout: {NOT_IN_ONNX['zoneout']}")
+    """One pass (rnnkit/passes.py's schema) as one ONNX recurrent node; the options ONNX cannot
+    express (the option table's onnx column) are refused by name, as `check_exportable` does."""
+    in_use = {
+        "proj_size": W_hr is not None, "proj_clip": proj_clip is not None, "cell_clip": cell_clip is not None,
+        "layer_norm": ln_h_gain is not None or ln_x_gain is not None,
+        "zoneout": bool(zoneout_h or zoneout_c) or zoneout_h_mask is not None or zoneout_c_mask is not None,
+    }
+    for option, used in in_use.items():
+        if used:
+            raise refusal(option)
     if training or recurrent_mask is not None:
         raise ValueError("torch.onnx.export: the model must be exported in evaluation mode (model.eval())")
     src = "igo" if (mode == "lstm" and coupled_gates) else {"lstm": "ifgo", "gru": "rzn"}.get(mode, "h")

@@ -41,9 +41,13 @@ def check_exportable(spec: RNNSpec) -> None:
     """Raise a ValueError naming the first option of ``spec`` that ONNX cannot express (the
     option table's ``onnx`` column, rnnkit.spec.OPTIONS)."""
     for option in not_carried_by("onnx", spec):
-        why = NOT_IN_ONNX.get(option, "ONNX's recurrent operators cannot express it")
-        raise ValueError(f"torch.onnx.export: {option}: {why}; this layer cannot be exported to standard ONNX "
-                         "operators")
+        raise refusal(option)
+
+
+def refusal(option: str) -> ValueError:
+    """The error for an option ONNX's recurrent operators cannot express."""
+    why = NOT_IN_ONNX.get(option, "ONNX's recurrent operators cannot express it")
+    return ValueError(f"torch.onnx.export: {option}: {why}; this layer cannot be exported to standard ONNX operators")
 
 
 class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
