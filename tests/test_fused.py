@@ -430,3 +430,21 @@ def test_training_projects_in_chunks(mode, B, options):
     lengths = torch.randint(1, 42, (B,)).tolist()
     lengths[0] = 41
     assert_fused_matches(mode, T=41, B=B, lengths=lengths, training=True, bidirectional=True, **options)
+
+
+def _binding_names(function) -> tuple:
+    """The argument names of a pybind11 function, from its signature line."""
+    signature = function.__doc__.splitlines()[0]
+    inside = signature[signature.index("(") + 1 : signature.rindex(") ->")]
+    return tuple(part.split(":")[0].strip() for part in inside.split(", ") if ":" in part)
+
+
+def test_the_bindings_take_the_op_schema_names_in_order():
+    """csrc/ops.cpp lists the pass's arguments by name once more (pybind11's py::arg): they must be
+    the schema's (rnnkit/passes.py), in its order, or a call would pass a value to the wrong one."""
+    from rnnkit.passes import BACKWARD_NAMES, FORWARD_NAMES, PASS_ARGUMENTS
+
+    ext = build.extension()
+    assert _binding_names(ext.pass_forward) == FORWARD_NAMES
+    assert _binding_names(ext.pass_backward) == BACKWARD_NAMES
+    assert _binding_names(ext.step_plan) == tuple(name for name, _ in PASS_ARGUMENTS)

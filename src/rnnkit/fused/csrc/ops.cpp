@@ -19,7 +19,7 @@ Tensor contiguous(const Tensor& t) { return t.defined() ? t.contiguous() : t; }
 Tensor contiguous(const OptTensor& t) { return t.has_value() ? t->contiguous() : Tensor(); }
 
 // The pass description every op shares, by name (rnnkit/passes.py, PASS_ARGUMENTS; the bindings
-// below list the same names in the same order, and tests/test_ops.py checks that they agree).
+// below list the same names in the same order; tests/test_fused.py checks that they agree).
 #define RNNKIT_PASS_PARAMETERS                                                                                   \
   const Tensor &x, const Tensor &h0, const OptTensor &c0, const Tensor &W, const Tensor &R, const OptTensor &b_W, \
       const OptTensor &b_R, const OptTensor &W_hr, const OptTensor &peephole, const OptTensor &ln_x_gain,          \
