@@ -32,16 +32,26 @@ def cached_buffer_bytes() -> int:
     """Bytes of freed kernel buffers kept for reuse (0 until the fused kernels have run).
 
     Buffers of 256 KB and more come from blocks that earlier calls freed: fresh memory costs a
-    page fault per 4 KB page on first touch. At most RNNKIT_CPU_CACHE_MB (default 512; 0 turns
-    the cache off) is kept; when a freed block does not fit, the largest kept blocks go first.
+    page fault per 4 KB page on first touch. The cache keeps no more than recent calls use: at
+    most the most bytes of such buffers that were in use at once during the last few hundred
+    requests (about ten calls), so a loop over one shape keeps exactly its working set and a
+    stream of new shapes about one call's worth, and never more than ``RNNKIT_CPU_CACHE_MB``
+    megabytes (default 256; ``0`` turns the cache off). When a freed block does not fit, the
+    longest-kept blocks go first; what a burst of large calls left behind is given back to the
+    system a window or two after it ends.
+
+        >>> rnnkit.fused.release_cached_buffers()
+        >>> rnnkit.fused.cached_buffer_bytes()
+        0
     """
     extension = build.loaded()
     return extension.cached_buffer_bytes() if extension is not None else 0
 
 
 def release_cached_buffers() -> None:
-    """Give the kept buffers back to the system. Tensors still alive keep their memory, and
-    their blocks return to the cache when they die."""
+    """Give the kept buffers back to the system now (they are mapped memory: the process's
+    resident size drops by as much). Tensors still alive keep their memory, and their blocks
+    return to the cache when they die; the next calls refill it."""
     extension = build.loaded()
     if extension is not None:
         extension.release_cached_buffers()

@@ -10,11 +10,24 @@ from ..masks import Zoneout
 from ..params import PassWeights
 
 LN_EPS = 1e-5
+LN_RANGE = 2.0**48  # rows beyond it are scaled into it first (see layer_norm)
 
 
 def layer_norm(v: torch.Tensor, ln: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """LN over the last axis (biased variance, eps 1e-5); identity when ln is None."""
-    return v if ln is None else F.layer_norm(v, v.shape[-1:], ln[0], ln[1], eps=LN_EPS)
+    """LN over the last axis (biased variance, eps 1e-5); identity when ln is None.
+
+    F.layer_norm squares deviations in the input's precision: float32 rows beyond ~1e19 give
+    finite wrong values, then NaN. LN is scale-invariant (eps aside, which is far below float
+    resolution for rows that large), so a row whose largest magnitude exceeds 2⁴⁸ is first scaled
+    down to it: the answer stays finite and right wherever the pre-activations are finite (the
+    fused kernels do the same, summing such rows in double). Rows within range are untouched; a
+    row holding inf or NaN gives NaN.
+    """
+    if ln is None:
+        return v
+    largest = v.detach().abs().amax(-1, keepdim=True)
+    scale = torch.where(largest > LN_RANGE, LN_RANGE / largest, 1.0)
+    return F.layer_norm(v * scale, v.shape[-1:], ln[0], ln[1], eps=LN_EPS)
 
 
 def linear(v: torch.Tensor, M: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:

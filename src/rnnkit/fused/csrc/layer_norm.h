@@ -5,6 +5,9 @@
 
 #include "simd.h"
 
+#include <cmath>
+#include <limits>
+
 namespace rnnkit {
 
 constexpr double kLayerNormEps = 1e-5;
@@ -19,19 +22,64 @@ inline at::vec::Vectorized<scalar_t> layer_norm_apply(const at::vec::Vectorized<
   return at::vec::fmadd((v - mean) * rstd, vload(gain + j, count), vload(shift + j, count));
 }
 
-// Mean and 1/sqrt(var + eps) of one row (biased variance), two passes (the second sums
-// squared deviations from the mean, so no cancellation).
+// Mean and 1/sqrt(var + eps) of one row (biased variance): the mean, then the squared
+// deviations from it (no cancellation), less the square of their mean (the corrected two-pass
+// formula: the float mean's rounding drops out), each sum in blocks (vec_sum). Where a float
+// square overflows (|v − mean| ≳ 1.8e19) the row is summed again in double: LN is
+// scale-invariant, so such a row still has a finite, exact answer (rstd ≈ 1e-19 is a normal
+// float); a row holding inf or NaN gives rstd NaN, so its whole output is NaN (as the reference's).
 template <typename scalar_t>
 inline void row_stats(const scalar_t* v, int64_t n, scalar_t& mean, scalar_t& rstd) {
   using Vec = at::vec::Vectorized<scalar_t>;
-  const double m = vec_sum<scalar_t>(n, [&](int64_t j, int64_t c) { return vload(v + j, c); }) / double(n);
+  constexpr int64_t w = Vec::size(), block = kLaneBlock * 2 * w;
+  double m = vec_sum<scalar_t>(n, [&](int64_t j, int64_t c) { return vload(v + j, c); }) / double(n);
   const Vec vm = Vec(scalar_t(m));
-  const double sq = vec_sum<scalar_t>(n, [&](int64_t j, int64_t c) {
-    const Vec d = vload(v + j, c) - vm;
-    return c == Vec::size() ? d * d : Vec::set(Vec(0), d * d, c);  // the tail's unread lanes stay 0
-  });
+  double sum_d = 0, sum_d2 = 0;
+  for (int64_t j = 0; j < n;) {
+    const int64_t end = std::min(n, j + block);
+    Vec s_d0(0), s_d1(0), s_d20(0), s_d21(0);
+    auto add = [&](int64_t k, int64_t c, Vec& s_d, Vec& s_d2) {
+      const Vec x = vload(v + k, c);
+      const Vec d = c == w ? x - vm : Vec::set(Vec(0), x - vm, c);  // the tail's unread lanes stay 0
+      s_d = s_d + d, s_d2 = at::vec::fmadd(d, d, s_d2);
+    };
+    for (; j + 2 * w <= end; j += 2 * w) add(j, w, s_d0, s_d20), add(j + w, w, s_d1, s_d21);
+    for (; j < end; j += w) add(j, std::min(w, end - j), s_d0, s_d20);
+    sum_d += lane_sum<scalar_t>(s_d0 + s_d1), sum_d2 += lane_sum<scalar_t>(s_d20 + s_d21);
+  }
+  double var = sum_d2 / double(n) - (sum_d / double(n)) * (sum_d / double(n));
+  if (!std::isfinite(var)) {
+    double total = 0;
+    for (int64_t j = 0; j < n; ++j) total += double(v[j]);
+    m = total / double(n), var = 0;
+    for (int64_t j = 0; j < n; ++j) var += (double(v[j]) - m) * (double(v[j]) - m) / double(n);
+    if (!std::isfinite(var)) var = std::numeric_limits<double>::quiet_NaN();
+  }
   mean = scalar_t(m);
-  rstd = scalar_t(1.0 / std::sqrt(sq / double(n) + kLayerNormEps));
+  rstd = scalar_t(1.0 / std::sqrt(std::max(var, 0.0) + kLayerNormEps));
+}
+
+// LN backward of a row of one or two values, in closed form. The general formula
+// rstd (g − mean(g) − x̂ mean(g x̂)) projects g onto what is orthogonal to 1 and x̂; for n ≤ 2 that
+// is nothing, and the true derivative is the eps term alone: for n = 1, x̂ ≡ 0 and dv = 0 exactly;
+// for n = 2, x̂ = ±δ·rstd with δ = (v₀ − v₁)/2, and dv₀ = −dv₁ = (g₀ − g₁)/2 · eps · rstd³. The
+// general formula gets there by cancellation: noise of size ε·rstd·|g| (rstd = 316 at var = 0),
+// or 1e5 times the answer's own rounding in float32 at var ≈ 1.
+template <typename scalar_t>
+inline void short_row_layer_norm_backward(const scalar_t* dout, const scalar_t* v, int64_t n, scalar_t mean,
+                                          scalar_t rstd, const scalar_t* gain, scalar_t* dv, scalar_t* dgain,
+                                          scalar_t* dshift) {
+  if (n == 1) {
+    dshift[0] += dout[0];  // dγ += d · x̂ = 0
+    dv[0] = 0;
+    return;
+  }
+  const scalar_t d0 = dout[0], d1 = dout[1];  // read before dv (may alias dout) is written
+  const scalar_t x0 = (v[0] - mean) * rstd, x1 = (v[1] - mean) * rstd;
+  dgain[0] += d0 * x0, dgain[1] += d1 * x1;
+  dshift[0] += d0, dshift[1] += d1;
+  const scalar_t dv0 = (d0 * gain[0] - d1 * gain[1]) * scalar_t(0.5 * kLayerNormEps) * (rstd * rstd * rstd);
+  dv[0] = dv0, dv[1] = -dv0;
 }
 
 // LN backward of one row: given dout (grad of γ·x̂ + β) and the raw input v, writes dv and
@@ -40,22 +88,27 @@ template <typename scalar_t>
 inline void row_layer_norm_backward(const scalar_t* dout, const scalar_t* v, int64_t n, scalar_t mean,
                                     scalar_t rstd, const scalar_t* gain, scalar_t* dv, scalar_t* dgain,
                                     scalar_t* dshift) {
+  if (n <= 2) return short_row_layer_norm_backward(dout, v, n, mean, rstd, gain, dv, dgain, dshift);
   using Vec = at::vec::Vectorized<scalar_t>;
-  constexpr int64_t w = Vec::size();
+  constexpr int64_t w = Vec::size(), block = kLaneBlock * 2 * w;
   const Vec vm(mean), vr(rstd);
   // vload zero-fills a tail's unread lanes: there d = 0, so dxh and dxh·x̂ add nothing.
-  Vec s_dxh0(0), s_dxh1(0), s_x0(0), s_x1(0);
-  int64_t j = 0;
   auto pass = [&](int64_t k, int64_t c, Vec& s_dxh, Vec& s_x) {
     const Vec d = vload(dout + k, c), xh = (vload(v + k, c) - vm) * vr, dxh = d * vload(gain + k, c);
     s_dxh = s_dxh + dxh, s_x = at::vec::fmadd(dxh, xh, s_x);
     vstore(at::vec::fmadd(d, xh, vload(dgain + k, c)), dgain + k, c);
     vstore(vload(dshift + k, c) + d, dshift + k, c);
   };
-  for (; j + 2 * w <= n; j += 2 * w) pass(j, w, s_dxh0, s_x0), pass(j + w, w, s_dxh1, s_x1);
-  for (; j < n; j += w) pass(j, std::min(w, n - j), s_dxh0, s_x0);
-  const Vec mean_dxh(scalar_t(lane_sum<scalar_t>(s_dxh0 + s_dxh1) / double(n)));
-  const Vec mean_dxh_xh(scalar_t(lane_sum<scalar_t>(s_x0 + s_x1) / double(n)));
+  double sum_dxh = 0, sum_dxh_xh = 0;  // blocks of kLaneBlock values a lane, as vec_sum
+  for (int64_t j = 0; j < n;) {
+    const int64_t end = std::min(n, j + block);
+    Vec s_dxh0(0), s_dxh1(0), s_x0(0), s_x1(0);
+    for (; j + 2 * w <= end; j += 2 * w) pass(j, w, s_dxh0, s_x0), pass(j + w, w, s_dxh1, s_x1);
+    for (; j < end; j += w) pass(j, std::min(w, end - j), s_dxh0, s_x0);
+    sum_dxh += lane_sum<scalar_t>(s_dxh0 + s_dxh1), sum_dxh_xh += lane_sum<scalar_t>(s_x0 + s_x1);
+  }
+  const Vec mean_dxh(scalar_t(sum_dxh / double(n)));
+  const Vec mean_dxh_xh(scalar_t(sum_dxh_xh / double(n)));
   vec_loop<scalar_t>(n, [&](int64_t k, int64_t c) {
     const Vec xh = (vload(v + k, c) - vm) * vr, dxh = vload(dout + k, c) * vload(gain + k, c);
     vstore(vr * (dxh - mean_dxh - xh * mean_dxh_xh), dv + k, c);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace rnnkit {
 
@@ -73,96 +74,125 @@ inline void tanh_inplace(scalar_t* v, int64_t n) {
   for (; j < n; ++j) v[j] = std::tanh(v[j]);
 }
 
-// 1 / d for float vectors of finite, positive d: the hardware reciprocal estimate and one
-// Newton step (≤ 2 ulp), several times cheaper than a vector division, which dominated the
-// LSTM's pointwise pass. Falls back to the division where there is no estimate instruction.
-inline at::vec::Vectorized<float> fast_reciprocal(const at::vec::Vectorized<float>& d) {
+// Float σ and tanh, inline: one exp (exp_parts) and one division each, the division corrected
+// once (s + rem / d) against what rounding took from its operands, carried as float pairs
+// hi + lo. Against float64 over dense grids of [−30, 30]: σ 0.23-0.30 ulp on average, at most 1.5
+// (torch's: 0.34-0.44, 2.5); tanh 0.24-0.25 on average, at most 0.8 (torch's: 0.24, 0.5). The
+// earlier forms (a rounded exp, a reciprocal estimate with one Newton step, tanh's Taylor branch)
+// averaged 0.6-0.8 ulp and were up to 5 ulp off (issue 18). Per value on one AVX2 core (EPYC):
+// σ 0.54 ns, tanh 0.85 ns, against 0.43 and 0.77 for the earlier forms, about 1% of a small
+// LSTM step. The arithmetic is written once on at::vec::Vectorized<float>, so AVX2 and AVX-512
+// compute the same expressions; only the reciprocal estimate, the exponent-bit shift and the
+// sign-bit blend are per instruction set.
+using VecF = at::vec::Vectorized<float>;
+
+// The hardware reciprocal estimate (AVX2 12 bits, AVX-512 14 bits): the correction step's 1 / d,
+// whose error only scales the already tiny remainder.
+inline VecF reciprocal_estimate(const VecF& d) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m512 x = _mm512_rcp14_ps(d);
-  return _mm512_mul_ps(x, _mm512_fnmadd_ps(d, x, _mm512_set1_ps(2.f)));
+  return _mm512_rcp14_ps(d);
 #elif defined(CPU_CAPABILITY_AVX2)
-  const __m256 x = _mm256_rcp_ps(d);
-  return _mm256_mul_ps(x, _mm256_fnmadd_ps(d, x, _mm256_set1_ps(2.f)));
+  return _mm256_rcp_ps(d);
 #else
-  return at::vec::Vectorized<float>(1.f) / d;
+  return VecF(1.f) / d;
 #endif
 }
 
-// float exp(x), inline: x = n·ln2 + r (ln2 split in two for an exact reduction), exp(r) by
-// Cephes' degree-7 polynomial (≤ 1 ulp on |r| ≤ ln2/2), 2ⁿ built in the exponent bits. x is
-// clamped to [−87, 88] so 2ⁿ stays a normal float (min / max take the constant first: a NaN x
-// passes through them and comes out NaN).
-// Sleef's exp is an out-of-line call, and was 15% of a small LSTM's inference.
-inline at::vec::Vectorized<float> fast_exp(const at::vec::Vectorized<float>& v) {
+// 2ⁿ from k = n + 127 + 1.5·2²³ held in a float (exp_parts' rounding step): k's low mantissa bits
+// are n + 127, which the shift moves into the exponent field (n in [−127, 127]; −127 gives +0).
+inline VecF exponent_of(const VecF& k) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m512 x0 = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-87.f), v));
-  const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(1.44269504088896341f)));
-  const __m512 fn = _mm512_cvtepi32_ps(n);
-  __m512 x = _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), x0);
-  x = _mm512_fnmadd_ps(fn, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), x, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(k), 23));
 #elif defined(CPU_CAPABILITY_AVX2)
-  const __m256 x0 = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), v));
-  const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(x0, _mm256_set1_ps(1.44269504088896341f)));
-  const __m256 fn = _mm256_cvtepi32_ps(n);
-  __m256 x = _mm256_fnmadd_ps(fn, _mm256_set1_ps(0.693359375f), x0);
-  x = _mm256_fnmadd_ps(fn, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500e-4f), x, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(k), 23));
 #else
-  return v.exp();
+  float lanes[VecF::size()];
+  k.store(lanes);
+  for (float& lane : lanes) {
+    uint32_t bits;
+    std::memcpy(&bits, &lane, sizeof bits);
+    bits <<= 23;
+    std::memcpy(&lane, &bits, sizeof bits);
+  }
+  return VecF::loadu(lanes);
 #endif
 }
 
-// float σ: 1 / (1 + exp(−x)); fast_exp's clamp keeps exp(−x) finite (σ(x ≤ −88) ≈ 6e-39).
-// (An extra at::vec::minimum / maximum clamp here, NaN-propagating compare-and-blend, made the
-// loop 4× slower as built with the default -mtune: measured 1.6 vs 0.3-0.5 ns per value.)
+// `if_negative` where x's sign bit is set, else `if_not`.
+inline VecF select_negative(const VecF& x, const VecF& if_not, const VecF& if_negative) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_mask_blend_ps(_mm512_movepi32_mask(_mm512_castps_si512(x)), if_not, if_negative);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_blendv_ps(if_not, if_negative, x);
+#else
+  return VecF::blendv(if_not, if_negative, x < VecF(0.f));  // −0 and NaN: either operand gives the same σ
+#endif
+}
+
+// exp(y) = p · (1 + q + q_lo) for y in [−88, 88] (NaN y: NaN q): y = n·ln2 + r with |r| ≤ ln2/2
+// (ln2 in two parts, the first exact times n), p = 2ⁿ, and q + q_lo = expm1(r) = r + r²·P(r): P a
+// degree-4 minimax fit of float coefficients (q's relative error < 0.25 ulp; degree 5 cost 5%
+// more time for 0.05 ulp), q_lo what q's rounding dropped.
+struct ExpParts {
+  VecF p, q, q_lo;
+};
+
+inline ExpParts exp_parts(const VecF& y) {
+  using at::vec::fmadd;
+  using at::vec::fnmadd;
+  const VecF shifter(12582912.f + 127.f);  // 1.5·2²³ + 127: the sum rounds y·log2(e) to a whole number
+  const VecF k = fmadd(y, VecF(1.44269504088896341f), shifter);
+  const VecF n = k - shifter;
+  VecF r = fnmadd(n, VecF(0.693359375f), y);
+  r = fnmadd(n, VecF(-2.12194440e-4f), r);
+  const VecF r2 = r * r;
+  VecF P = fmadd(VecF(1.38827285e-3f), r, VecF(8.36664066e-3f));
+  P = fmadd(P, r, VecF(4.16673459e-2f));
+  P = fmadd(P, r, VecF(1.66665435e-1f));
+  P = fmadd(P, r, VecF(4.99999970e-1f));
+  const VecF q = fmadd(P, r2, r);
+  return {exponent_of(k), q, fmadd(P, r2, r - q)};  // r − q is exact (|r²P| < |r| / 5)
+}
+
+// float σ(x) = num / (1 + t) with t = exp(−|x|) ≤ 1 (num = 1, or t for x < 0: no overflow, and the
+// sum's rounding error is (1 − d) + t exactly). σ(x ≥ 17.4) is exactly 1; σ(x ≤ −87.7) is 0 (2ⁿ
+// at n = −127 is 0); NaN stays NaN (clamp_min's instruction passes a NaN second operand).
+inline VecF fast_sigmoid(const VecF& x) {
+  using at::vec::fmadd;
+  using at::vec::fnmadd;
+  const VecF one(1.f);
+  const ExpParts e = exp_parts(at::vec::clamp_min(x | VecF(-0.f), VecF(-88.f)));  // −|x|
+  const VecF t = fmadd(e.p, e.q, e.p);
+  const VecF d = one + t;
+  const VecF d_lo = (one - d) + t;
+  const VecF num = select_negative(x, one, t);
+  const VecF s = num / d;
+  return fmadd(fnmadd(d_lo, s, fnmadd(d, s, num)), reciprocal_estimate(d), s);
+}
+
+// float tanh(x) = sign(x) · w / (2 − w) with w = −expm1(−2|x|) = 1 − p(1 + q) ≥ 0: no cancellation
+// anywhere (expm1, not 1 − exp), so one formula covers the whole range. w and 2 − w are float
+// pairs; w's low part also keeps the p that 1 − p drops for n < −24, so |x| ≥ 9.02 gives exactly
+// ±1 (−2|x| is clamped at −20, n = −29). The quotient is ≥ 0 and takes x's sign bit (±0 stay ±0).
+// NaN stays NaN.
+inline VecF fast_tanh(const VecF& x) {
+  using at::vec::fmadd;
+  using at::vec::fnmadd;
+  const VecF one(1.f), two(2.f);
+  const ExpParts e = exp_parts(at::vec::clamp_min(x.abs() * VecF(-2.f), VecF(-20.f)));
+  const VecF omp = one - e.p;
+  const VecF w = fnmadd(e.p, e.q, omp);
+  const VecF w_lo = fnmadd(e.p, e.q_lo, fnmadd(e.p, e.q, omp - w) + ((one - omp) - e.p));  // omp − w is exact
+  const VecF d = two - w;
+  const VecF d_lo = ((two - d) - w) - w_lo;  // Fast2Sum: w ≤ 1
+  const VecF s0 = w / d;
+  const VecF s = fmadd(fnmadd(d_lo, s0, fnmadd(d, s0, w) + w_lo), reciprocal_estimate(d), s0);  // tanh|x|
+  return s | (x & VecF(-0.f));
+}
+
 template <>
 inline void sigmoid_inplace<float>(float* v, int64_t n) {
-  using Vec = at::vec::Vectorized<float>;
-  const Vec one(1.f);
-  vec_loop<float>(n, [&](int64_t j, int64_t count) {
-    vstore(fast_reciprocal(one + fast_exp(vload(v + j, count).neg())), v + j, count);
-  });
-}
-
-// float tanh: sign(x) (1 − t) / (1 + t) with t = exp(−2|x|) (fast_exp above, the division by
-// fast_reciprocal), and its Taylor series to x⁹ below |x| = 0.25 where 1 − t would cancel:
-// ≤ 3e-7 relative error against float64 and ≤ 1 ulp near ±1 (tested in test_fused_cpu.py), about
-// 3× faster than Sleef's tanhf_u10, which was 15% of a small LSTM's inference. (A rational
-// approximation was faster still, but its few-ulp bias near ±1 compounded over long layer-norm
-// sequences beyond the float32 reference's error.)
-inline at::vec::Vectorized<float> fast_tanh(const at::vec::Vectorized<float>& x) {
-  using Vec = at::vec::Vectorized<float>;
-  const Vec one(1.f), ax = x.abs();
-  const Vec t = fast_exp(ax * Vec(-2.f));
-  const Vec far = (one - t) * fast_reciprocal(one + t);
-  const Vec x2 = x * x;  // x − x³/3 + 2x⁵/15 − 17x⁷/315 + 62x⁹/2835
-  Vec p = at::vec::fmadd(x2, Vec(62.f / 2835.f), Vec(-17.f / 315.f));
-  p = at::vec::fmadd(x2, p, Vec(2.f / 15.f));
-  p = at::vec::fmadd(x2, p, Vec(-1.f / 3.f));
-  const Vec near = at::vec::fmadd(x * x2, p, x);
-  const Vec signed_far = far | (x & Vec(-0.f));  // far ≥ 0 takes x's sign bit
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.25f), _CMP_LT_OQ), signed_far, near);
-#elif defined(CPU_CAPABILITY_AVX2)
-  return _mm256_blendv_ps(signed_far, near, _mm256_cmp_ps(ax, _mm256_set1_ps(0.25f), _CMP_LT_OQ));
-#else
-  return Vec::blendv(signed_far, near, ax < Vec(0.25f));
-#endif
+  vec_loop<float>(n, [&](int64_t j, int64_t count) { vstore(fast_sigmoid(vload(v + j, count)), v + j, count); });
 }
 
 template <>
@@ -186,20 +216,28 @@ inline double lane_sum(const at::vec::Vectorized<scalar_t>& v) {
   return total;
 }
 
-// The sum of a row's values through four SIMD accumulators (each lane sums n / (4·width)
-// values: float32 rows of thousands of values keep float32 accuracy), `term(j, count)` giving
-// the Vec of terms at j; the lanes are added in double.
+// How many values each SIMD lane adds in scalar_t before the lanes go into a double total: the
+// float error of a lane's sum grows with its length (rows of 8192 floats summed in one run of
+// four accumulators were up to 2.2 ulp off in rstd; in blocks, under 1 ulp, as short rows).
+constexpr int64_t kLaneBlock = 16;
+
+// The sum of a row's values through four SIMD accumulators in blocks of kLaneBlock values a
+// lane, the blocks' lanes added in double; `term(j, count)` gives the Vec of terms at j.
 template <typename scalar_t, typename F>
 inline double vec_sum(int64_t n, const F& term) {
   using Vec = at::vec::Vectorized<scalar_t>;
-  constexpr int64_t w = Vec::size();
-  Vec s0(0), s1(0), s2(0), s3(0);
-  int64_t j = 0;
-  for (; j + 4 * w <= n; j += 4 * w) {
-    s0 = s0 + term(j, w), s1 = s1 + term(j + w, w), s2 = s2 + term(j + 2 * w, w), s3 = s3 + term(j + 3 * w, w);
+  constexpr int64_t w = Vec::size(), block = kLaneBlock * 4 * w;
+  double total = 0;
+  for (int64_t j = 0; j < n;) {
+    const int64_t end = std::min(n, j + block);
+    Vec s0(0), s1(0), s2(0), s3(0);
+    for (; j + 4 * w <= end; j += 4 * w) {
+      s0 = s0 + term(j, w), s1 = s1 + term(j + w, w), s2 = s2 + term(j + 2 * w, w), s3 = s3 + term(j + 3 * w, w);
+    }
+    for (; j < end; j += w) s0 = s0 + term(j, std::min(w, end - j));
+    total += lane_sum<scalar_t>((s0 + s1) + (s2 + s3));
   }
-  for (; j < n; j += w) s0 = s0 + term(j, std::min(w, n - j));
-  return lane_sum<scalar_t>((s0 + s1) + (s2 + s3));
+  return total;
 }
 
 }  // namespace rnnkit
