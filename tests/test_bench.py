@@ -232,3 +232,71 @@ def test_flops_follow_bench_md():
     forward = 2 * 4 * shape.H * (shape.I + shape.H) * shape.B * shape.T
     assert flops(case, "lstm", "inference") == forward
     assert flops(case, "lstm", "training") == 3 * forward
+
+
+# ---- variable lengths (BENCH.md: lengths from T/8 to T; torch.nn on a PackedSequence) --------
+
+class IgnoresLengths(Runner):
+    """rnnkit's reference on the padded batch as if every sequence ran all T steps."""
+
+    name, title = "ignores-lengths", "ignores lengths"
+
+    def build(self, case):
+        module = rnnkit_module(case.variant, case.shape, "reference", case.device, case.dtype)
+        module.load_state_dict(case.reference(case.variant.name).state_dict())
+        model = Model(case.variant.name, [module])
+        model.forward = lambda x, lengths=None: Model.forward(model, x)
+        return model
+
+
+def test_variable_length_rows_are_checked_and_timed(tmp_path):
+    runners = ["torch.nn", "reference", "onnxruntime"] if importlib.util.find_spec("onnxruntime") else ["torch.nn", "reference"]
+    status, report_, out = _run(tmp_path, "--variants", "lstm_lengths", "lstm_packed", "--runners", *runners)
+    assert status == 0
+    records = report_["records"]
+    timed = [r for r in records if r["status"] == "ok"]
+    # onnxruntime runs inference only; everything else runs both modes
+    assert len(timed) == 2 * 2 * 2 + (2 if "onnxruntime" in runners else 0)
+    for record in timed:
+        assert TIMED_FIELDS <= set(record), record
+        assert record["max_rel_rms_error"] <= record["tolerance"] or record["runner"] == "onnxruntime"
+    # the work counted is the steps run: the lengths' sum, not T·B
+    shape = SHAPES["tiny"]
+    case = Case(shape, VARIANTS["lstm_lengths"], "cpu", torch.float32)
+    assert case.lengths.min() == max(1, shape.T // 8) and case.lengths.max() == shape.T
+    full = Case(shape, VARIANTS["lstm"], "cpu", torch.float32)
+    assert flops(case, "lstm_lengths", "inference") == flops(full, "lstm", "inference") * int(case.lengths.sum()) // (shape.T * shape.B)
+
+
+def test_a_runner_that_ignores_lengths_fails_the_check(tmp_path):
+    bench.register("ignores-lengths", IgnoresLengths)
+    try:
+        status, report_, _ = _run(tmp_path, "--variants", "lstm_lengths", "--runners", "torch.nn", "ignores-lengths")
+    finally:
+        bench.unregister("ignores-lengths")
+    assert status == 1
+    wrong = [r for r in report_["records"] if r["runner"] == "ignores-lengths"]
+    assert wrong and all(r["status"] == "failed" for r in wrong)
+
+
+def test_the_sgemm_limit_is_the_best_library_on_the_kernels_shapes():
+    from rnnkit.app.bench.measure import gemm_shapes, sgemm_gflops
+
+    shapes = gemm_shapes([SHAPES["small"], SHAPES["stream"]], 64)
+    assert (64, 64, 64) in shapes
+    assert (100 * 16, 128, 4 * 128) in shapes and (16, 128, 4 * 128) in shapes  # small: projection, per step
+    assert not any(M == 1 for M, _, _ in shapes)  # stream's B=1 steps are matrix-vector products
+    limit, by_library = sgemm_gflops("cpu", 64, [SHAPES["tiny"]], repeats=1)
+    assert "MKL" in by_library and limit == max(by_library.values()) > 0
+    if torch.backends.mkldnn.is_available():
+        assert "oneDNN" in by_library
+
+
+def test_the_table_header_names_the_cpu_features(tmp_path):
+    status, report_, out = _run(tmp_path, "--variants", "gru", "--runners", "torch.nn", "--modes", "inference")
+    env = report_["environment"]
+    assert set(env["cpu_flags"]) <= set(report.SIMD_FLAGS)
+    header = (out / "bench.md").read_text().splitlines()[0]
+    assert env["cpu"] in header and f"sgemm {env['sgemm_gflops']:.0f} GFLOP/s" in header
+    if len(env["sgemm_by_library"]) > 1:
+        assert "best of MKL" in header

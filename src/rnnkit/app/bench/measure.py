@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -29,6 +29,12 @@ class CheckFailed(Exception):
     """A runner's results differ from the reference beyond the dtype's tolerance."""
 
 
+def variable_lengths(T: int, B: int, generator: torch.Generator) -> torch.Tensor:
+    """BENCH.md's variable-length batch: B lengths spread evenly from T/8 to T, shuffled (CPU int64)."""
+    spread = torch.linspace(max(1, T // 8), T, B).round().long() if B > 1 else torch.tensor([T])
+    return spread[torch.randperm(B, generator=generator)]
+
+
 class Case:
     """One shape x variant: inputs, reference modules and reference results, built once."""
 
@@ -36,6 +42,7 @@ class Case:
         self.shape, self.variant, self.device, self.dtype, self.seed = shape, variant, device, dtype, seed
         generator = torch.Generator().manual_seed(seed)
         self.x = torch.randn(shape.T, shape.B, shape.I, generator=generator).to(device, dtype)
+        self.lengths = variable_lengths(shape.T, shape.B, generator) if variant.lengths else None
         self._references: Dict[str, torch.nn.Module] = {}
         self._expected: Dict[tuple, dict] = {}
 
@@ -55,7 +62,7 @@ class Case:
         key = (variant_name, mode)
         if key not in self._expected:
             module = self.reference(variant_name)
-            model = Model(variant_name, [module])
+            model = Model(variant_name, [module], feed=self.variant.lengths or "lengths")
             upstream = None
             if mode == "training":
                 with torch.no_grad():
@@ -65,7 +72,7 @@ class Case:
             outputs, grads = self.run(model, mode, upstream)
             truth = (outputs, grads)
             if self.dtype != torch.float64:  # the same weights, input, upstream and masks, in float64
-                model64 = Model(variant_name, [copy.deepcopy(module).double()])
+                model64 = Model(variant_name, [copy.deepcopy(module).double()], feed=model.feed)
                 upstream64 = None if upstream is None else [u.double() for u in upstream]
                 truth = self.run(model64, mode, upstream64, x=self.x.double())
             self._expected[key] = {"outputs": outputs, "grads": grads, "upstream": upstream, "truth": truth}
@@ -76,7 +83,7 @@ class Case:
         model.train(mode == "training")
         if mode == "training" and self.reference(self.variant.name).spec.uses_dropout_masks:
             torch.manual_seed(self.seed + 1)  # zoneout / dropout masks: the same draw for every runner
-        return model.forward(self.x if x is None else x)
+        return model.forward(self.x if x is None else x, self.lengths)
 
     def run(self, model: Model, mode: str, upstream=None, x: Optional[torch.Tensor] = None):
         """One call as timed: -> (outputs, grads); grads is {"input": dx, name: dW, ...} in training."""
@@ -177,25 +184,62 @@ def flops(case: Case, timed_variant: str, mode: str) -> int:
         if cell.proj_size:
             per_step += cell.output_size * cell.hidden_size
         total += 2 * per_step * B * T * spec.num_directions
+    if case.lengths is not None:  # the steps actually run: the lengths' sum, not T·B
+        total = total * int(case.lengths.sum()) // (T * B)
     return total * (3 if mode == "training" else 1)
 
 
-def sgemm_gflops(device: str, n: int, repeats: int = 5) -> float:
-    """The machine's fp32 GEMM rate: torch.mm on n x n matrices, the best of ``repeats`` after a warm-up.
+def gemm_shapes(shapes, n: int) -> List[tuple]:
+    """(M, K, N) of the kernels' own GEMMs on these shapes: each layer's input projection
+    (T·B rows), each step's recurrent product (B rows, where B > 1: one row is a matrix-vector
+    product, bound by memory, not by the GEMM), and an n x n square."""
+    found = {(n, n, n)}
+    for shape in shapes:
+        for G in (4, 3):  # LSTM and GRU gate blocks
+            found.add((shape.T * shape.B, shape.I, G * shape.H))
+            if shape.B > 1:
+                found.add((shape.B, shape.H, G * shape.H))
+    return sorted(found)
 
-    The best, not the median: it is the limit, and other processes only ever lower it.
+
+def _gemm_libraries(device: str) -> Dict[str, Callable]:
+    """The fp32 GEMMs this process can reach, each computing a · bᵀ for a (M, K), b (N, K)."""
+    if torch.device(device).type == "cuda":
+        return {"cuBLAS": lambda a, b: torch.mm(a, b.t())}
+    libraries = {"MKL": lambda a, b: torch.mm(a, b.t())}  # torch.mm on CPU: MKL (or OpenBLAS)
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        # oneDNN's matmul, the library torch.nn's CPU RNNs run on
+        libraries["oneDNN"] = lambda a, b: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    return libraries
+
+
+def sgemm_gflops(device: str, n: int, shapes=(), repeats: int = 5) -> Tuple[float, Dict[str, float]]:
+    """The machine's fp32 GEMM limit (BENCH.md): the fastest GEMM in the process, the best rate of
+    each library over `gemm_shapes` -> (limit GFLOP/s, {library: its best GFLOP/s}).
+
+    The best, not the median: it is the limit, and other processes only ever lower it. On some
+    CPUs oneDNN is well ahead of MKL (25-40% on an AVX-512 AMD EPYC), so MKL alone would
+    under-state the limit.
     """
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    torch.mm(a, b)
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        torch.mm(a, b)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / min(times) / 1e9
+    rates: Dict[str, float] = {}
+    generator = torch.Generator().manual_seed(0)
+    for M, K, N in gemm_shapes(shapes, n):
+        a = torch.randn(M, K, generator=generator).to(device)
+        b = torch.randn(N, K, generator=generator).to(device)
+        for name, gemm in _gemm_libraries(device).items():
+            try:
+                gemm(a, b)
+            except RuntimeError:  # a library that cannot run here does not set the limit
+                continue
+            times = []
+            for _ in range(repeats):
+                synchronize(device)
+                start = time.perf_counter()
+                gemm(a, b)
+                synchronize(device)
+                times.append(time.perf_counter() - start)
+            rates[name] = max(rates.get(name, 0.0), 2 * M * K * N / min(times) / 1e9)
+    return max(rates.values()), rates
 
 
 def repeat_spread(times: List[float]) -> float:

@@ -64,6 +64,11 @@ class Variant:
     "cell" (a one-step cell, rnnkit.LSTMCell / torch.nn.LSTMCell, called once per step with
     the carried state) or "module_step" (the sequence module called with T=1, once per step).
     The step APIs are timed under no_grad only, one layer, as generation uses them.
+
+    ``lengths`` makes the batch variable-length (BENCH.md: lengths spread evenly from T/8 to
+    T, in shuffled order): "lengths" calls rnnkit with ``lengths=`` on the padded batch,
+    "packed" with a PackedSequence; torch.nn always runs the same batch as a PackedSequence
+    (``enforce_sorted=False``), the only way it takes variable lengths.
     """
 
     name: str
@@ -72,6 +77,7 @@ class Variant:
     torch_nn: bool = False
     options: Callable[[Shape], dict] = field(default=lambda shape: {})
     api: str = "sequence"
+    lengths: str = ""  # "", "lengths" or "packed"
 
     @property
     def modes(self) -> Tuple[str, ...]:
@@ -107,6 +113,8 @@ VARIANTS: Dict[str, Variant] = _variants(
     ),
     Variant("gru_layer_norm", "gru", "GRU + layer norm", options=lambda s: {"layer_norm": True}),
     Variant("gru_reset_before", "gru", "GRU reset_after=False", options=lambda s: {"reset_after": False}),
+    Variant("lstm_lengths", "lstm", "LSTM, lengths T/8..T via lengths=", torch_nn=True, lengths="lengths"),
+    Variant("lstm_packed", "lstm", "LSTM, lengths T/8..T via PackedSequence", torch_nn=True, lengths="packed"),
     Variant("lstm_cell", "lstm", "LSTMCell, one call per step", torch_nn=True, api="cell"),
     Variant("gru_cell", "gru", "GRUCell, one call per step", torch_nn=True, api="cell"),
     Variant("lstm_t1", "lstm", "LSTM called with T=1, one call per step", torch_nn=True, api="module_step"),

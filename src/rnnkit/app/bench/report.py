@@ -25,6 +25,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> List[str]:
+    """The CPU's SIMD features that decide the kernels' speed (BENCH.md: name them in every table)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    present = set(line.split(":", 1)[1].split())
+                    return [flag for flag in SIMD_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
 def environment(device: str, dtype: torch.dtype, threads: int, repeats: int, warmup: int, sgemm: float, sgemm_n: int) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -33,6 +49,7 @@ def environment(device: str, dtype: torch.dtype, threads: int, repeats: int, war
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cpu_count": os.cpu_count(),
         "threads": threads,
         # other processes' load makes thread timings noisy (BENCH.md: ratios, never absolute times)
@@ -142,9 +159,12 @@ def markdown(env: dict, records: List[dict], runners: List[str]) -> str:
     rows = {}
     for r in records:
         rows.setdefault((r["shape"], r["variant"], r["mode"]), {})[r["runner"]] = r
+    flags = f" ({' '.join(env['cpu_flags']) or 'no AVX2'})" if env.get("device") == "cpu" and "cpu_flags" in env else ""
+    libraries = env.get("sgemm_by_library") or {}
+    by_library = f" (best of {', '.join(f'{name} {rate:.0f}' for name, rate in libraries.items())})" if len(libraries) > 1 else ""
     lines = [
-        f"rnnkit bench: {env['device_name']}, {env['threads']} threads, torch {env['torch']}, {env['dtype']}, "
-        f"median of {env['repeats']}; sgemm {env['sgemm_gflops']:.0f} GFLOP/s; load average {env['load_average_1min']}",
+        f"rnnkit bench: {env['device_name']}{flags}, {env['threads']} threads, torch {env['torch']}, {env['dtype']}, "
+        f"median of {env['repeats']}; sgemm {env['sgemm_gflops']:.0f} GFLOP/s{by_library}; load average {env['load_average_1min']}",
         "",
         *(["**Warnings** (the numbers below may not hold on a re-run):", ""] if env.get("warnings") else []),
         *[f"- {w}" for w in env.get("warnings", [])],

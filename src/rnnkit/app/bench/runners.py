@@ -51,17 +51,27 @@ class Model:
     plain stand-in when torch.nn lacks the case's variant.
     """
 
-    def __init__(self, timed_variant: str, modules: List[torch.nn.Module], info: Optional[dict] = None):
+    def __init__(self, timed_variant: str, modules: List[torch.nn.Module], info: Optional[dict] = None, feed: str = "lengths"):
         self.timed_variant = timed_variant
         self.modules = modules
         self.info = info or {}
+        self.feed = feed  # how a variable-length batch goes in: "lengths" (lengths=) or "packed"
 
     def train(self, mode: bool) -> None:
         for m in self.modules:
             m.train(mode)
 
-    def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
-        y, hy = self.modules[0](x)
+    def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+        """[y, *final states]; with ``lengths``, y is padded with zeros past each sequence's end."""
+        module = self.modules[0]
+        if lengths is None:
+            y, hy = module(x)
+        elif self.feed == "packed":
+            packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+            y, hy = module(packed)
+            y, _ = torch.nn.utils.rnn.pad_packed_sequence(y, total_length=x.shape[0])
+        else:
+            y, hy = module(x, lengths=lengths)
         return [y] + leaves(hy)
 
     def parameters(self) -> List[torch.Tensor]:
@@ -74,7 +84,9 @@ class Model:
 class ChainModel(Model):
     """Per-layer sizes in torch.nn: one one-layer module per layer, output of one into the next."""
 
-    def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
+    def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+        if lengths is not None:
+            raise Unsupported("a chain of modules with variable lengths is not measured")
         hs, cs = [], []
         for m in self.modules:
             x, (h, c) = m(x)
@@ -101,7 +113,9 @@ class StepModel(Model):
         super().__init__(timed_variant, [module], info)
         self.api = api
 
-    def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
+    def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+        if lengths is not None:
+            raise Unsupported("the step API runs one batch of equal lengths")
         step, state, ys = self.modules[0], None, []
         for t in range(x.shape[0]):
             if self.api == "cell":
@@ -175,7 +189,7 @@ class TorchNN(Runner):
             return ChainModel(variant.name, modules, info)
         module = TORCH_MODULES[variant.mode](**kwargs, device=case.device, dtype=case.dtype)
         module.load_state_dict(state)
-        return Model(variant.name, [module], info)
+        return Model(variant.name, [module], info, feed="packed")
 
 
 class RnnkitBackend(Runner):
@@ -201,7 +215,7 @@ class RnnkitBackend(Runner):
             return StepModel(variant.name, module, variant.api, {"backend": self.name})
         module = rnnkit_module(variant, case.shape, self.name, case.device, case.dtype)
         module.load_state_dict(case.reference(variant.name).state_dict())
-        return Model(variant.name, [module], {"backend": self.name})
+        return Model(variant.name, [module], {"backend": self.name}, feed=variant.lengths or "lengths")
 
 
 class OnnxRuntime(Runner):
@@ -233,7 +247,7 @@ class OnnxRuntime(Runner):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "model.onnx")
             try:
-                export(module, path)
+                export(module, path, include_lengths=bool(case.variant.lengths))
             except (ValueError, TypeError, NotImplementedError) as error:
                 raise Unsupported(f"export: {error}") from None
             options = onnxruntime.SessionOptions()
@@ -248,9 +262,12 @@ class OnnxModel(Model):
         self.session = session
         self.input_name = session.get_inputs()[0].name
 
-    def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
+    def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
         # the exported outputs are the module's: output, then h_n (per layer), then c_n
-        return [torch.from_numpy(o) for o in self.session.run(None, {self.input_name: x.numpy()})]
+        feeds = {self.input_name: x.numpy()}
+        if lengths is not None:  # ONNX sequence_lens: Y zero past each length, states at its last step
+            feeds["lengths"] = lengths.numpy()
+        return [torch.from_numpy(o) for o in self.session.run(None, feeds)]
 
 
 RUNNERS: Dict[str, Callable[[], Runner]] = {
