@@ -300,3 +300,27 @@ def test_the_table_header_names_the_cpu_features(tmp_path):
     assert env["cpu"] in header and f"sgemm {env['sgemm_gflops']:.0f} GFLOP/s" in header
     if len(env["sgemm_by_library"]) > 1:
         assert "best of MKL" in header
+
+
+def test_where_float32_is_luck_the_check_takes_medians_over_inputs_one_ulp_apart(monkeypatch):
+    """Above the dtype's tolerance, one float32 run's distance from the truth is luck: the check
+    then compares medians over the input and 4 neighbours one ulp away, each with its own truth."""
+    from rnnkit.app.bench import measure
+
+    case = Case(SHAPES["tiny"], VARIANTS["lstm_layer_norm"], "cpu", torch.float32)
+    assert case.expected("lstm_layer_norm", "training")["samples"] == []  # within tolerance: one run
+    monkeypatch.setitem(measure.TOLERANCE, torch.float32, 0.0)  # every error is "above tolerance" now
+    case = Case(SHAPES["tiny"], VARIANTS["lstm_layer_norm"], "cpu", torch.float32)
+    samples = case.expected("lstm_layer_norm", "training")["samples"]
+    assert len(samples) == 5 and samples[0][0] is case.x
+    assert all(not torch.equal(x, case.x) and (x - case.x).abs().max() <= 2 * torch.finfo(torch.float32).eps * case.x.abs().max()
+               for x, _, _ in samples[1:])
+    # the reference itself passes; weights moved by 1e-3 do not
+    reference = case.reference("lstm_layer_norm")
+    assert measure.check(case, Model("lstm_layer_norm", [reference]), "training") > 0
+    wrong = rnnkit_module(case.variant, case.shape, "reference", "cpu", torch.float32)
+    wrong.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        wrong.flat_weights.add_(1e-3)
+    with pytest.raises(measure.CheckFailed, match="median relative RMS error over 5 inputs"):
+        measure.check(case, Model("lstm_layer_norm", [wrong]), "training")

@@ -57,7 +57,8 @@ class Case:
     def expected(self, variant_name: str, mode: str) -> dict:
         """Reference results of a variant: in the case's dtype and, as ground truth, in float64.
 
-        -> {"outputs", "grads", "upstream", "truth": (outputs, grads) in float64}.
+        -> {"outputs", "grads", "upstream", "truth": (outputs, grads) in float64,
+            "samples": [(x, truth, reference result)] where one run's error is luck (`_samples`)}.
         """
         key = (variant_name, mode)
         if key not in self._expected:
@@ -75,8 +76,33 @@ class Case:
                 model64 = Model(variant_name, [copy.deepcopy(module).double()], feed=model.feed)
                 upstream64 = None if upstream is None else [u.double() for u in upstream]
                 truth = self.run(model64, mode, upstream64, x=self.x.double())
-            self._expected[key] = {"outputs": outputs, "grads": grads, "upstream": upstream, "truth": truth}
+            samples = self._samples(model, mode, upstream, (outputs, grads), truth)
+            self._expected[key] = {"outputs": outputs, "grads": grads, "upstream": upstream, "truth": truth,
+                                   "samples": samples}
         return self._expected[key]
+
+    def _samples(self, model: Model, mode: str, upstream, same_dtype, truth, samples: int = 4) -> list:
+        """Where the reference's error in the case's dtype is above the dtype's tolerance (long
+        float32 sequences through layer norm: the recurrence amplifies rounding to ~1e-4 and
+        beyond), one run's distance from the truth is luck: on inputs one ulp apart the same
+        computation lands 20x closer or further. Then the check compares medians over the input
+        and ``samples`` copies of it moved by one ulp at random (inputs float32 cannot tell
+        apart), each with its own float64 truth. -> [(x, truth, reference result)], empty
+        where one run is enough.
+        """
+        errors = [rel_rms(a, t) for _, a, t in _results(same_dtype, truth)]
+        if self.dtype == torch.float64 or max(errors) <= TOLERANCE[self.dtype]:
+            return []
+        model64 = Model(model.timed_variant, [copy.deepcopy(model.modules[0]).double()], feed=model.feed)
+        upstream64 = None if upstream is None else [u.double() for u in upstream]
+        eps = torch.finfo(self.dtype).eps
+        found = [(self.x, truth, same_dtype)]
+        for k in range(samples):
+            generator = torch.Generator().manual_seed(self.seed + 10 + k)
+            ulp = torch.randint(-1, 2, self.x.shape, generator=generator).double().to(self.device)
+            x = (self.x.double() * (1 + ulp * eps)).to(self.dtype)
+            found.append((x, self.run(model64, mode, upstream64, x=x.double()), self.run(model, mode, upstream, x=x)))
+        return found
 
     def forward(self, model: Model, mode: str, x: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
         """The model's forward on the case's input, with the case's mask seed; grad mode is the caller's."""
@@ -101,35 +127,50 @@ class Case:
         return [o.detach() for o in outputs], named
 
 
+def _results(actual, truth):
+    """(name, actual, truth) for each output and gradient of two (outputs, grads) results."""
+    (outputs, grads), (truth_outputs, truth_grads) = actual, truth
+    triples = [(f"output[{k}]", a, t) for k, (a, t) in enumerate(zip(outputs, truth_outputs))]
+    if grads is not None:
+        triples += [(f"grad {name}", grads[name], truth_grads[name]) for name in truth_grads]
+    return triples
+
+
 def check(case: Case, model: Model, mode: str) -> float:
     """Compare a model with the float64 reference of its timed variant; -> worst relative RMS error.
 
     A runner passes when its error against the float64 ground truth is within the dtype's
-    tolerance, or within twice the error of the rnnkit reference run in the same dtype
-    (for long float32 sequences through layer norm, no float32 computation reaches 1e-5).
-    Raises CheckFailed otherwise.
+    tolerance, or within twice the error of the rnnkit reference run in the same dtype. Where
+    the reference itself is beyond the tolerance (long float32 sequences through layer norm:
+    no float32 computation reaches 1e-5, and where one run lands is luck), the runner's median
+    error over the input and its one-ulp neighbours (`Case._samples`) must be within twice the
+    reference's median there. Raises CheckFailed otherwise.
     """
     expected = case.expected(model.timed_variant, mode)
     outputs, grads = case.run(model, mode, expected["upstream"])
-    truth_outputs, truth_grads = expected["truth"]
     if len(outputs) != len(expected["outputs"]):
         raise CheckFailed(f"{len(outputs)} outputs, the reference has {len(expected['outputs'])}")
-    triples = [
-        (f"output[{k}]", a, e, t) for k, (a, e, t) in enumerate(zip(outputs, expected["outputs"], truth_outputs))
-    ]
     if grads is not None:
-        missing = sorted(set(expected["grads"]) - set(grads))
+        missing = sorted(set(expected["truth"][1]) - set(grads))
         if missing:
             raise CheckFailed(f"no gradient for {', '.join(missing)}")
-        triples += [(f"grad {name}", grads[name], e, truth_grads[name]) for name, e in expected["grads"].items()]
-    worst = 0.0
-    for name, actual, same_dtype, truth in triples:
+    for name, actual, truth in _results((outputs, grads), expected["truth"]):
         if tuple(actual.shape) != tuple(truth.shape):
             raise CheckFailed(f"{name}: shape {tuple(actual.shape)}, the reference's is {tuple(truth.shape)}")
-        limit = max(TOLERANCE[case.dtype], 2 * rel_rms(same_dtype, truth))
-        error = rel_rms(actual, truth)
+    reference = {name: [rel_rms(a, t)] for name, a, t in _results((expected["outputs"], expected["grads"]), expected["truth"])}
+    runner = {name: [rel_rms(a, t)] for name, a, t in _results((outputs, grads), expected["truth"])}
+    for x, truth, same_dtype in expected["samples"][1:]:
+        for name, a, t in _results(same_dtype, truth):
+            reference[name].append(rel_rms(a, t))
+        for name, a, t in _results(case.run(model, mode, expected["upstream"], x=x), truth):
+            runner[name].append(rel_rms(a, t))
+    worst = 0.0
+    for name, errors in runner.items():
+        error = statistics.median(errors)
+        limit = max(TOLERANCE[case.dtype], 2 * statistics.median(reference[name]))
         if not error <= limit:  # NaN fails too
-            raise CheckFailed(f"{name}: relative RMS error {error:.3e} against float64 > {limit:.1e}")
+            what = "relative RMS error" if len(errors) == 1 else f"median relative RMS error over {len(errors)} inputs one ulp apart"
+            raise CheckFailed(f"{name}: {what} {error:.3e} against float64 > {limit:.1e}")
         worst = max(worst, error)
     return worst
 
