@@ -48,3 +48,28 @@ def packed(grads) -> torch.Tensor:
 
 
 __all__ = ["TOLERANCE", "assert_close", "rel_rms", "MODULES", "make_module", "flatten", "run_backend", "packed"]
+
+
+def require_fused_kernels() -> None:
+    """Build (or load) the fused kernels now; a build failure fails the test module that needs them."""
+    import pytest
+    from rnnkit.fused import build
+
+    try:
+        build.extension()
+    except RuntimeError as error:
+        pytest.fail(f"the fused CPU backend did not build: {error}")
+
+
+def random_states(module, B, dtype=torch.float64):
+    """Random initial states in the module's format: (h0, c0) for LSTM, else h0; per-layer lists
+    [(D, B, size of layer k)] where the layers' sizes differ, else (L·D, B, size) tensors."""
+    spec = module.spec
+    D, L = spec.num_directions, spec.num_layers
+    if spec.per_layer:
+        h0 = [torch.randn(D, B, spec.output_size(k), dtype=dtype) for k in range(L)]
+        c0 = [torch.randn(D, B, spec.hidden_sizes[k], dtype=dtype) for k in range(L)]
+    else:
+        h0 = torch.randn(L * D, B, spec.output_size(0), dtype=dtype)
+        c0 = torch.randn(L * D, B, spec.hidden_sizes[0], dtype=dtype)
+    return (h0, c0) if spec.mode == "lstm" else h0

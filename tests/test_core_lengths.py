@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rnnkit
-from helpers import assert_close
+from helpers import assert_close, random_states
 
 T, I, H = 7, 4, 5
 LENGTHS = [3, 1, 5, 2]  # unsorted, one of length 1, max 5 < T: a two-step zero-padding tail
@@ -41,15 +41,11 @@ def _build(variant, batch_first):
 
 
 def _initial_states(module):
-    spec = module.spec
-    L, D = spec.num_layers, spec.num_directions
-    if spec.per_layer:
-        hs = [torch.randn(D, B, spec.output_size(k), dtype=DT) for k in range(L)]
-        cs = [torch.randn(D, B, spec.hidden_sizes[k], dtype=DT) for k in range(L)]
-    else:
-        hs = [torch.randn(L * D, B, spec.output_size(0), dtype=DT)]
-        cs = [torch.randn(L * D, B, spec.hidden_sizes[0], dtype=DT)]
-    return hs, (cs if spec.mode == "lstm" else [])
+    """-> ([h0 per layer or one tensor], [c0 likewise, or nothing for GRU / RNN])."""
+    states = random_states(module, B, DT)
+    h, c = states if module.spec.mode == "lstm" else (states, None)
+    wrap = (lambda t: t) if module.spec.per_layer else (lambda t: [t])
+    return wrap(h), ([] if c is None else wrap(c))
 
 
 def _hx(module, hs, cs):

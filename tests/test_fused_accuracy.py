@@ -15,28 +15,12 @@ import torch
 
 import rnnkit
 from rnnkit.fused import build
-from helpers import assert_close, flatten, make_module, run_backend
+from helpers import assert_close, flatten, make_module, random_states, require_fused_kernels, run_backend
 
 
 @pytest.fixture(autouse=True, scope="module")
 def fused_kernels():
-    try:
-        build.extension()
-    except RuntimeError as error:
-        pytest.fail(f"the fused CPU backend did not build: {error}")
-
-
-def random_states(module, B, dtype=torch.float64):
-    """Initial states in the module's format (per-layer lists where sizes differ)."""
-    spec = module.spec
-    D, L = spec.num_directions, spec.num_layers
-    if spec.per_layer:
-        h0 = [torch.randn(D, B, spec.output_size(k), dtype=dtype) for k in range(L)]
-        c0 = [torch.randn(D, B, spec.hidden_sizes[k], dtype=dtype) for k in range(L)]
-    else:
-        h0 = torch.randn(L * D, B, spec.output_size(0), dtype=dtype)
-        c0 = torch.randn(L * D, B, spec.hidden_sizes[0], dtype=dtype)
-    return (h0, c0) if spec.mode == "lstm" else h0
+    require_fused_kernels()
 
 
 def cast_states(states, dtype):

@@ -40,7 +40,7 @@ from rnnkit.fused.ops import OPS
 from rnnkit.masks import draw_pass
 from rnnkit.passes import mask_tensors, pass_scalars, pass_values
 from rnnkit.testing import TOLERANCE
-from helpers import assert_close, flatten
+from helpers import assert_close, flatten, require_fused_kernels
 
 SRC = str(Path(rnnkit.__file__).resolve().parents[1])  # this checkout's src/, for the fresh processes
 FUSED_FORWARD = "rnnkit.fused_pass_forward.default"
@@ -50,10 +50,7 @@ FUSED_BACKWARD = "rnnkit.fused_pass_backward.default"
 @pytest.fixture(autouse=True, scope="module")
 def fused_kernels():
     """The fused kernels are built (or loaded) once, before anything is timed or traced."""
-    try:
-        build.extension()
-    except RuntimeError as error:
-        pytest.fail(f"the fused CPU backend did not build: {error}")
+    require_fused_kernels()
     yield
 
 

@@ -81,12 +81,12 @@ class Case:
                                    "samples": samples}
         return self._expected[key]
 
-    def _samples(self, model: Model, mode: str, upstream, same_dtype, truth, samples: int = 4) -> list:
+    def _samples(self, model: Model, mode: str, upstream, same_dtype, truth, samples: int = 7) -> list:
         """Where the reference's error in the case's dtype is above the dtype's tolerance (long
         float32 sequences through layer norm: the recurrence amplifies rounding to ~1e-4 and
         beyond), one run's distance from the truth is luck: on inputs one ulp apart the same
-        computation lands 20x closer or further. Then the check compares medians over the input
-        and ``samples`` copies of it moved by one ulp at random (inputs float32 cannot tell
+        computation lands 5-20x closer or further. Then the check compares medians over the
+        input and ``samples`` copies of it moved by one ulp at random (inputs float32 cannot tell
         apart), each with its own float64 truth. -> [(x, truth, reference result)], empty
         where one run is enough.
         """
@@ -143,8 +143,11 @@ def check(case: Case, model: Model, mode: str) -> float:
     tolerance, or within twice the error of the rnnkit reference run in the same dtype. Where
     the reference itself is beyond the tolerance (long float32 sequences through layer norm:
     no float32 computation reaches 1e-5, and where one run lands is luck), the runner's median
-    error over the input and its one-ulp neighbours (`Case._samples`) must be within twice the
-    reference's median there. Raises CheckFailed otherwise.
+    error over the input and its 7 one-ulp neighbours (`Case._samples`) must be within 3x the
+    reference's median there: the medians of 8 such errors still differ by up to 2.4x between
+    two equally exact computations (small layer-norm LSTM, training: over 16 inputs fused and
+    the reference were within 7% of each other), while a wrong kernel is off by orders of
+    magnitude. Raises CheckFailed otherwise.
     """
     expected = case.expected(model.timed_variant, mode)
     outputs, grads = case.run(model, mode, expected["upstream"])
@@ -167,7 +170,7 @@ def check(case: Case, model: Model, mode: str) -> float:
     worst = 0.0
     for name, errors in runner.items():
         error = statistics.median(errors)
-        limit = max(TOLERANCE[case.dtype], 2 * statistics.median(reference[name]))
+        limit = max(TOLERANCE[case.dtype], (2 if len(errors) == 1 else 3) * statistics.median(reference[name]))
         if not error <= limit:  # NaN fails too
             what = "relative RMS error" if len(errors) == 1 else f"median relative RMS error over {len(errors)} inputs one ulp apart"
             raise CheckFailed(f"{name}: {what} {error:.3e} against float64 > {limit:.1e}")
