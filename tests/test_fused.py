@@ -530,3 +530,72 @@ def test_the_bindings_take_the_op_schema_names_in_order():
     assert _binding_names(ext.pass_forward) == FORWARD_NAMES
     assert _binding_names(ext.pass_backward) == BACKWARD_NAMES
     assert _binding_names(ext.step_plan) == tuple(name for name, _ in PASS_ARGUMENTS)
+
+
+# ---- variable lengths in inference: the batch shrinks as sequences end -------------------
+
+SEGMENT_CASES = [
+    ("lstm", dict(bidirectional=True, proj_size=4, peephole=True)),
+    ("lstm", dict(layer_norm=True, zoneout=0.2)),
+    ("lstm", dict(hidden_size=[9, 6], num_layers=2)),
+    ("gru", dict(bidirectional=True, layer_norm=True)),
+    ("gru", dict(reset_after=False, batch_first=True)),
+    ("rnn_relu", dict(bidirectional=True)),
+]
+
+
+@pytest.mark.parametrize("mode,options", SEGMENT_CASES, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v)))
+@pytest.mark.parametrize("lengths", [[5, 23, 1, 17, 23, 9, 2, 11, 23, 6, 14, 3, 20], [23, 23, 4, 23]], ids=["13-distinct", "one-short"])
+def test_inference_with_lengths_runs_the_rows_still_going(mode, options, lengths, monkeypatch):
+    """Eval + no_grad with lengths: fused sorts the batch and runs at most SEGMENTS spans of
+    time on the rows still going (rows ending inside a span take their length relative to it);
+    outputs and final states equal the reference's, in the caller's row order, with given
+    initial states."""
+    from rnnkit import functional
+
+    options = dict(options)
+    batch_first = options.pop("batch_first", False)
+    hidden = options.pop("hidden_size", 9)
+    layers = options.pop("num_layers", 2)
+    cls = {"lstm": rnnkit.LSTM, "gru": rnnkit.GRU, "rnn_relu": rnnkit.RNN}[mode]
+    if mode == "rnn_relu":
+        options["nonlinearity"] = "relu"
+    kwargs = dict(num_layers=layers, batch_first=batch_first, dtype=torch.float64, **options)
+    fused = cls(7, hidden, backend="fused", **kwargs).eval()
+    reference = cls(7, hidden, backend="reference", **kwargs).eval()
+    reference.load_state_dict(fused.state_dict())
+    T, B = 23, len(lengths)
+    x = torch.randn(B, T, 7, dtype=torch.float64) if batch_first else torch.randn(T, B, 7, dtype=torch.float64)
+    with torch.no_grad():
+        _, hx = reference(x, lengths=torch.tensor(lengths))  # some initial states in the module's format
+    monkeypatch.setattr(functional, "SEGMENT_MIN_HIDDEN", 1)  # small cells here, to keep the test fast
+    spans = []
+    real = functional.Segments.run_pass
+    monkeypatch.setattr(functional.Segments, "run_pass", lambda self, *a, **k: spans.append(len(self.spans)) or real(self, *a, **k))
+    with torch.no_grad():
+        got = fused(x, hx, lengths=torch.tensor(lengths))
+        want = reference(x, hx, lengths=torch.tensor(lengths))
+    assert spans and max(spans) <= functional.SEGMENTS
+    assert fused.last_backend == "fused"
+    for a, b in zip(flatten(got), flatten(want)):
+        assert_close(a, b)
+
+
+def test_inference_with_lengths_segments_only_where_it_saves_work():
+    """Training, a gradient to record, little padding, one row, small cells, another backend:
+    one pass over all rows."""
+    from rnnkit import functional
+
+    spec = rnnkit.LSTM(4, 256).spec
+    backend = backends.select("fused", spec, torch.device("cpu"), torch.float32)
+    spread = torch.tensor([10, 2, 7, 5])
+    x = torch.randn(10, 4, 4)
+    with torch.no_grad():
+        assert functional.Segments.worth_it(backend, spec, spread, 10, False, [x])
+        assert not functional.Segments.worth_it(backend, spec, spread, 10, True, [x])  # training
+        assert not functional.Segments.worth_it(backend, spec, torch.tensor([10, 10, 10, 9]), 10, False, [x])  # 2.5% padding
+        assert not functional.Segments.worth_it(backend, spec, torch.tensor([3]), 10, False, [x])  # one row
+        assert not functional.Segments.worth_it(backend, rnnkit.LSTM(4, [256, 128], 2).spec, spread, 10, False, [x])
+        reference = backends.select("reference", spec, torch.device("cpu"), torch.float32)
+        assert not functional.Segments.worth_it(reference, spec, spread, 10, False, [x])
+    assert not functional.Segments.worth_it(backend, spec, spread, 10, False, [x.requires_grad_()])
