@@ -532,7 +532,7 @@ def test_the_bindings_take_the_op_schema_names_in_order():
     assert _binding_names(ext.step_plan) == tuple(name for name, _ in PASS_ARGUMENTS)
 
 
-# ---- variable lengths in inference: the batch shrinks as sequences end -------------------
+# ---- variable lengths: the batch shrinks as sequences end -----------------------------------
 
 SEGMENT_CASES = [
     ("lstm", dict(bidirectional=True, proj_size=4, peephole=True)),
@@ -542,18 +542,24 @@ SEGMENT_CASES = [
     ("gru", dict(reset_after=False, batch_first=True)),
     ("rnn_relu", dict(bidirectional=True)),
 ]
+SEGMENT_LENGTHS = {"13-distinct": [5, 23, 1, 17, 23, 9, 2, 11, 23, 6, 14, 3, 20], "one-short": [23, 23, 4, 23],
+                   "none-full": [3, 19, 7, 12]}
 
 
 @pytest.mark.parametrize("mode,options", SEGMENT_CASES, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v)))
-@pytest.mark.parametrize("lengths", [[5, 23, 1, 17, 23, 9, 2, 11, 23, 6, 14, 3, 20], [23, 23, 4, 23]], ids=["13-distinct", "one-short"])
-def test_inference_with_lengths_runs_the_rows_still_going(mode, options, lengths, monkeypatch):
-    """Eval + no_grad with lengths: fused sorts the batch and runs at most SEGMENTS spans of
-    time on the rows still going (rows ending inside a span take their length relative to it);
-    outputs and final states equal the reference's, in the caller's row order, with given
-    initial states."""
+@pytest.mark.parametrize("lengths", list(SEGMENT_LENGTHS.values()), ids=list(SEGMENT_LENGTHS))
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_lengths_run_the_rows_still_going(mode, options, lengths, training, monkeypatch):
+    """With lengths, fused sorts the batch and runs at most SEGMENTS spans of time on the rows
+    still going (rows ending inside a span take their length relative to it; steps no sequence
+    reaches are zeros). Outputs, final states and, in training, every gradient (random upstream
+    gradients) equal the reference's, in the caller's row order, with given initial states.
+    Zoneout is sampled only in eval here: training with random masks runs one pass."""
     from rnnkit import functional
 
     options = dict(options)
+    if training:
+        options.pop("zoneout", None)
     batch_first = options.pop("batch_first", False)
     hidden = options.pop("hidden_size", 9)
     layers = options.pop("num_layers", 2)
@@ -561,8 +567,8 @@ def test_inference_with_lengths_runs_the_rows_still_going(mode, options, lengths
     if mode == "rnn_relu":
         options["nonlinearity"] = "relu"
     kwargs = dict(num_layers=layers, batch_first=batch_first, dtype=torch.float64, **options)
-    fused = cls(7, hidden, backend="fused", **kwargs).eval()
-    reference = cls(7, hidden, backend="reference", **kwargs).eval()
+    fused = cls(7, hidden, backend="fused", **kwargs).train(training)
+    reference = cls(7, hidden, backend="reference", **kwargs).train(training)
     reference.load_state_dict(fused.state_dict())
     T, B = 23, len(lengths)
     x = torch.randn(B, T, 7, dtype=torch.float64) if batch_first else torch.randn(T, B, 7, dtype=torch.float64)
@@ -572,30 +578,54 @@ def test_inference_with_lengths_runs_the_rows_still_going(mode, options, lengths
     spans = []
     real = functional.Segments.run_pass
     monkeypatch.setattr(functional.Segments, "run_pass", lambda self, *a, **k: spans.append(len(self.spans)) or real(self, *a, **k))
-    with torch.no_grad():
-        got = fused(x, hx, lengths=torch.tensor(lengths))
-        want = reference(x, hx, lengths=torch.tensor(lengths))
+
+    def run(module):
+        x_ = x.clone().requires_grad_(training)
+        hx_ = [t.clone().requires_grad_(training) for t in flatten(hx)]
+        with torch.set_grad_enabled(training):
+            out = module(x_, rebuild(hx, hx_), lengths=torch.tensor(lengths))
+        results = flatten(out)
+        if not training:
+            return results
+        torch.manual_seed(1)
+        upstream = [torch.randn_like(r) for r in results]
+        grads = torch.autograd.grad(results, [x_, *hx_, *module.parameters()], upstream)
+        return [r.detach() for r in results] + list(grads)
+
+    got, want = run(fused), run(reference)
     assert spans and max(spans) <= functional.SEGMENTS
     assert fused.last_backend == "fused"
-    for a, b in zip(flatten(got), flatten(want)):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
         assert_close(a, b)
 
 
-def test_inference_with_lengths_segments_only_where_it_saves_work():
-    """Training, a gradient to record, little padding, one row, small cells, another backend:
-    one pass over all rows."""
+def rebuild(tree, leaves):
+    """``tree`` (a state: tensor, tuple or per-layer lists) with its tensors replaced by ``leaves`` in order."""
+    leaves = iter(leaves)
+
+    def walk(node):
+        if isinstance(node, (tuple, list)):
+            return type(node)(walk(item) for item in node)
+        return next(leaves)
+    return walk(tree)
+
+
+def test_lengths_segment_only_where_it_saves_work():
+    """Little padding, one row, small cells, training with random masks, another backend: one
+    pass over all rows."""
     from rnnkit import functional
 
     spec = rnnkit.LSTM(4, 256).spec
     backend = backends.select("fused", spec, torch.device("cpu"), torch.float32)
     spread = torch.tensor([10, 2, 7, 5])
-    x = torch.randn(10, 4, 4)
-    with torch.no_grad():
-        assert functional.Segments.worth_it(backend, spec, spread, 10, False, [x])
-        assert not functional.Segments.worth_it(backend, spec, spread, 10, True, [x])  # training
-        assert not functional.Segments.worth_it(backend, spec, torch.tensor([10, 10, 10, 9]), 10, False, [x])  # 2.5% padding
-        assert not functional.Segments.worth_it(backend, spec, torch.tensor([3]), 10, False, [x])  # one row
-        assert not functional.Segments.worth_it(backend, rnnkit.LSTM(4, [256, 128], 2).spec, spread, 10, False, [x])
-        reference = backends.select("reference", spec, torch.device("cpu"), torch.float32)
-        assert not functional.Segments.worth_it(reference, spec, spread, 10, False, [x])
-    assert not functional.Segments.worth_it(backend, spec, spread, 10, False, [x.requires_grad_()])
+    assert functional.Segments.worth_it(backend, spec, spread, 10, False)
+    assert functional.Segments.worth_it(backend, spec, spread, 10, True)  # training without masks
+    assert not functional.Segments.worth_it(backend, rnnkit.LSTM(4, 256, zoneout=0.1).spec, spread, 10, True)
+    assert not functional.Segments.worth_it(backend, rnnkit.LSTM(4, 256, 2, dropout=0.2).spec, spread, 10, True)
+    assert functional.Segments.worth_it(backend, rnnkit.LSTM(4, 256, zoneout=0.1).spec, spread, 10, False)  # eval: no masks
+    assert not functional.Segments.worth_it(backend, spec, torch.tensor([10, 10, 10, 9]), 10, False)  # 2.5% padding
+    assert not functional.Segments.worth_it(backend, spec, torch.tensor([3]), 10, False)  # one row
+    assert not functional.Segments.worth_it(backend, rnnkit.LSTM(4, [256, 128], 2).spec, spread, 10, False)
+    reference = backends.select("reference", spec, torch.device("cpu"), torch.float32)
+    assert not functional.Segments.worth_it(reference, spec, spread, 10, False)

@@ -168,13 +168,14 @@ def step_mask_of(lengths: Optional[torch.Tensor], T: int, device) -> Optional[to
     return (torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)).to(device)
 
 
-# ---- variable lengths in inference: the batch shrinks as sequences end ----------------
+# ---- variable lengths: the batch shrinks as sequences end ------------------------------
 
 # Measured on a 1-thread AMD EPYC (LSTM, lengths spread from T/8 to T: 56% of the T·B steps run),
-# time with segments ÷ one pass over every row: with at most 4 spans, 0.82 at H 256 B 32, 0.76 at
-# H 512 B 64, 0.94 at H 1024 B 32 T 25 (each span packs R again: 16 MB there); with 8 spans 0.89,
-# 0.75 and 1.05. At H 128 B 16 a span's fixed cost outweighs the rows it saves (1.09), so smaller
-# cells run one pass.
+# time with segments ÷ one pass over every row, inference / training: 0.82 / 0.82 at H 256 B 32,
+# 0.76 / 0.77 at H 512 B 64, 0.94 / 0.95 at H 1024 B 32 T 25 (with at most 4 spans; with 8,
+# inference read 0.89, 0.75, 1.05: each span packs R again, 16 MB at H 1024). Fewer rows save
+# less than their share because every step still reads all of R. At H 128 B 16 a span's fixed
+# cost outweighs the rows it saves (1.09), so smaller cells run one pass.
 SEGMENTS = 4  # most time segments a pass is split into
 SEGMENT_MIN_HIDDEN = 256  # smallest hidden size (of any layer) that segments
 SEGMENT_BACKENDS = ("fused",)  # backends with a GEMM per step over every row, which segments shorten
@@ -184,7 +185,8 @@ class Segments:
     """A batch sorted by length (longest first) and cut into at most `SEGMENTS` spans of time,
     each run on the rows still going at its start: a prefix of the sorted batch. Rows that end
     inside a span run there with their length relative to it. The work is then about the steps
-    that run, not T·B: with lengths spread from T/8 to T, a little over half.
+    that run, not T·B: with lengths spread from T/8 to T, a little over half. Built from
+    concatenations, not writes in place, so autograd differentiates through it.
     """
 
     def __init__(self, lengths: torch.Tensor, T: int):
@@ -200,39 +202,44 @@ class Segments:
             rows = int((self.lengths > start).sum())
             self.spans.append((start, end, rows))
             start = end
+        self.T = T
 
     @staticmethod
-    def worth_it(backend, spec: RNNSpec, lengths: Optional[torch.Tensor], T: int, training: bool, tensors) -> bool:
-        """Eager inference on a segmenting backend with cells of hidden size `SEGMENT_MIN_HIDDEN`
-        and more, where at least 1/8 of the T·B steps are padding. (In training the masks are
-        drawn per row, and sorting the rows would change which row gets which draw.)"""
-        if lengths is None or training or getattr(backend, "name", None) not in SEGMENT_BACKENDS:
+    def worth_it(backend, spec: RNNSpec, lengths: Optional[torch.Tensor], T: int, training: bool) -> bool:
+        """A segmenting backend with cells of hidden size `SEGMENT_MIN_HIDDEN` and more, where at
+        least 1/8 of the T·B steps are padding, outside compile / export / tracing. In training
+        only without random masks: they are drawn per row, and sorting the rows would change
+        which row gets which draw."""
+        if lengths is None or getattr(backend, "name", None) not in SEGMENT_BACKENDS:
+            return False
+        if training and spec.uses_dropout_masks:
             return False
         if min(spec.cell(layer).hidden_size for layer in range(spec.num_layers)) < SEGMENT_MIN_HIDDEN:
             return False
         if torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing() or lengths.numel() < 2:
-            return False
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
             return False
         return (T * lengths.numel() - int(lengths.sum())) * 8 >= T * lengths.numel()
 
     def run_pass(self, backend, cell, x, h0, c0, w, reverse: bool, masks):
         """One pass over the sorted batch, span by span (the reverse direction from the last span):
         -> (y [T, B, F] zero past each length, h_n, c_n), rows in sorted order."""
-        T, B = x.shape[:2]
-        h, c = h0.clone(), (None if c0 is None else c0.clone())
-        y = None
+        B = x.shape[1]
+        h, c = h0, c0
+        pieces = []  # (start, y of the span padded to B rows)
         for start, end, rows in (reversed(self.spans) if reverse else self.spans):
             inside = (self.lengths[:rows] - start).clamp(max=end - start)
             span_lengths = None if bool((inside == end - start).all()) else inside
             y_span, h_span, c_span = backend.run_pass(cell, x[start:end, :rows], h[:rows], None if c is None else c[:rows],
                                                       w, span_lengths, reverse, masks)
-            if y is None:
-                y = x.new_zeros(T, B, y_span.shape[2])
-            y[start:end, :rows] = y_span
-            h[:rows] = h_span
+            pieces.append((start, torch.nn.functional.pad(y_span, (0, 0, 0, B - rows))))
+            h = torch.cat([h_span, h[rows:]]) if rows < B else h_span
             if c is not None:
-                c[:rows] = c_span
+                c = torch.cat([c_span, c[rows:]]) if rows < B else c_span
+        pieces.sort(key=lambda piece: piece[0])
+        y = torch.cat([y for _, y in pieces])
+        last = self.spans[-1][1]
+        if last < self.T:  # steps no sequence reaches
+            y = torch.cat([y, y.new_zeros(self.T - last, B, y.shape[2])])
         return y, h, c
 
 
@@ -252,7 +259,7 @@ def run_stack(backend, spec: RNNSpec, weights: Sequence[PassWeights], x, h0s, c0
     if hasattr(backend, "run_stack"):
         return backend.run_stack(spec, weights, x, h0s, c0s, lengths, training)
     segments = None
-    if Segments.worth_it(backend, spec, lengths, T, training, [x, *h0s, *(c0s or []), *(t for w in weights for t in w)]):
+    if Segments.worth_it(backend, spec, lengths, T, training):
         segments = Segments(lengths, T)
         x = x[:, segments.order]
         h0s = [h[segments.order] for h in h0s]
