@@ -24,6 +24,13 @@ def flatten(tree) -> list:
     return [tree]
 
 
+def map_tree(tree, fn):
+    """A state (a tensor, a pair, per-layer lists) with ``fn`` applied to each of its tensors."""
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_tree(part, fn) for part in tree)
+    return fn(tree)
+
+
 def run_backend(module, backend, x, hx, lengths=None, training=False):
     """(outputs, gradients of x, initial states and flat weights) with random upstream gradients.
 
@@ -47,7 +54,7 @@ def packed(grads) -> torch.Tensor:
     return torch.cat([g.reshape(-1) for g in grads])
 
 
-__all__ = ["TOLERANCE", "assert_close", "rel_rms", "MODULES", "make_module", "flatten", "run_backend", "packed"]
+__all__ = ["TOLERANCE", "assert_close", "rel_rms", "MODULES", "make_module", "flatten", "map_tree", "run_backend", "packed"]
 
 
 def require_fused_kernels() -> None:

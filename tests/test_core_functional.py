@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import rnnkit
-from helpers import assert_close, packed
+from helpers import assert_close, flatten, map_tree, packed
 
 T, B, I, H = 5, 3, 4, 6
 DT = torch.float64
@@ -24,18 +24,6 @@ def _states(module, batch=B, unbatched=False):
     h = torch.randn(*shape(L * D, batch, spec.output_size(0)), dtype=DT)
     c = torch.randn(*shape(L * D, batch, spec.hidden_sizes[0]), dtype=DT)
     return (h, c) if spec.mode == "lstm" else h
-
-
-def _leaves(tree):
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    return [leaf for item in tree for leaf in _leaves(item)]
-
-
-def _map(tree, fn):
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    return type(tree)(_map(t, fn) for t in tree)
 
 
 CASES = {
@@ -74,11 +62,11 @@ def test_cudnn_calls_equal_autograd_through_the_module(case):
 
     torch.manual_seed(11)
     y, hy, reserve = rnnkit.forward_training(spec, module.flat_weights, x, hx, lengths, backend=REF)
-    assert not y.requires_grad and not any(t.requires_grad for t in _leaves(hy))
+    assert not y.requires_grad and not any(t.requires_grad for t in flatten(hy))
 
     # the module, under the same seed (the same masks), with autograd
     x_leaf = x.clone().requires_grad_(True)
-    hx_leaf = _map(hx, lambda t: t.clone().requires_grad_(True)) if hx is not None else None
+    hx_leaf = map_tree(hx, lambda t: t.clone().requires_grad_(True)) if hx is not None else None
     torch.manual_seed(11)
     y_ref, hy_ref = module(x_leaf, hx_leaf, lengths)
     assert_close(y, y_ref, "y")
@@ -86,12 +74,12 @@ def test_cudnn_calls_equal_autograd_through_the_module(case):
 
     dy = torch.randn_like(y)
     h_n = hy[0] if lstm else hy
-    dhy = _map(h_n, torch.randn_like)
-    dcy = _map(hy[1], torch.randn_like) if lstm else None
-    outputs = [y_ref] + _leaves(hy_ref[0] if lstm else hy_ref) + (_leaves(hy_ref[1]) if lstm else [])
-    upstream = [dy] + _leaves(dhy) + (_leaves(dcy) if lstm else [])
+    dhy = map_tree(h_n, torch.randn_like)
+    dcy = map_tree(hy[1], torch.randn_like) if lstm else None
+    outputs = [y_ref] + flatten(hy_ref[0] if lstm else hy_ref) + (flatten(hy_ref[1]) if lstm else [])
+    upstream = [dy] + flatten(dhy) + (flatten(dcy) if lstm else [])
     weights = list(module.named_weights().values())  # buffer order
-    inputs = [x_leaf] + (_leaves(hx_leaf) if hx is not None else []) + weights
+    inputs = [x_leaf] + (flatten(hx_leaf) if hx is not None else []) + weights
     grads = torch.autograd.grad(outputs, inputs, upstream)
     n = len(grads) - len(weights)
 
@@ -100,11 +88,11 @@ def test_cudnn_calls_equal_autograd_through_the_module(case):
     assert_close(dx, grads[0], "dx")
     assert_close(dw, packed(grads[n:]), "dw")
     if hx is not None:
-        state_grads = _leaves(dhx) + (_leaves(dcx) if lstm else [])
+        state_grads = flatten(dhx) + (flatten(dcx) if lstm else [])
         assert_close(state_grads, list(grads[1:n]), "dhx, dcx")
     else:  # zero initial states: still returned, shaped like them
         zero = _states(module)
-        assert [t.shape for t in _leaves(dhx)] == [t.shape for t in _leaves(zero[0] if lstm else zero)]
+        assert [t.shape for t in flatten(dhx)] == [t.shape for t in flatten(zero[0] if lstm else zero)]
     assert (dcx is None) == (not lstm)
 
 
@@ -191,7 +179,7 @@ def test_forward_inference_equals_eval_and_keeps_no_graph(make):
     lengths = [5, 1, 3]
     y, hy = rnnkit.forward_inference(module.spec, module.flat_weights, x, hx, lengths, backend=REF)
     assert not y.requires_grad and y.grad_fn is None
-    assert not any(t.requires_grad for t in _leaves(hy))
+    assert not any(t.requires_grad for t in flatten(hy))
     with torch.no_grad():
         y_ref, hy_ref = module.eval()(x, hx, lengths)
     assert torch.equal(y, y_ref)

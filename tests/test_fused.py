@@ -18,7 +18,7 @@ import torch
 import rnnkit
 from rnnkit import backend as backends
 from rnnkit.fused import build
-from helpers import assert_close, flatten, make_module, run_backend
+from helpers import assert_close, flatten, make_module, map_tree, run_backend
 
 
 
@@ -581,15 +581,15 @@ def test_lengths_run_the_rows_still_going(mode, options, lengths, training, monk
 
     def run(module):
         x_ = x.clone().requires_grad_(training)
-        hx_ = [t.clone().requires_grad_(training) for t in flatten(hx)]
+        hx_ = map_tree(hx, lambda t: t.clone().requires_grad_(training))
         with torch.set_grad_enabled(training):
-            out = module(x_, rebuild(hx, hx_), lengths=torch.tensor(lengths))
+            out = module(x_, hx_, lengths=torch.tensor(lengths))
         results = flatten(out)
         if not training:
             return results
         torch.manual_seed(1)
         upstream = [torch.randn_like(r) for r in results]
-        grads = torch.autograd.grad(results, [x_, *hx_, *module.parameters()], upstream)
+        grads = torch.autograd.grad(results, [x_, *flatten(hx_), *module.parameters()], upstream)
         return [r.detach() for r in results] + list(grads)
 
     got, want = run(fused), run(reference)
@@ -598,17 +598,6 @@ def test_lengths_run_the_rows_still_going(mode, options, lengths, training, monk
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert_close(a, b)
-
-
-def rebuild(tree, leaves):
-    """``tree`` (a state: tensor, tuple or per-layer lists) with its tensors replaced by ``leaves`` in order."""
-    leaves = iter(leaves)
-
-    def walk(node):
-        if isinstance(node, (tuple, list)):
-            return type(node)(walk(item) for item in node)
-        return next(leaves)
-    return walk(tree)
 
 
 def test_lengths_segment_only_where_it_saves_work():

@@ -15,7 +15,7 @@ import torch
 
 import rnnkit
 from rnnkit.fused import build
-from helpers import assert_close, flatten, make_module, random_states, require_fused_kernels, run_backend
+from helpers import assert_close, flatten, make_module, map_tree, random_states, require_fused_kernels, run_backend
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -25,9 +25,7 @@ def fused_kernels():
 
 def cast_states(states, dtype):
     """A leaf copy of a state tree in ``dtype`` that requires grad."""
-    if isinstance(states, (tuple, list)):
-        return type(states)(cast_states(s, dtype) for s in states)
-    return states.detach().to(dtype).requires_grad_()
+    return map_tree(states, lambda s: s.detach().to(dtype).requires_grad_())
 
 
 # --- item 4: the fused float32 error is no worse than the reference's --------------------------
