@@ -189,7 +189,7 @@ class Segments:
     concatenations, not writes in place, so autograd differentiates through it.
     """
 
-    def __init__(self, lengths: torch.Tensor, T: int):
+    def __init__(self, lengths: torch.Tensor):
         self.order = torch.argsort(lengths, descending=True, stable=True)
         self.restore = torch.argsort(self.order)
         self.lengths = lengths[self.order]
@@ -202,7 +202,6 @@ class Segments:
             rows = int((self.lengths > start).sum())
             self.spans.append((start, end, rows))
             start = end
-        self.T = T
 
     @staticmethod
     def worth_it(backend, spec: RNNSpec, lengths: Optional[torch.Tensor], T: int, training: bool) -> bool:
@@ -223,7 +222,7 @@ class Segments:
     def run_pass(self, backend, cell, x, h0, c0, w, reverse: bool, masks):
         """One pass over the sorted batch, span by span (the reverse direction from the last span):
         -> (y [T, B, F] zero past each length, h_n, c_n), rows in sorted order."""
-        B = x.shape[1]
+        T, B = x.shape[:2]
         h, c = h0, c0
         pieces = []  # (start, y of the span padded to B rows)
         for start, end, rows in (reversed(self.spans) if reverse else self.spans):
@@ -238,8 +237,8 @@ class Segments:
         pieces.sort(key=lambda piece: piece[0])
         y = torch.cat([y for _, y in pieces])
         last = self.spans[-1][1]
-        if last < self.T:  # steps no sequence reaches
-            y = torch.cat([y, y.new_zeros(self.T - last, B, y.shape[2])])
+        if last < T:  # steps no sequence reaches
+            y = torch.cat([y, y.new_zeros(T - last, B, y.shape[2])])
         return y, h, c
 
 
@@ -260,7 +259,7 @@ def run_stack(backend, spec: RNNSpec, weights: Sequence[PassWeights], x, h0s, c0
         return backend.run_stack(spec, weights, x, h0s, c0s, lengths, training)
     segments = None
     if Segments.worth_it(backend, spec, lengths, T, training):
-        segments = Segments(lengths, T)
+        segments = Segments(lengths)
         x = x[:, segments.order]
         h0s = [h[segments.order] for h in h0s]
         c0s = None if c0s is None else [c[segments.order] for c in c0s]
