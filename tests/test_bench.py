@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rnnkit.app import bench
+from rnnkit.app import machine
 from rnnkit.app.bench import report
 from rnnkit.app.bench.measure import Case, flops
 from rnnkit.app.bench.registry import SHAPES, VARIANTS
@@ -292,7 +293,7 @@ def test_the_sgemm_limit_is_the_best_library_on_the_kernels_shapes():
 def test_the_table_header_names_the_cpu_features(tmp_path):
     status, report_, out = _run(tmp_path, "--variants", "gru", "--runners", "torch.nn", "--modes", "inference")
     env = report_["environment"]
-    assert set(env["cpu_flags"]) <= set(report.SIMD_FLAGS)
+    assert set(env["cpu_flags"]) <= set(machine.SIMD_FLAGS)
     header = (out / "bench.md").read_text().splitlines()[0]
     assert env["cpu"] in header and f"sgemm {env['sgemm_gflops']:.0f} GFLOP/s" in header
     if len(env["sgemm_by_library"]) > 1:

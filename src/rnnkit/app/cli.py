@@ -30,6 +30,7 @@ import torch
 
 import rnnkit
 
+from . import machine
 from .charlm import checkpoint as files
 from .charlm import data, history, model, sample, train
 from .errors import UserError
@@ -184,15 +185,6 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _cpu_has_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return True  # unknown: say nothing
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 # ---- train -------------------------------------------------------------------------------
 
 def _tqdm():
@@ -305,7 +297,7 @@ def _train(args) -> int:
         if start >= args.steps:
             print(f"rnnkit: {args.out} is already at step {start} (--steps {args.steps}); nothing to do", file=sys.stderr)
             return 0
-        if train_config.precision == "bf16" and device.type == "cpu" and not _cpu_has_bf16():
+        if train_config.precision == "bf16" and device.type == "cpu" and machine.has_bf16() is False:
             print("rnnkit: note: this CPU has no bfloat16 instructions (avx512_bf16 / amx_bf16); bf16 runs slower "
                   "than fp32 here", file=sys.stderr)
         parameters = sum(p.numel() for p in run.model.parameters())
@@ -399,18 +391,6 @@ def _sample(args) -> int:
 
 # ---- doctor ------------------------------------------------------------------------------
 
-def _cpu_model() -> str:
-    """The CPU's model name and its vector extensions that matter here (from /proc/cpuinfo on Linux)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown"
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((set(line.split(":", 1)[1].split()) for line in info.splitlines() if line.startswith("flags")), set())
-    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16") if f in flags]
-    return f"{model} ({', '.join(wanted) or 'no AVX2'})"
-
-
 def _doctor(args) -> int:
     import numpy
 
@@ -423,7 +403,7 @@ def _doctor(args) -> int:
     print(f"threads  torch {torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op; "
           f"{cores} usable CPU cores")
     print(f"cuda     {torch.cuda.is_available()}" + (f" ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else ""))
-    print(f"cpu      {_cpu_model()}; torch dispatches to {torch.backends.cpu.get_cpu_capability()}; "
+    print(f"cpu      {machine.cpu_model()} ({', '.join(machine.cpu_flags() or []) or 'no AVX2'}); torch dispatches to {torch.backends.cpu.get_cpu_capability()}; "
           f"oneDNN bf16 {'yes' if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 'no'}")
     print("backends (auto takes, in this order, the first that can run the configuration; one-step calls on "
           "the CPU try fused first):")

@@ -13,32 +13,7 @@ import torch
 
 import rnnkit
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
-
-
-def cpu_flags() -> List[str]:
-    """The CPU's SIMD features that decide the kernels' speed (BENCH.md: name them in every table)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    present = set(line.split(":", 1)[1].split())
-                    return [flag for flag in SIMD_FLAGS if flag in present]
-    except OSError:
-        pass
-    return []
+from ..machine import cpu_flags, cpu_model
 
 
 def environment(device: str, dtype: torch.dtype, threads: int, repeats: int, warmup: int, sgemm: float, sgemm_n: int) -> dict:
@@ -49,7 +24,7 @@ def environment(device: str, dtype: torch.dtype, threads: int, repeats: int, war
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": cpu_model(),
-        "cpu_flags": cpu_flags(),
+        "cpu_flags": cpu_flags() or [],
         "cpu_count": os.cpu_count(),
         "threads": threads,
         # other processes' load makes thread timings noisy (BENCH.md: ratios, never absolute times)

@@ -1,0 +1,38 @@
+"""What the CPU is: its model name and the SIMD features that decide the kernels' speed,
+read from /proc/cpuinfo (Linux); one place for the doctor, the trainer's bf16 note and the
+benchmark's table headers."""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+from typing import List, Optional
+
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def _field(name: str) -> Optional[str]:
+    """The first /proc/cpuinfo line's value for ``name`` (None where there is no such file or line)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.split(":", 1)[0].strip() == name), None)
+
+
+def cpu_model() -> str:
+    return _field("model name") or platform.processor() or platform.machine() or "unknown"
+
+
+def cpu_flags() -> Optional[List[str]]:
+    """The CPU's features among `SIMD_FLAGS`, in that order (None where unknown)."""
+    flags = _field("flags")
+    if flags is None:
+        return None
+    present = set(flags.split())
+    return [flag for flag in SIMD_FLAGS if flag in present]
+
+
+def has_bf16() -> Optional[bool]:
+    """Whether the CPU has bfloat16 instructions (AVX512_BF16 or AMX-BF16); None where unknown."""
+    flags = cpu_flags()
+    return None if flags is None else ("avx512_bf16" in flags or "amx_bf16" in flags)
