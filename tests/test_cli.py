@@ -417,6 +417,17 @@ def test_bf16_trains_and_samples(tmp_path, corpus, capsys):
     assert run(capsys, "sample", out, "--length", 10, "--backend", "reference")[0] == 0
 
 
+@pytest.mark.parametrize("has_bf16, noted", [(False, True), (True, False), (None, False)], ids=["no-bf16", "bf16", "unknown"])
+def test_bf16_on_a_cpu_without_bf16_instructions_is_noted(tmp_path, corpus, capsys, monkeypatch, has_bf16, noted):
+    from rnnkit.app import machine
+
+    monkeypatch.setattr(machine, "has_bf16", lambda: has_bf16)
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", tmp_path / "run", "--steps", 1, *SMALL,
+                         "--precision", "bf16", "--backend", "reference", "--device", "cpu")
+    assert status == 0, err
+    assert ("no bfloat16 instructions" in err) == noted
+
+
 def test_bf16_that_the_backend_cannot_run_is_one_line(tmp_path, corpus, capsys):
     """torch's oneDNN LSTM has no bfloat16 kernel on CPUs without bf16 instructions: say so before training."""
     status, _, err = run(capsys, "train", "--text", corpus, "--out", tmp_path / "run", "--steps", 2, *SMALL,
@@ -575,3 +586,27 @@ def test_doctor(capsys):
 def test_bench_is_wired(capsys):
     status, out, _ = run(capsys, "bench", "--help")
     assert status == 0 and "usage: rnnkit bench" in out and "--step" in out
+
+
+def test_machine_reads_the_cpu_model_and_its_simd_features(monkeypatch):
+    from rnnkit.app import machine
+
+    class CpuInfo:
+        text = "processor\t: 0\nmodel name\t: Some CPU 9000\nflags\t\t: fpu sse avx2 fma avx512f avx512_bf16 sse4_2\n"
+
+        def __init__(self, path):
+            assert str(path) == "/proc/cpuinfo"
+
+        def read_text(self):
+            if self.text is None:
+                raise OSError("no such file")
+            return self.text
+
+    monkeypatch.setattr(machine, "Path", CpuInfo)
+    assert machine.cpu_model() == "Some CPU 9000"
+    assert machine.cpu_flags() == ["avx2", "fma", "avx512f", "avx512_bf16"]
+    assert machine.has_bf16() is True
+    CpuInfo.text = "model name\t: Old CPU\nflags\t: fpu sse avx2\n"
+    assert machine.cpu_flags() == ["avx2"] and machine.has_bf16() is False
+    CpuInfo.text = None  # not Linux: unknown, not "absent"
+    assert machine.cpu_flags() is None and machine.has_bf16() is None and machine.cpu_model()
