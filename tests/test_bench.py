@@ -15,7 +15,10 @@ from rnnkit.app import machine
 from rnnkit.app.bench import report
 from rnnkit.app.bench.measure import Case, flops
 from rnnkit.app.bench.registry import SHAPES, VARIANTS
-from rnnkit.app.bench.runners import Model, Runner, rnnkit_module
+from rnnkit.app.bench.runners import INT8_TOLERANCE, Model, RnnkitInt8, Runner, rnnkit_module
+from rnnkit.testing import TOLERANCE
+
+from helpers import require_fused_kernels
 
 RECORD_FIELDS = {"runner", "runner_title", "shape", "variant", "timed_variant", "mode", "status"}
 TIMED_FIELDS = {
@@ -324,3 +327,70 @@ def test_where_float32_is_luck_the_check_takes_medians_over_inputs_one_ulp_apart
         wrong.flat_weights.add_(1e-3)
     with pytest.raises(measure.CheckFailed, match="median relative RMS error over 8 inputs"):
         measure.check(case, Model("lstm_layer_norm", [wrong]), "training")
+
+
+# ---- int8 (BENCH.md "Also measured: Low precision"): checked against float32 within INT8_TOLERANCE -------
+
+INT8_RUNNERS = ["int8", "torch.ao-int8", "onnxruntime-int8"]
+
+
+def _require_int8_libraries():
+    pytest.importorskip("onnxruntime.quantization")
+    pytest.importorskip("torch.ao.quantization")
+    require_fused_kernels()
+
+
+@pytest.mark.parametrize("flags, variants", [
+    (["--variants", "lstm", "gru", "lstm_peephole"], {"lstm", "gru", "lstm_peephole"}),
+    (["--step", "--variants", "lstm_cell", "lstm_t1"], {"lstm_cell", "lstm_t1"}),
+], ids=["sequence", "step"])
+def test_int8_runners_are_checked_with_the_int8_tolerance_and_timed(tmp_path, flags, variants):
+    _require_int8_libraries()
+    status, report_, _ = _run(tmp_path, *flags, "--runners", "torch.nn", *INT8_RUNNERS, "--modes", "inference")
+    assert status == 0
+    records = {(r["runner"], r["variant"]): r for r in report_["records"]}
+    assert {variant for _, variant in records} == variants
+    expected_ok = {("int8", v) for v in variants} | {("torch.ao-int8", v) for v in variants if VARIANTS[v].torch_nn}
+    expected_ok |= {("onnxruntime-int8", v) for v in variants if v in ("lstm", "lstm_peephole")}
+    for (runner, variant), record in records.items():
+        if runner == "torch.nn":
+            continue
+        if (runner, variant) in expected_ok:
+            assert record["status"] == "ok", record
+            assert TIMED_FIELDS <= set(record) and record["speedup_vs_torch_nn"] > 0
+            assert record["tolerance"] == INT8_TOLERANCE
+            assert TOLERANCE[torch.float32] < record["max_rel_rms_error"] <= INT8_TOLERANCE  # int8 indeed, within its bound
+        else:
+            assert record["status"] == "unsupported", record
+    # what they cannot run, they say, rather than time float32 under an int8 name
+    if "gru" in variants:
+        assert "leaves GRU in float32" in records[("onnxruntime-int8", "gru")]["reason"]
+    if "lstm_peephole" in variants:
+        assert "torch.nn lacks lstm_peephole" in records[("torch.ao-int8", "lstm_peephole")]["reason"]
+
+
+class ScaledInt8(RnnkitInt8):
+    """rnnkit's int8 module with its outputs 1.1x: an int8 runner the check must catch."""
+
+    name, title = "int8-scaled", "int8, outputs x1.1"
+
+    def build(self, case):
+        model = super().build(case)
+        model.forward = lambda x, lengths=None: [1.1 * t for t in Model.forward(model, x, lengths)]
+        return model
+
+
+def test_a_wrong_int8_runner_is_reported_failed_and_not_timed(tmp_path):
+    require_fused_kernels()
+    status, report_, out = _run_with_runner(tmp_path, ScaledInt8, "--variants", "lstm", "gru", "--runners", "torch.nn",
+                                            "int8", "int8-scaled", "--modes", "inference")
+    assert status == 1
+    by_runner = {}
+    for record in report_["records"]:
+        by_runner.setdefault(record["runner"], []).append(record)
+    assert all(r["status"] == "ok" for r in by_runner["int8"])
+    for record in by_runner["int8-scaled"]:
+        assert record["status"] == "failed" and "relative RMS error" in record["reason"], record
+        assert not TIMED_FIELDS & set(record)
+    assert "FAILED" in (out / "bench.md").read_text()
+

@@ -566,6 +566,33 @@ def test_sample_errors(trained, tmp_path, capsys):
     assert "vocabulary" in err
 
 
+def test_eval_scores_fp32_bf16_and_int8(trained, capsys):
+    """The validation bits/char of a checkpoint three ways: int8 close to fp32; what train logged."""
+    scores = {}
+    for precision in ("fp32", "bf16", "int8"):
+        status, out, err = run(capsys, "eval", trained, "--precision", precision)
+        assert status == 0, err
+        assert f"({precision}," in out
+        scores[precision] = float(out.split("bits/char")[1].split()[0])
+    log = [json.loads(line) for line in (trained / "log.jsonl").read_text().splitlines()]
+    last = [r for r in log if r["kind"] == "eval"][-1]
+    assert scores["fp32"] != scores["int8"]  # it did run the int8 model
+    assert abs(scores["int8"] - scores["fp32"]) < 0.02 and abs(scores["bf16"] - scores["fp32"]) < 0.02
+    status, out, _ = run(capsys, "eval", trained, "--chars", 300)  # what training scored (--eval-chars 300)
+    assert status == 0 and float(out.split("bits/char")[1].split()[0]) == pytest.approx(last["val_bpc"], abs=1e-4)
+    status, out, _ = run(capsys, "sample", trained, "--prime", "the ", "--length", 20, "--int8")
+    assert status == 0 and out.startswith("the ")
+
+
+def test_eval_errors(trained, tmp_path, capsys):
+    assert_one_line_error(*run(capsys, "eval", tmp_path / "missing")[::2])
+    other = tmp_path / "other.txt"
+    other.write_text("a different corpus " * 200, encoding="utf-8")
+    status, _, err = run(capsys, "eval", trained, "--text", other)
+    assert_one_line_error(status, err)
+    assert "not the one" in err
+
+
 def test_python_m_rnnkit_error_has_no_traceback(tmp_path):
     """`python -m rnnkit`, in a fresh process."""
     result = subprocess.run([sys.executable, "-m", "rnnkit", "train", "--text", str(tmp_path / "missing.txt")],
@@ -579,7 +606,7 @@ def test_python_m_rnnkit_error_has_no_traceback(tmp_path):
 def test_doctor(capsys):
     status, out, _ = run(capsys, "doctor")
     assert status == 0
-    for word in ("rnnkit", "torch", "numpy", "python", "threads", "reference", "safetensors"):
+    for word in ("rnnkit", "torch", "numpy", "python", "threads", "reference", "safetensors", "int8", "bf16"):
         assert word in out
 
 

@@ -529,7 +529,11 @@ def test_the_bindings_take_the_op_schema_names_in_order():
     ext = build.extension()
     assert _binding_names(ext.pass_forward) == FORWARD_NAMES
     assert _binding_names(ext.pass_backward) == BACKWARD_NAMES
-    assert _binding_names(ext.step_plan) == tuple(name for name, _ in PASS_ARGUMENTS)
+    from rnnkit.quantized import INT8_ARGUMENTS
+
+    int8 = tuple(name for name, _ in INT8_ARGUMENTS)  # the pass's, then W_scale, R_scale, W_hr_scale
+    assert _binding_names(ext.pass_forward_int8) == int8
+    assert _binding_names(ext.step_plan) == int8  # the scales optional: int8 cells
 
 
 # ---- variable lengths: the batch shrinks as sequences end -----------------------------------

@@ -10,6 +10,8 @@ from .backend import BackendUnavailableError, backends
 from .functional import backward_data, backward_weights, forward_inference, forward_training, rnn
 from .nn import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
 from .params import Layout, PassWeights
+from . import quantized
+from .quantized import quantize
 from .spec import CellSpec, RNNSpec
 
 from .interop.onnx_ops import install as _install_onnx_translations
@@ -22,5 +24,5 @@ __all__ = [
     "LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell",
     "RNNSpec", "CellSpec", "Layout", "PassWeights",
     "rnn", "forward_training", "forward_inference", "backward_data", "backward_weights",
-    "backends", "BackendUnavailableError",
+    "backends", "BackendUnavailableError", "quantize", "quantized",
 ]

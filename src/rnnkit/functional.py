@@ -178,7 +178,7 @@ def step_mask_of(lengths: Optional[torch.Tensor], T: int, device) -> Optional[to
 # cost outweighs the rows it saves (1.09), so smaller cells run one pass.
 SEGMENTS = 4  # most time segments a pass is split into
 SEGMENT_MIN_HIDDEN = 256  # smallest hidden size (of any layer) that segments
-SEGMENT_BACKENDS = ("fused",)  # backends with a GEMM per step over every row, which segments shorten
+SEGMENT_BACKENDS = ("fused", "fused-int8")  # backends with a GEMM per step over every row, which segments shorten
 
 
 class Segments:
@@ -328,19 +328,22 @@ def run(
     lengths=None,
     *,
     training: bool,
-    backend: str,
+    backend,
     batch_first: bool,
     like: torch.Tensor,
 ):
     """`rnn` with the weights given per pass (the modules' entry) -> (y, hy, backend name).
 
-    ``like`` is a weight tensor: the input must have its dtype and device.
+    ``like`` is a weight tensor: the input must have its dtype and device. ``backend`` is a
+    registered backend's name, or a backend object that runs the call as given (autocast does not
+    apply: rnnkit.quantize's int8 modules, whose weights are not floating point).
     """
     if torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export():  # pass ops -> ONNX LSTM / GRU / RNN
         from .interop import onnx_ops
 
         onnx_ops.check_exportable(spec)
-    low = _autocast_dtype(like.device, like.dtype)
+    named = isinstance(backend, str)
+    low = _autocast_dtype(like.device, like.dtype) if named else None
     if low is not None:  # inputs and states in float32 or the autocast dtype are taken, as torch.nn does
         input, hx = _to_dtype(input, low), _to_dtype(hx, low)
         weights = [PassWeights(*(None if t is None else t.to(low) for t in w)) for w in weights]
@@ -348,7 +351,7 @@ def run(
     x, unbatched = check_input(spec, input, like, batch_first)
     lengths = check_lengths(lengths, x.shape[0], x.shape[1], unbatched)
     h0s, c0s = split_states(spec, hx, x, unbatched)
-    chosen = backends_.select(backend, spec, x.device, x.dtype, steps=x.shape[0])
+    chosen = backends_.select(backend, spec, x.device, x.dtype, steps=x.shape[0]) if named else backend
     if low is not None:
         with torch.autocast(x.device.type, enabled=False):
             y, h_ns, c_ns = run_stack(chosen, spec, weights, x, h0s, c0s, lengths, training)

@@ -300,6 +300,32 @@ class _PackedModule(nn.Module):
         return f"backend={self.backend!r}{ran}" if (self.backend != "auto" or ran) else ""
 
 
+def sequence_call(run, input, hx, lengths, batch_first: bool):
+    """The stacks' call convention around ``run(input, hx, lengths, batch_first) -> (y, hy)``: a
+    PackedSequence input is run padded with its lengths, and its output packed the same way."""
+    if isinstance(input, PackedSequence):
+        if lengths is not None:
+            raise ValueError("lengths: a PackedSequence carries its own lengths; pass lengths=None")
+        padded, lens = pad_packed_sequence(input)  # [T, B, I], batch in original order
+        y, hy = run(padded, hx, lens, False)
+        order = input.sorted_indices
+        if order is not None:
+            y, lens = y.index_select(1, order), lens[order.cpu()]
+        data = pack_padded_sequence(y, lens, enforce_sorted=True).data
+        return PackedSequence(data, input.batch_sizes, input.sorted_indices, input.unsorted_indices), hy
+    return run(input, hx, lengths, batch_first)
+
+
+def check_cell_input(spec: RNNSpec, input) -> None:
+    """A one-step cell's input: a tensor (B, input_size) or (input_size,)."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input: expected a tensor (B, input_size) or (input_size,), got {type(input).__name__}")
+    if input.dim() not in (1, 2):
+        raise ValueError(f"input: expected a 2-D tensor (B, input_size) or 1-D (input_size,), got shape {tuple(input.shape)}")
+    if input.shape[-1] != spec.input_size:  # checked here so the message shows the caller's shape
+        raise ValueError(f"input: expected feature size input_size={spec.input_size} in the last axis, got shape {tuple(input.shape)}")
+
+
 class _Recurrent(_PackedModule):
     def __init__(
         self,
@@ -352,19 +378,9 @@ class _Recurrent(_PackedModule):
             when the input is one.
         """
         weights = self._pass_weights()
-        if isinstance(input, PackedSequence):
-            if lengths is not None:
-                raise ValueError("lengths: a PackedSequence carries its own lengths; pass lengths=None")
-            padded, lens = pad_packed_sequence(input)  # [T, B, I], batch in original order
-            y, hy = self._run(weights, padded, hx, lens, batch_first=False)
-            order = input.sorted_indices
-            if order is not None:
-                y, lens = y.index_select(1, order), lens[order.cpu()]
-            data = pack_padded_sequence(y, lens, enforce_sorted=True).data
-            return PackedSequence(data, input.batch_sizes, input.sorted_indices, input.unsorted_indices), hy
-        return self._run(weights, input, hx, lengths, batch_first=self.spec.batch_first)
+        return sequence_call(lambda *args: self._run(weights, *args), input, hx, lengths, self.spec.batch_first)
 
-    def _run(self, weights, input, hx, lengths, batch_first: bool):
+    def _run(self, weights, input, hx, lengths, batch_first):
         y, hy, ran = functional.run(self.spec, weights, input, hx, lengths, training=self.training, backend=self.backend,
                            batch_first=batch_first, like=weights[0].W)
         if not torch.compiler.is_compiling():
@@ -614,12 +630,7 @@ class _Cell(_PackedModule):
     def _step(self, input, hx):
         """One step, straight to the backend's pass (no stack loop, no state lists)."""
         spec = self.spec
-        if not isinstance(input, torch.Tensor):
-            raise TypeError(f"input: expected a tensor (B, input_size) or (input_size,), got {type(input).__name__}")
-        if input.dim() not in (1, 2):
-            raise ValueError(f"input: expected a 2-D tensor (B, input_size) or 1-D (input_size,), got shape {tuple(input.shape)}")
-        if input.shape[-1] != spec.input_size:  # checked here so the message shows the caller's shape
-            raise ValueError(f"input: expected feature size input_size={spec.input_size} in the last axis, got shape {tuple(input.shape)}")
+        check_cell_input(spec, input)
         w = self._pass_weights()[0]
         low = functional._autocast_dtype(w.W.device, w.W.dtype)
         if low is not None:  # the stacks' autocast policy (functional.run)

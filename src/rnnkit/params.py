@@ -175,6 +175,10 @@ class Layout:
         """{name: tensor} for every entry -> one PassWeights per pass, layer by layer, forward first."""
         return [PassWeights(**{slot: tensors[name] for slot, name in slots}) for slots in self._pass_slots]
 
+    def pass_names(self) -> List[Dict[str, str]]:
+        """One {slot: entry name} per pass, layer by layer, forward first (``{"W": "weight_ih_l0", ...}``)."""
+        return [dict(slots) for slots in self._pass_slots]
+
     def new_buffer(self, device=None, dtype=None, forget_bias: Optional[float] = None) -> torch.Tensor:
         """A freshly initialized packed buffer (see `initialize`)."""
         flat = torch.empty(self.numel, device=device, dtype=dtype or torch.get_default_dtype())

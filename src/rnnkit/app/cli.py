@@ -3,6 +3,7 @@
     rnnkit train --out runs/stdlib              # a character model of Python's stdlib, a few minutes on CPU
     rnnkit train --out runs/stdlib --resume     # continue it (after Ctrl-C too) exactly where it stopped
     rnnkit sample runs/stdlib --prime "def " --length 300 --seed 1
+    rnnkit eval runs/stdlib --best --precision int8   # validation bits/char in fp32, bf16 or int8
     rnnkit doctor                               # versions, backends and why not, threads, extras
     rnnkit bench ...                            # see rnnkit bench --help
 
@@ -162,6 +163,26 @@ def build_parser(with_bench: bool = False) -> Parser:
     command.add_argument("--threads", type=positive_int, metavar="N", default=DEFAULT_THREADS,
                          help=f"torch intra-op threads (default: {DEFAULT_THREADS})")
     command.set_defaults(handler=_sample)
+
+    command.add_argument("--int8", action="store_true",
+                         help="quantize the recurrent layers to int8 first (rnnkit.quantize; CPU)")
+
+    command = commands.add_parser("eval", help="validation bits/char of a trained model, in fp32, bf16 or int8",
+                                  description="Score a checkpoint written by rnnkit train on its validation text.")
+    command.add_argument("directory", metavar="DIR", help="the --out directory of rnnkit train")
+    command.add_argument("--best", action="store_true",
+                         help="use best.safetensors (lowest validation bits/char) instead of the latest checkpoint")
+    command.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="fp32",
+                         help="fp32; bf16 (under torch.autocast); int8 (the recurrent layers through rnnkit.quantize, "
+                              "CPU) (default: fp32)")
+    command.add_argument("--chars", type=positive_int, metavar="N",
+                         help="validation characters to score (default: all of them)")
+    command.add_argument("--text", metavar="FILE", help="the corpus the run was trained on, if not the default")
+    command.add_argument("--device", choices=DEVICES, default="auto", help="(default: auto)")
+    command.add_argument("--backend", choices=backends, default="auto", help="(default: auto)")
+    command.add_argument("--threads", type=positive_int, metavar="N", default=DEFAULT_THREADS,
+                         help=f"torch intra-op threads (default: {DEFAULT_THREADS})")
+    command.set_defaults(handler=_eval)
 
     command = commands.add_parser("doctor", help="versions, backends and why not, threads, extras",
                                   description="Report what rnnkit can use on this machine.")
@@ -367,7 +388,8 @@ def _training_number(bpc: float, steps: int) -> str:
 
 # ---- sample ------------------------------------------------------------------------------
 
-def _sample(args) -> int:
+def _trained(args):
+    """-> (network on its device, run config, vocabulary) from a run directory's checkpoint."""
     torch.set_num_threads(args.threads)
     device = _device(args.device)
     directory = Path(args.directory)
@@ -381,11 +403,47 @@ def _sample(args) -> int:
         network.load_state_dict(saved.model, strict=True)
     except RuntimeError as error:
         raise UserError(f"{path}: does not match {files.CONFIG_FILE} ({str(error).strip().splitlines()[0]})") from None
+    return network.to(device), config, vocabulary
+
+
+def _int8(network, flag: str):
+    if next(network.parameters()).device.type != "cpu":
+        raise UserError(f"{flag}: int8 runs on the CPU; add --device cpu")
+    return rnnkit.quantize(network.eval())
+
+
+def _sample(args) -> int:
+    network, config, vocabulary = _trained(args)
     precision = config.get("training", {}).get("precision", "fp32")
-    network.to(device)
-    train.check_precision(network, precision, args.backend)
+    if args.int8:
+        network, precision = _int8(network, "--int8"), "fp32"
+    else:
+        train.check_precision(network, precision, args.backend)
     text = sample.sample(network, vocabulary, args.prime, args.length, args.temperature, args.seed, precision)
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0
+
+
+def _eval(args) -> int:
+    network, config, vocabulary = _trained(args)
+    corpus = config.get("corpus", {})
+    source = args.text or corpus.get("source", "stdlib")
+    text = _corpus_text(source)
+    if corpus.get("sha256") and data.fingerprint(text) != corpus["sha256"]:
+        raise UserError(f"--text: the corpus ({source}) is not the one the run in {args.directory} was trained on")
+    _, valid_text = data.split(text)
+    ids = vocabulary.encode(valid_text)
+    if args.chars is not None:
+        ids = ids[: args.chars + 1]
+    precision = args.precision
+    if precision == "int8":
+        network, precision = _int8(network, "--precision int8"), "fp32"
+    else:
+        train.check_precision(network, precision, args.backend)
+    training = config.get("training", {})
+    bpc = train.evaluate(network, ids, training.get("batch", 32), training.get("bptt", 64), precision)
+    print(f"validation bits/char {bpc:.4f} ({args.precision}, {len(ids) - 1} characters, "
+          f"{files.BEST_FILE if args.best else files.CHECKPOINT_FILE})")
     return 0
 
 
@@ -405,6 +463,12 @@ def _doctor(args) -> int:
     print(f"cuda     {torch.cuda.is_available()}" + (f" ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else ""))
     print(f"cpu      {machine.cpu_model()} ({', '.join(machine.cpu_flags() or []) or 'no AVX2'}); torch dispatches to {torch.backends.cpu.get_cpu_capability()}; "
           f"oneDNN bf16 {'yes' if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 'no'}")
+    flags = machine.cpu_flags() or []
+    vnni = [f for f in ("avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
+    print(f"int8     rnnkit.quantize: {rnnkit.quantized.kernel_path()}; "
+          + (f"{', '.join(vnni)} present, not used yet" if vnni else "no VNNI on this CPU"))
+    print("bf16     fused CPU backend: bfloat16 weights and inputs computed in float32 (no bf16 GEMM kernels yet); "
+          f"{'this CPU has' if machine.has_bf16() else 'no'} bf16 instructions")
     print("backends (auto takes, in this order, the first that can run the configuration; one-step calls on "
           "the CPU try fused first):")
     for name, report in rnnkit.backends().items():

@@ -8,6 +8,7 @@ protocol is ``measure.py``; the JSON, markdown and PNG, and the warnings, are ``
     rnnkit bench --shapes medium --variants lstm lstm_peephole --modes training
     rnnkit bench --step                           # the step API's per-step cost (cells, T=1 calls)
     rnnkit bench --quick                          # a smoke test on a tiny shape
+    rnnkit bench --runners int8 torch.ao-int8 onnxruntime-int8 --modes inference   # int8 against torch.nn fp32
     python -m rnnkit.app.bench --device cuda      # the GPU grid
 
 The exit status is 1 when any runner failed its correctness check (it is then not timed).

@@ -148,6 +148,7 @@ def markdown(env: dict, records: List[dict], runners: List[str]) -> str:
         "* torch.nn lacks the variant: "
         "its plain cell of the same mode and shape is the baseline. FAILED: the correctness check failed, not timed. "
         "n/a: unavailable or unsupported (reason in the JSON).",
+        *_low_precision_note(records),
         "",
         "| shape | variant | mode | " + " | ".join(runners) + " | torch.nn % sgemm |",
         "|" + "---|" * (len(runners) + 4),
@@ -166,6 +167,17 @@ def markdown(env: dict, records: List[dict], runners: List[str]) -> str:
         lines += ["", "Failed checks (not timed):"]
         lines += [f"- {r['runner']} / {r['shape']} / {r['variant']} / {r['mode']}: {r['reason']}" for r in failed]
     return "\n".join(lines) + "\n"
+
+
+def _low_precision_note(records: List[dict]) -> List[str]:
+    """A line naming the low-precision runners and the tolerance each was checked with; [] when none ran."""
+    checked = {r["runner"]: (r["precision"], r["tolerance"]) for r in records if r.get("precision") and "tolerance" in r}
+    if not checked:
+        return []
+    return ["", "Low precision (inference; speedups against torch.nn in float32): "
+            + ", ".join(f"{name} ({precision})" for name, (precision, _) in checked.items())
+            + ", checked against the float64 reference within relative RMS "
+            + ", ".join(sorted({f"{tolerance:g}" for _, tolerance in checked.values()})) + " instead of the dtype's."]
 
 
 def _plain_table(records: List[dict], runners: List[str]) -> List[str]:

@@ -1,4 +1,5 @@
-"""Who is measured: torch.nn, rnnkit's backends, onnxruntime — a registry of runners.
+"""Who is measured: torch.nn, rnnkit's backends, onnxruntime, and int8 (rnnkit.quantize, torch.ao,
+onnxruntime.quantization) — a registry of runners.
 
 A runner builds a `Model` on the case's shared weights (the rnnkit reference
 module's state_dict). Every model answers the same calls, so the protocol (measure.py)
@@ -11,15 +12,19 @@ checks and times them all alike:
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import re
 import tempfile
+import warnings
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 import rnnkit
+from rnnkit.testing import INT8_TOLERANCE as TESTING_INT8_TOLERANCE
 
+from ..machine import cpu_flags
 from .registry import VARIANTS, Variant
 
 MODES = ("inference", "training")
@@ -149,11 +154,16 @@ def load_reference_weights(module: torch.nn.Module, case, variant: Variant) -> N
 
 
 class Runner:
-    """A registry entry: ``name`` (the --runners key), ``title`` (for tables), the modes it runs."""
+    """A registry entry: ``name`` (the --runners key), ``title`` (for tables), the modes it runs;
+    for a low-precision runner, the ``precision`` it computes in ("int8") and the relative RMS error
+    its check allows against the float reference (``tolerance``; None: the case dtype's,
+    rnnkit.testing.TOLERANCE)."""
 
     name: str
     title: str
     modes = MODES
+    precision: Optional[str] = None
+    tolerance: Optional[float] = None
 
     def unavailable_reason(self) -> Optional[str]:
         return None
@@ -250,10 +260,15 @@ class OnnxRuntime(Runner):
                 export(module, path, include_lengths=bool(case.variant.lengths))
             except (ValueError, TypeError, NotImplementedError) as error:
                 raise Unsupported(f"export: {error}") from None
+            path = self.prepare(path)
             options = onnxruntime.SessionOptions()
             options.intra_op_num_threads = torch.get_num_threads()
             session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
         return OnnxModel(case.variant.name, session)
+
+    def prepare(self, path: str) -> str:
+        """The model file the session runs, made from the exported one at ``path``: that one."""
+        return path
 
 
 class OnnxModel(Model):
@@ -270,9 +285,195 @@ class OnnxModel(Model):
         return [torch.from_numpy(o) for o in self.session.run(None, feeds)]
 
 
+# ---- int8: dynamic quantization, inference only (BENCH.md "Also measured: Low precision") ----------
+
+# The check of an int8 runner: relative RMS error against the float64 reference on the case's
+# float32 weights and input (outputs and final states), the float runners' check with int8's bound
+# instead of float32's 1e-5 (rnnkit.testing.INT8_TOLERANCE, which gives the measurements behind it).
+INT8_TOLERANCE = TESTING_INT8_TOLERANCE["float"]
+
+
+def _cpu_float32(case, who: str) -> None:
+    if str(case.device) != "cpu" or case.dtype != torch.float32:
+        raise Unsupported(f"{who} runs float32 on the CPU; the case is {str(case.dtype).replace('torch.', '')} on {case.device}")
+
+
+class Int8Runner(Runner):
+    """An int8 runner: inference only, checked against the float reference within `INT8_TOLERANCE`."""
+
+    modes = ("inference",)
+    precision = "int8"
+    tolerance = INT8_TOLERANCE
+
+
+class RnnkitInt8(Int8Runner):
+    """rnnkit's module for the case (backend "auto", the case's weights) through `rnnkit.quantize`:
+    int8 weights per row, int8 activations per row (dynamic), the fused int8 passes; sequence and
+    step API (cells, T=1 calls), lengths= and PackedSequence feeds as the float runners."""
+
+    name = "int8"
+    title = "rnnkit int8 (rnnkit.quantize)"
+
+    def unavailable_reason(self) -> Optional[str]:
+        report = rnnkit.backends().get("fused")
+        if report is None or not report["available"]:
+            return "the int8 kernels are the fused backend's: " + ("not registered" if report is None else report["reason"])
+        return None
+
+    def build(self, case) -> Model:
+        _cpu_float32(case, "rnnkit.quantize")
+        model = RnnkitBackend("auto").build(case)
+        model.modules = [rnnkit.quantize(m) for m in model.modules]
+        model.info = {"weights": "int8", "kernels": "rnnkit"}  # also checked against int8_reference
+        return model
+
+
+class TorchAOInt8(Int8Runner):
+    """torch.nn's model for the case (as the torch.nn runner builds it) through
+    ``torch.ao.quantization.quantize_dynamic(..., dtype=torch.qint8)``: torch.ao.nn.quantized.dynamic
+    LSTM / GRU / LSTMCell / GRUCell (fbgemm). Only what torch.nn itself runs and torch.ao quantizes:
+    no stand-ins for variants torch.nn lacks, no RNN (it stays float32), no proj_size.
+
+    Note: torch.ao.quantization is deprecated (torch 2.13 warns at every quantize_dynamic that it
+    "will be removed in 2.10", and that quantized tensor creation is deprecated; the way forward is
+    torchao's quantize_). The warnings are silenced around that call only: the runner times what
+    users of torch.nn run today, while it exists.
+    """
+
+    name = "torch.ao-int8"
+    title = "torch.ao dynamic int8"
+    QUANTIZED = (torch.nn.LSTM, torch.nn.GRU, torch.nn.LSTMCell, torch.nn.GRUCell)
+    DEPRECATIONS = ("torch.ao.quantization is deprecated", r"torch.quantize_per_tensor, .* are deprecated")
+
+    def unavailable_reason(self) -> Optional[str]:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                getattr(importlib.import_module("torch.ao.quantization"), "quantize_dynamic")
+                importlib.import_module("torch.ao.nn.quantized.dynamic")
+        except (ImportError, AttributeError) as error:
+            return f"{type(error).__name__}: {error}"
+        engines = torch.backends.quantized.supported_engines
+        if "fbgemm" not in engines and "x86" not in engines:
+            return f"no x86 / fbgemm quantized engine in this torch (engines: {', '.join(engines)})"
+        return None
+
+    def build(self, case) -> Model:
+        from torch.ao.quantization import quantize_dynamic
+
+        _cpu_float32(case, "torch.ao dynamic quantization")
+        if not case.variant.torch_nn:
+            raise Unsupported(f"torch.nn lacks {case.variant.name}, so torch.ao has no quantized counterpart")
+        model = TorchNN().build(case)
+        quantized = []
+        for module in model.modules:
+            if getattr(module, "proj_size", 0):
+                raise Unsupported("torch.ao's dynamic LSTM does not run proj_size (its packed weights expect K = hidden_size)")
+            with warnings.catch_warnings():
+                for deprecated in self.DEPRECATIONS:
+                    warnings.filterwarnings("ignore", message=deprecated)
+                # quantize_dynamic swaps a model's children, never the model itself: hand it a holder
+                q = quantize_dynamic(torch.nn.Sequential(module), set(self.QUANTIZED), dtype=torch.qint8)[0]
+            if type(q) is type(module):
+                raise Unsupported(f"torch.ao.quantization.quantize_dynamic leaves torch.nn.{type(module).__name__} in float32")
+            quantized.append(q)
+        model.modules = quantized
+        model.info = {"weights": "int8"}
+        return model
+
+
+# ONNX ops of onnxruntime's dynamic quantization; LSTM / GRU / RNN left among the ops means float32 recurrences
+ONNX_INT8_OPS = frozenset({"DynamicQuantizeLSTM", "DynamicQuantizeMatMul", "MatMulInteger", "DynamicQuantizeLinear"})
+ONNX_RECURRENT_OPS = frozenset({"LSTM", "GRU", "RNN"})
+
+
+def onnx_op_types(graph) -> set:
+    """Op types of an ONNX graph and its subgraphs (Loop / Scan / If bodies)."""
+    import onnx
+
+    found = set()
+    for node in graph.node:
+        found.add(node.op_type)
+        for attribute in node.attribute:
+            for subgraph in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else []) + list(attribute.graphs):
+                found |= onnx_op_types(subgraph)
+    return found
+
+
+class _Unless(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+class OnnxRuntimeInt8(OnnxRuntime, Int8Runner):
+    """The case exported as the onnxruntime runner does, then
+    ``onnxruntime.quantization.quantize_dynamic(weight_type=QuantType.QInt8)``: LSTM nodes become
+    DynamicQuantizeLSTM (int8 weights per tensor, activations uint8 per tensor, dynamic).
+    onnxruntime quantizes no GRU / RNN node: those cases are unsupported rather than timed in
+    float32 under an int8 name.
+
+    On a CPU without VNNI (AVX2 only) the weights are quantized to 7 bits (``reduce_range=True``,
+    as onnxruntime's documentation advises there): its u8 x s8 kernels add pairs of products in
+    int16 (vpmaddubsw), which saturates with full-range weights. Measured on the AMD EPYC (AVX2),
+    the CPU grid's LSTMs: relative RMS error against float64 10-16% with full range (twice
+    `INT8_TOLERANCE` and more), 1.3-1.7% with reduce_range.
+    """
+
+    name = "onnxruntime-int8"
+    title = "onnxruntime dynamic int8"
+
+    @staticmethod
+    def reduce_range() -> bool:
+        flags = cpu_flags()
+        return flags is None or not {"avx512_vnni", "avx_vnni"} & set(flags)
+
+    def unavailable_reason(self) -> Optional[str]:
+        reason = super().unavailable_reason()
+        if reason is not None:
+            return reason
+        try:
+            getattr(importlib.import_module("onnxruntime.quantization"), "quantize_dynamic")
+        except (ImportError, AttributeError) as error:
+            return f"{type(error).__name__}: {error}"
+        return None
+
+    def build(self, case) -> Model:
+        _cpu_float32(case, "onnxruntime.quantization")
+        model = super().build(case)
+        model.info = {"weights": "int8", "reduce_range": self.reduce_range()}
+        return model
+
+    def prepare(self, path: str) -> str:
+        import onnx
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        out = path.replace(".onnx", ".int8.onnx")
+        advice = _Unless("pre-processing")  # "consider pre-processing": symbolic shape inference, nothing for an LSTM
+        logging.getLogger().addFilter(advice)
+        try:
+            quantize_dynamic(path, out, weight_type=QuantType.QInt8, reduce_range=self.reduce_range())
+        finally:
+            logging.getLogger().removeFilter(advice)
+        ops = onnx_op_types(onnx.load(out).graph)
+        left = sorted(ops & ONNX_RECURRENT_OPS)
+        if left:
+            raise Unsupported(f"onnxruntime.quantization.quantize_dynamic leaves {', '.join(left)} in float32 "
+                              "(it quantizes LSTM nodes only)")
+        if not ops & ONNX_INT8_OPS:
+            raise Unsupported(f"onnxruntime.quantization.quantize_dynamic made no int8 op (ops: {', '.join(sorted(ops))})")
+        return out
+
+
 RUNNERS: Dict[str, Callable[[], Runner]] = {
     "torch.nn": TorchNN,
     "onnxruntime": OnnxRuntime,
+    "int8": RnnkitInt8,
+    "torch.ao-int8": TorchAOInt8,
+    "onnxruntime-int8": OnnxRuntimeInt8,
 }
 
 

@@ -122,8 +122,16 @@ PackedRight<float>::PackedRight(const float* M, int64_t ldm, bool trans, int64_t
 }
 
 template <>
+PackedRight<float>::PackedRight(const QuantizedRows& M, int64_t rows, int64_t N, int64_t K)
+    : rows_(rows), N_(N), K_(K), ldm_(M.ld), quantized_(M) {}
+
+template <>
 void PackedRight<float>::multiply(const float* X, int64_t ldx, float beta, float* C, int64_t ldc) const {
   if (rows_ == 0) return;
+  if (quantized_.data != nullptr) {
+    qgemm_nt(X, rows_, ldx, quantized_, N_, K_, beta, C, ldc);
+    return;
+  }
   if (rows_ == 1) {
     // op(M) = Mᵀ: M is [N, K] and C[n] = M[n, :]·x; otherwise M is [K, N] and C = Σ_k x[k]·M[k, :].
     (trans_ ? gemv_rows : gemv_columns)(matrix_, ldm_, N_, K_, X, beta, C);
@@ -139,6 +147,11 @@ template <>
 PackedRight<double>::PackedRight(const double* M, int64_t ldm, bool trans, int64_t rows, int64_t N, int64_t K,
                                  const Tensor& like)
     : rows_(rows), N_(N), K_(K), ldm_(ldm), matrix_(M), trans_(trans) {}
+
+template <>
+PackedRight<double>::PackedRight(const QuantizedRows&, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "rnnkit fused: int8 weights compute in float32, not float64");
+}
 
 template <>
 void PackedRight<double>::multiply(const double* X, int64_t ldx, double beta, double* C, int64_t ldc) const {

@@ -22,7 +22,7 @@ struct Gru {
   explicit Gru(const PassArgs& args) : a(args) {
     T = a.T, B = a.B, H = a.H, GH = a.GH;
     ln = a.layer_norm(), after = a.reset_after;
-    R = a.R.data_ptr<scalar_t>();
+    R = a.quantized() ? nullptr : a.R.data_ptr<scalar_t>();  // int8: right_operand
     rm = a.recurrent_mask.defined() ? a.recurrent_mask.data_ptr<scalar_t>() : nullptr;
     b_Rn = (after && a.b_R.defined()) ? a.b_R.data_ptr<scalar_t>() + 2 * H : nullptr;
     ln_h_gain = ln ? a.ln_h_gain.data_ptr<scalar_t>() : nullptr;
@@ -99,9 +99,9 @@ struct Gru {
     };
 
     // · Rᵀ with reset_after; otherwise · R_rzᵀ and · R_nᵀ
-    const PackedRight<scalar_t> R_right(R, H, true, B, after ? GH : 2 * H, H, like);
+    const PackedRight<scalar_t> R_right = right_operand<scalar_t>(a, kR, 0, true, B, after ? GH : 2 * H, H, like);
     const std::optional<PackedRight<scalar_t>> R_n_right =
-        after ? std::nullopt : std::make_optional<PackedRight<scalar_t>>(R + 2 * H * H, H, true, B, H, H, like);
+        after ? std::nullopt : std::make_optional(right_operand<scalar_t>(a, kR, 2 * H, true, B, H, H, like));
     for (int64_t s = 0; s < T; ++s) {
       const int64_t t = step_time(s), k = training ? t : 0;
       scalar_t* gx_t = steps.step<scalar_t>(s, t);

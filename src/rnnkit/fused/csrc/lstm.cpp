@@ -28,8 +28,8 @@ struct Lstm {
     gi = 0, gf = a.coupled ? -1 : H, gg = a.coupled ? H : 2 * H, go = a.coupled ? 2 * H : 3 * H;
     proj = a.W_hr.defined(), ln = a.layer_norm(), peep = a.peephole.defined();
     cell_clip = scalar_t(a.cell_clip), proj_clip = scalar_t(a.proj_clip);
-    R = a.R.data_ptr<scalar_t>();
-    W_hr = proj ? a.W_hr.data_ptr<scalar_t>() : nullptr;
+    R = a.quantized() ? nullptr : a.R.data_ptr<scalar_t>();  // int8: right_operand
+    W_hr = proj && !a.quantized() ? a.W_hr.data_ptr<scalar_t>() : nullptr;
     p_i = peep ? a.peephole.data_ptr<scalar_t>() : nullptr;
     p_f = peep && !a.coupled ? p_i + H : nullptr;
     p_o = peep ? p_i + (a.peephole.size(0) - 1) * H : nullptr;
@@ -140,9 +140,9 @@ struct Lstm {
       }
     };
 
-    const PackedRight<scalar_t> R_right(R, Hr, true, B, GH, Hr, like);  // · Rᵀ
+    const PackedRight<scalar_t> R_right = right_operand<scalar_t>(a, kR, 0, true, B, GH, Hr, like);  // · Rᵀ
     const std::optional<PackedRight<scalar_t>> W_hr_right =
-        proj ? std::make_optional<PackedRight<scalar_t>>(W_hr, H, true, B, P, H, like) : std::nullopt;  // · W_hrᵀ
+        proj ? std::make_optional(right_operand<scalar_t>(a, kWhr, 0, true, B, P, H, like)) : std::nullopt;  // · W_hrᵀ
     for (int64_t s = 0; s < T; ++s) {
       const int64_t t = step_time(s), k = training ? t : 0;
       scalar_t* gx_t = steps.step<scalar_t>(s, t);

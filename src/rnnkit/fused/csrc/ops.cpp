@@ -40,8 +40,10 @@ Tensor contiguous(const OptTensor& t) { return t.has_value() ? t->contiguous() :
       py::arg("zoneout_h"), py::arg("zoneout_c"), py::arg("cell_clip"), py::arg("proj_clip"),                     \
       py::arg("coupled_gates"), py::arg("reset_after"), py::arg("reverse")
 
-PassArgs pass_args(RNNKIT_PASS_PARAMETERS) {
+PassArgs pass_args(RNNKIT_PASS_PARAMETERS, const Tensor& W_scale = Tensor(), const Tensor& R_scale = Tensor(),
+                   const Tensor& W_hr_scale = Tensor()) {
   PassArgs a;
+  a.W_scale = contiguous(W_scale), a.R_scale = contiguous(R_scale), a.W_hr_scale = contiguous(W_hr_scale);
   a.mode = mode;
   a.x = x.contiguous(), a.h0 = h0.contiguous(), a.c0 = contiguous(c0);
   a.W = W.contiguous(), a.R = R.contiguous(), a.b_W = contiguous(b_W), a.b_R = contiguous(b_R);
@@ -109,6 +111,22 @@ py::tuple pass_backward(RNNKIT_PASS_PARAMETERS, const Tensor& y, const std::vect
   return py::make_tuple(or_empty(g.dx, a.x), g.dh0, or_empty(g.dc0, a.x), g.dweights);
 }
 
+// -> (y, h_n, c_n) of an inference pass with int8 W, R (and W_hr), each with a float scale per
+// row (rnnkit.quantize); c_n empty unless LSTM.
+py::tuple pass_forward_int8(RNNKIT_PASS_PARAMETERS, const Tensor& W_scale, const Tensor& R_scale,
+                            const OptTensor& W_hr_scale) {
+  const at::NoGradGuard no_grad;
+  TORCH_CHECK(W.scalar_type() == at::kChar && R.scalar_type() == at::kChar,
+              "rnnkit fused int8 pass: W and R must be int8, got ", W.scalar_type(), " and ", R.scalar_type());
+  const PassArgs a = pass_args(RNNKIT_PASS_ARGUMENTS, W_scale, R_scale, contiguous(W_hr_scale));
+  ForwardResult out;
+  {
+    py::gil_scoped_release no_gil;
+    out = a.mode == "lstm" ? lstm_forward(a, false) : (a.mode == "gru" ? gru_forward(a, false) : rnn_forward(a, false));
+  }
+  return py::make_tuple(out[0], out[1], or_empty(out[2], a.x));
+}
+
 // One-step cells' fast path (rnnkit.LSTMCell / GRUCell / RNNCell in inference): the pass's
 // weights and scalars, fixed when the cell builds it, and a call that takes only x and the state.
 // It returns None instead of raising when the call is not one it can take (shapes, dtypes,
@@ -120,7 +138,8 @@ class StepPlan {
   py::object call(const Tensor& input, const py::object& hx) const {
     const at::NoGradGuard no_grad;
     const Tensor& W = base_.W;
-    if (input.dim() < 1 || input.dim() > 2 || input.size(-1) != W.size(1) || input.scalar_type() != W.scalar_type() ||
+    const at::ScalarType dtype = base_.quantized() ? at::kFloat : W.scalar_type();  // int8 weights: float32 states
+    if (input.dim() < 1 || input.dim() > 2 || input.size(-1) != W.size(1) || input.scalar_type() != dtype ||
         input.device() != W.device()) {
       return py::none();
     }
@@ -145,7 +164,7 @@ class StepPlan {
         h = hx.cast<Tensor>();
       }
       const auto state_ok = [&](const Tensor& t, int64_t n) {
-        return t.scalar_type() == W.scalar_type() && t.device() == W.device() &&
+        return t.scalar_type() == dtype && t.device() == W.device() &&
                (unbatched ? (t.dim() == 1 && t.size(0) == n) : (t.dim() == 2 && t.size(0) == B && t.size(1) == n));
       };
       if (!state_ok(h, Hr) || (lstm && !state_ok(c, H))) return py::none();
@@ -167,8 +186,12 @@ class StepPlan {
   PassArgs base_;
 };
 
-StepPlan make_step_plan(RNNKIT_PASS_PARAMETERS) {
+StepPlan make_step_plan(RNNKIT_PASS_PARAMETERS, const OptTensor& W_scale, const OptTensor& R_scale,
+                        const OptTensor& W_hr_scale) {
   PassArgs a;
+  a.W_scale = contiguous(W_scale), a.R_scale = contiguous(R_scale), a.W_hr_scale = contiguous(W_hr_scale);
+  TORCH_CHECK(W.scalar_type() != at::kChar || (a.W_scale.defined() && a.R_scale.defined()),
+              "rnnkit fused: a step plan with int8 weights needs their scales");
   a.mode = mode;
   a.W = W, a.R = R, a.b_W = b_W.value_or(Tensor()), a.b_R = b_R.value_or(Tensor());
   a.W_hr = W_hr.value_or(Tensor()), a.peephole = peephole.value_or(Tensor());
@@ -199,11 +222,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pass_backward", &rnnkit::pass_backward, "its backward", RNNKIT_PASS_PY_ARGS, py::arg("y"),
         py::arg("saved"), py::arg("dy"), py::arg("dh_n"), py::arg("dc_n"), py::arg("need_dx"), py::arg("need_dW"),
         py::arg("need_dR"), py::arg("need_dW_hr"));
+  m.def("pass_forward_int8", &rnnkit::pass_forward_int8, "an inference pass with int8 weights",
+        RNNKIT_PASS_PY_ARGS, py::arg("W_scale"), py::arg("R_scale"), py::arg("W_hr_scale"));
+  m.def(
+      "qgemm",
+      [](const at::Tensor& X, const at::Tensor& M, const at::Tensor& scale) {  // X · Mᵀ, int8 M (tests)
+        TORCH_CHECK(X.dim() == 2 && X.scalar_type() == at::kFloat && X.stride(1) == 1, "qgemm: X float [rows, K]");
+        TORCH_CHECK(M.dim() == 2 && M.scalar_type() == at::kChar && M.stride(1) == 1 && M.size(1) == X.size(1),
+                    "qgemm: M int8 [N, K]");
+        TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.size(0) == M.size(0) &&
+                        scale.is_contiguous(), "qgemm: scale float [N]");
+        at::Tensor C = at::empty({X.size(0), M.size(0)}, X.options());
+        rnnkit::QuantizedRows q;
+        q.data = M.data_ptr<int8_t>(), q.scale = scale.data_ptr<float>(), q.ld = M.stride(0);
+        rnnkit::qgemm_nt(X.data_ptr<float>(), X.size(0), X.stride(0), q, M.size(0), X.size(1), 0, C.data_ptr<float>(),
+                         M.size(0));
+        return C;
+      },
+      "X · Mᵀ through the int8 kernel (X quantized per row)");
   m.def("saved_count", [] { return int(rnnkit::kNumSaved); }, "entries of the saved list");
   py::class_<rnnkit::StepPlan>(m, "StepPlan", "a one-step cell's weights and scalars, fixed (inference)")
       .def("__call__", &rnnkit::StepPlan::call, py::arg("input"), py::arg("hx"));
   m.def("step_plan", &rnnkit::make_step_plan, "a StepPlan (the pass arguments; x, h0, c0 are ignored)",
-        RNNKIT_PASS_PY_ARGS);
+        RNNKIT_PASS_PY_ARGS, py::arg("W_scale") = py::none(), py::arg("R_scale") = py::none(),
+        py::arg("W_hr_scale") = py::none());
   m.def("set_poison", [](bool on) { rnnkit::poison_flag() = on; }, "NaN-fill every buffer the kernels allocate");
   m.def("cached_buffer_bytes", &rnnkit::cached_buffer_bytes, "bytes of freed buffers the kernels keep for reuse");
   m.def("release_cached_buffers", &rnnkit::release_cached_buffers, "give the kept buffers back to the system");

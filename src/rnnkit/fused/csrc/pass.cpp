@@ -24,6 +24,29 @@ void PassArgs::finish() {
       for (int64_t t = 0; t < T; ++t) m[t * B + b] = t < len[b];
     }
   }
+  if (quantized()) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "rnnkit fused: int8 weights take float32 inputs, got ", x.scalar_type());
+    const auto check = [&](const char* name, const Tensor& w, const Tensor& scale) {
+      if (!w.defined()) return;
+      TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2, name, ": expected a 2-D int8 matrix, got ",
+                  w.scalar_type(), " ", w.sizes());
+      TORCH_CHECK(scale.defined() && scale.scalar_type() == at::kFloat && scale.dim() == 1 &&
+                      scale.size(0) == w.size(0),
+                  name, "_scale: expected float32 of shape (", w.size(0), ",), got ",
+                  scale.defined() ? scale.sizes() : at::IntArrayRef{});
+    };
+    check("W", W, W_scale), check("R", R, R_scale), check("W_hr", W_hr, W_hr_scale);
+  }
+}
+
+QuantizedRows PassArgs::quantized_rows(WeightSlot slot, int64_t first_row) const {
+  const Tensor& w = weight(slot);
+  const Tensor& scale = slot == kW ? W_scale : (slot == kR ? R_scale : W_hr_scale);
+  QuantizedRows q;
+  q.ld = w.size(1);
+  q.data = w.data_ptr<int8_t>() + first_row * q.ld;
+  q.scale = scale.data_ptr<float>() + first_row;
+  return q;
 }
 
 const Tensor& PassArgs::weight(WeightSlot slot) const {
@@ -90,7 +113,10 @@ void InputSteps::compute_chunk(int64_t s) {
   Tensor out = out_.narrow(0, row0, rows);
   const bool ln = a_.ln_x_gain.defined();
   Tensor raw = ln ? (raw_.defined() ? raw_.narrow(0, row0, rows) : out) : out;  // inference normalizes in place
-  if (rows == 1 && out.scalar_type() == at::kFloat) {
+  if (a_.quantized()) {  // int8 W: x quantized per row
+    qgemm_nt(x2.data_ptr<float>(), rows, a_.I, a_.quantized_rows(kW, 0), a_.GH, a_.I, 0, raw.data_ptr<float>(), a_.GH);
+    if (!ln && bias_.defined()) out.add_(bias_);
+  } else if (rows == 1 && out.scalar_type() == at::kFloat) {
     // One row (a batch of one): the matrix-vector loop reads W once, without BLAS's packing.
     gemv_rows(a_.W.data_ptr<float>(), a_.I, a_.GH, a_.I, x2.data_ptr<float>(), 0, raw.data_ptr<float>());
     if (!ln && bias_.defined()) out.add_(bias_);

@@ -71,6 +71,8 @@ struct PassArgs {
   Tensor lengths, recurrent_mask, zoneout_h, zoneout_c;
   double zoneout_h_p = 0, zoneout_c_p = 0, cell_clip = 0, proj_clip = 0;  // clips: 0 = off
   bool coupled = false, reset_after = true, reverse = false, relu = false;
+  // int8 inference (rnnkit.quantize): W, R, W_hr int8 [rows, cols] with a float scale per row.
+  Tensor W_scale, R_scale, W_hr_scale;
   // derived by finish()
   Tensor step_mask;  // [T, B] bool, true where t < length (undefined without lengths)
   int64_t T = 0, B = 0, I = 0, H = 0, Hr = 0, GH = 0;
@@ -78,6 +80,9 @@ struct PassArgs {
   void finish();
   const Tensor& weight(WeightSlot slot) const;
   bool layer_norm() const { return ln_h_gain.defined(); }
+  bool quantized() const { return W.scalar_type() == at::kChar; }
+  // Rows [first_row, ...) of an int8 weight (W, R or W_hr) and their scales.
+  QuantizedRows quantized_rows(WeightSlot slot, int64_t first_row) const;
   // Step t of row b runs (not past the sequence's length).
   const bool* mask_ptr() const { return step_mask.defined() ? step_mask.data_ptr<bool>() : nullptr; }
   template <typename scalar_t>
@@ -100,6 +105,20 @@ struct PassArgs {
     return z;
   }
 };
+
+// The right operand X · op(M) of a per-step GEMM, M = rows [first_row, first_row + N) of weight
+// `slot` (float / double, or int8 under quantized inference, where op(M) = Mᵀ).
+template <typename scalar_t>
+PackedRight<scalar_t> right_operand(const PassArgs& a, WeightSlot slot, int64_t first_row, bool trans, int64_t rows,
+                                    int64_t N, int64_t K, const Tensor& like) {
+  if (a.quantized()) {
+    TORCH_CHECK(trans, "rnnkit fused: int8 weights are for inference (no backward)");
+    return PackedRight<scalar_t>(a.quantized_rows(slot, first_row), rows, N, K);
+  }
+  const Tensor& M = a.weight(slot);
+  const int64_t ld = M.size(1);
+  return PackedRight<scalar_t>(M.data_ptr<scalar_t>() + first_row * ld, ld, trans, rows, N, K, like);
+}
 
 // Which gradients a backward computes; the others' work is skipped (their block slices are zero).
 struct GradNeeds {

@@ -17,7 +17,7 @@ struct Rnn {
   explicit Rnn(const PassArgs& args) : a(args) {
     T = a.T, B = a.B, H = a.H;
     ln = a.layer_norm(), relu = a.relu;
-    R = a.R.data_ptr<scalar_t>();
+    R = a.quantized() ? nullptr : a.R.data_ptr<scalar_t>();  // int8: right_operand
     rm = a.recurrent_mask.defined() ? a.recurrent_mask.data_ptr<scalar_t>() : nullptr;
     ln_h_gain = ln ? a.ln_h_gain.data_ptr<scalar_t>() : nullptr;
     ln_h_shift = ln ? a.ln_h_shift.data_ptr<scalar_t>() : nullptr;
@@ -49,7 +49,7 @@ struct Rnn {
     scalar_t* gh_p = ln ? gh.data_ptr<scalar_t>() : nullptr;
     scalar_t* st_p = ln ? stats.data_ptr<scalar_t>() : nullptr;
 
-    const PackedRight<scalar_t> R_right(R, H, true, B, H, H, like);  // · Rᵀ
+    const PackedRight<scalar_t> R_right = right_operand<scalar_t>(a, kR, 0, true, B, H, H, like);  // · Rᵀ
     for (int64_t s = 0; s < T; ++s) {
       const int64_t t = step_time(s), k = training ? t : 0;
       scalar_t* gx_t = steps.step<scalar_t>(s, t);

@@ -1,0 +1,23 @@
+// int8 GEMMs of quantized inference (rnnkit.quantize): weights int8 per output row with a float
+// scale each (symmetric, values in [-127, 127]), activations quantized per row as they arrive
+// (symmetric, scale max|x| / 127), products summed exactly in int32, then scaled back to float.
+#pragma once
+
+#include <cstdint>
+
+namespace rnnkit {
+
+// M[n, k] ≈ scale[n] · data[n · ld + k]: a row-major int8 matrix with one scale per row.
+struct QuantizedRows {
+  const int8_t* data = nullptr;
+  const float* scale = nullptr;
+  int64_t ld = 0;
+};
+
+// C[r, n] = sx[r] · M.scale[n] · Σ_k qx[r, k] · M.data[n, k] + beta · C[r, n] for r < rows,
+// n < N, where qx[r, :] = round(X[r, :] / sx[r]) and sx[r] = max_k |X[r, k]| / 127 (a zero row
+// gives zeros). beta is 0 (C is not read) or 1.
+void qgemm_nt(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M, int64_t N, int64_t K, float beta,
+              float* C, int64_t ldc);
+
+}  // namespace rnnkit

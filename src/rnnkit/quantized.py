@@ -1,0 +1,349 @@
+"""int8 dynamic quantization for inference: `quantize` and the quantized modules it makes.
+
+What is quantized, for every cell family and option (peepholes, layer norm, projection and its
+clip, per-layer sizes, bidirectional, lengths and PackedSequence, zoneout's expectation):
+
+- the matrices W (``weight_ih``), R (``weight_hh``) and W_hr (``weight_hr``): int8 per output
+  row, symmetric, ``w ≈ scale[row] · q``, q in [-127, 127], scale = max |row| / 127;
+- the activations entering each of their GEMMs (x for W, h for R, m for W_hr): int8 per row (per
+  batch row and step), symmetric, as they arrive; the products summed exactly in int32.
+
+Biases, peepholes, layer norms, the pointwise math and the carried states (h, c) stay float32.
+Inference only: a quantized module has buffers, not parameters, and computes evaluation mode's
+function (no dropout; zoneout's expectation) whatever its ``training`` flag.
+
+The kernels are the fused CPU passes (rnnkit/fused) with int8 weights: the custom op
+``rnnkit::fused_int8_pass`` (compile- and export-clean). Its GEMM is exact integer arithmetic
+(csrc/qgemm.cpp: AVX2 where the CPU has it, plain loops otherwise), so every CPU computes the
+same values.
+
+Example:
+    >>> lstm = rnnkit.LSTM(64, 128, num_layers=2, peephole=True).eval()
+    >>> q = rnnkit.quantize(lstm)                  # a new module; lstm is left as it was
+    >>> y, (h, c) = q(torch.randn(20, 4, 64))
+"""
+from __future__ import annotations
+
+import copy
+from typing import NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from . import functional
+from . import nn as float_nn
+from .nn import _Cell, _PackedModule, _Recurrent, check_cell_input, sequence_call
+from .params import Layout, PassWeights
+from .passes import PASS_ARGUMENTS, _direct, mask_tensors, pass_scalars, pass_values
+
+MATRICES = ("weight_ih", "weight_hh", "weight_hr")  # the pieces stored int8, each with a "_scale"
+
+
+def quantize_rows(weight: torch.Tensor):
+    """(q int8 [N, K], scale float32 [N]): ``weight ≈ scale[:, None] · q``, symmetric per row, q in
+    [-127, 127] (round half to even); an all-zero row has scale 0."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        raise TypeError(f"weight: expected a 2-D floating-point tensor, got {weight!r:.80}")
+    w = weight.detach().to(torch.float32)
+    amax = w.abs().amax(dim=1)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(w * inverse[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, amax / 127.0
+
+
+class QuantizedPass(NamedTuple):
+    """One layer-direction's weights for the int8 kernels: ``weights`` with W, R, W_hr int8 (the
+    rest float32), and the per-row scales of those three (W_hr_scale None without a projection)."""
+
+    weights: PassWeights
+    W_scale: torch.Tensor
+    R_scale: torch.Tensor
+    W_hr_scale: Optional[torch.Tensor]
+
+
+# ---- the op ------------------------------------------------------------------------------------
+
+INT8_ARGUMENTS = PASS_ARGUMENTS + (("W_scale", "Tensor"), ("R_scale", "Tensor"), ("W_hr_scale", "Tensor?"))
+_NAMES = tuple(name for name, _ in INT8_ARGUMENTS)
+_SCHEMA = "(" + ", ".join(f"{kind} {name}" for name, kind in INT8_ARGUMENTS) + ") -> (Tensor y, Tensor h_n, Tensor c_n)"
+
+
+def _int8_pass(*values):
+    from .fused import build
+
+    return tuple(build.extension().pass_forward_int8(*values))
+
+
+def _int8_pass_fake(*values):
+    args = dict(zip(_NAMES, values))
+    x, R, W_hr, c0 = args["x"], args["R"], args["W_hr"], args["c0"]
+    Hr = R.shape[1]
+    H = W_hr.shape[1] if W_hr is not None else (c0.shape[1] if c0 is not None else Hr)
+    T, B = x.shape[:2]
+    c_n = x.new_empty(B, H) if args["mode"] == "lstm" else x.new_empty(0)
+    return x.new_empty(T, B, Hr), x.new_empty(B, Hr), c_n
+
+
+torch.library.define("rnnkit::fused_int8_pass", _SCHEMA)
+torch.library.impl("rnnkit::fused_int8_pass", "cpu")(_int8_pass)
+torch.library.register_fake("rnnkit::fused_int8_pass")(_int8_pass_fake)
+
+
+class Int8Backend:
+    """The fused CPU passes with int8 weights (`QuantizedPass`), for `functional.run_stack`."""
+
+    name = "fused-int8"
+
+    def run_pass(self, cell, x, h0, c0, w: QuantizedPass, lengths, reverse, masks):
+        values = pass_values(pass_scalars(cell, reverse, masks), x, h0, c0, tuple(w.weights),
+                             mask_tensors(lengths, masks)) + (w.W_scale, w.R_scale, w.W_hr_scale)
+        out = _int8_pass(*values) if _direct(x) else torch.ops.rnnkit.fused_int8_pass.default(*values)
+        return out[0], out[1], (out[2] if cell.mode == "lstm" else None)
+
+
+INT8 = Int8Backend()
+
+
+# ---- the modules -------------------------------------------------------------------------------
+
+class _Quantized(nn.Module):
+    """A float module's weights, int8 where `MATRICES` says, as buffers under the float module's
+    names (plus ``<name>_scale`` for each int8 matrix): state_dicts save with safetensors and load
+    into a quantized module of the same configuration."""
+
+    _FLOAT: type = nn.Module
+
+    def __init__(self, source: _PackedModule):
+        super().__init__()
+        if not isinstance(source, self._FLOAT):
+            raise TypeError(f"module: expected an rnnkit.{self._FLOAT.__name__}, got {type(source).__name__}")
+        current = source._current()  # parametrized weights as they compute now
+        if current[0].device.type != "cpu":
+            raise ValueError(f"module: int8 inference runs on the CPU; move the module there first (it is on "
+                             f"{current[0].device})")
+        if not current[0].is_floating_point():
+            raise TypeError(f"module: expected floating-point weights, got {current[0].dtype}")
+        self.spec = source.spec
+        self.layout: Layout = source.layout
+        self._names = source._names
+        for entry, value in zip(source.layout.entries, current):
+            value = value.detach()
+            if entry.piece in MATRICES:
+                q, scale = quantize_rows(value)
+                self.register_buffer(entry.name, q)
+                self.register_buffer(entry.name + "_scale", scale)
+            else:
+                self.register_buffer(entry.name, value.to(torch.float32, copy=True).contiguous())
+        self.train(source.training)
+
+    @classmethod
+    def from_float(cls, module, use_precomputed_fake_quant: bool = False):
+        """The quantized counterpart of an rnnkit module (``torch.ao.quantization``'s hook: see
+        `dynamic_quant_mapping`)."""
+        return cls(module)
+
+    def _passes(self) -> list:
+        """One `QuantizedPass` per layer-direction."""
+        b = self._buffers
+        grouped = self.layout.group({name: b[name] for name in self._names})
+        out = []
+        for weights, names in zip(grouped, self.layout.pass_names()):
+            scale = lambda slot: b[names[slot] + "_scale"] if slot in names else None  # noqa: E731
+            out.append(QuantizedPass(weights, scale("W"), scale("R"), scale("W_hr")))
+        return out
+
+    def _like(self) -> torch.Tensor:
+        return self._buffers[self._names[0] + "_scale"]  # float32, on the module's device
+
+    def _check_call(self, tensors) -> None:
+        if torch.onnx.is_in_onnx_export():
+            raise NotImplementedError(f"{type(self).__name__}: int8 rnnkit modules do not export to ONNX; export the "
+                                      "float module and quantize the ONNX model (onnxruntime.quantization)")
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+            raise RuntimeError(f"{type(self).__name__}: an int8 module is for inference and has no gradient; call it "
+                               "under torch.no_grad() / torch.inference_mode() with inputs that do not require grad, "
+                               "or train the float module")
+
+    def extra_repr(self) -> str:
+        from .spec import RNNSpec
+
+        defaults = RNNSpec(self.spec.mode, 1, 1).options()
+        options = self.spec.options()
+        hidden = options["hidden_size"]
+        parts = [f"{self.spec.input_size}, {hidden}"]
+        parts += [f"{k}={v!r}" for k, v in options.items()
+                  if k not in ("input_size", "hidden_size", "mode") and v != defaults[k]]
+        return ", ".join(parts + ["weights=int8"])
+
+
+def _leaves(hx):
+    return [t for part in (hx if isinstance(hx, (list, tuple)) else [hx]) for t in (part if isinstance(part, (list, tuple)) else [part])]
+
+
+class _QuantizedStack(_Quantized):
+    _FLOAT = _Recurrent
+
+    def forward(self, input, hx=None, lengths=None):
+        """As the float module's call (input, hx, lengths; PackedSequence), in evaluation mode."""
+        data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
+        self._check_call([data, *_leaves(hx)])
+        return sequence_call(self._run, input, hx, lengths, self.spec.batch_first)
+
+    def _run(self, input, hx, lengths, batch_first):
+        y, hy, _ = functional.run(self.spec, self._passes(), input, hx, lengths, training=False, backend=INT8,
+                                  batch_first=batch_first, like=self._like())
+        return y, hy
+
+
+class _QuantizedCell(_Quantized):
+    _FLOAT = _Cell
+
+    def forward(self, input, hx=None):
+        """One step, as the float cell's call (input (B, I) or (I,); hx as the cell takes it)."""
+        check_cell_input(self.spec, input)
+        self._check_call([input, *_leaves(hx)])
+        plan = self._plan() if _direct(input) else None
+        if plan is not None:
+            out = plan(input, hx)
+            if out is not None:
+                return out
+        # the general path: a one-step, one-layer stack (the cell's states are the stack's with L·D = 1)
+        lstm = self.spec.mode == "lstm"
+        if hx is not None:
+            if lstm and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
+                raise TypeError(f"hx: expected a pair (h, c) for an LSTM cell, got {type(hx).__name__}")
+            hx = tuple(t.unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in hx) if lstm else (
+                hx.unsqueeze(0) if isinstance(hx, torch.Tensor) else hx)
+        y, hy, _ = functional.run(self.spec, self._passes(), input.unsqueeze(0), hx, None, training=False,
+                                  backend=INT8, batch_first=False, like=self._like())
+        return (hy[0][0], hy[1][0]) if lstm else hy[0]
+
+    def _plan(self):
+        """The fused kernels' one-step plan on the int8 weights (built once, rebuilt when a buffer is
+        replaced, as load_state_dict(assign=True) does)."""
+        buffers = tuple(self._buffers.values())
+        cached = self.__dict__.get("_plan_cache")
+        if cached is None or any(a is not b for a, b in zip(cached[1], buffers)) or len(cached[1]) != len(buffers):
+            from .fused import build
+            from .masks import draw_pass
+
+            cell = self.spec.cell(0)
+            masks = draw_pass(self.spec, cell, 1, 1, self._like(), False).masks
+            w = self._passes()[0]
+            empty = self._like().new_empty(0)
+            plan = build.extension().step_plan(
+                *pass_values(pass_scalars(cell, False, masks), empty, empty, None, tuple(w.weights), (None,) * 4),
+                W_scale=w.W_scale, R_scale=w.R_scale, W_hr_scale=w.W_hr_scale)
+            cached = (plan, buffers)
+            self.__dict__["_plan_cache"] = cached
+        return cached[0]
+
+
+class LSTM(_QuantizedStack):
+    """`rnnkit.LSTM` with int8 weights (made by `quantize`), for inference: the same call and outputs."""
+
+    _FLOAT = float_nn.LSTM
+
+
+class GRU(_QuantizedStack):
+    """`rnnkit.GRU` with int8 weights (made by `quantize`), for inference: the same call and outputs."""
+
+    _FLOAT = float_nn.GRU
+
+
+class RNN(_QuantizedStack):
+    """`rnnkit.RNN` with int8 weights (made by `quantize`), for inference: the same call and outputs."""
+
+    _FLOAT = float_nn.RNN
+
+
+class LSTMCell(_QuantizedCell):
+    """`rnnkit.LSTMCell` with int8 weights (made by `quantize`), for inference: the same call and outputs."""
+
+    _FLOAT = float_nn.LSTMCell
+
+
+class GRUCell(_QuantizedCell):
+    """`rnnkit.GRUCell` with int8 weights (made by `quantize`), for inference: the same call and outputs."""
+
+    _FLOAT = float_nn.GRUCell
+
+
+class RNNCell(_QuantizedCell):
+    """`rnnkit.RNNCell` with int8 weights (made by `quantize`), for inference: the same call and outputs."""
+
+    _FLOAT = float_nn.RNNCell
+
+
+_QUANTIZED = {float_nn.LSTM: LSTM, float_nn.GRU: GRU, float_nn.RNN: RNN, float_nn.LSTMCell: LSTMCell,
+              float_nn.GRUCell: GRUCell, float_nn.RNNCell: RNNCell}
+
+
+def kernel_path() -> str:
+    """Which int8 GEMM the fused kernels are built with on this CPU (decided by the build's flags,
+    which follow torch's CPU capability; nothing is built or loaded to answer)."""
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        return "AVX2 int8 kernels (vpmaddubsw / vpmaddwd, exact int32 sums)"
+    return "plain C++ loops (no AVX2 on this CPU: correct, slower)"
+
+
+def dynamic_quant_mapping() -> dict:
+    """``torch.ao.quantization``'s default dynamic mapping plus rnnkit's modules, for
+    ``quantize_dynamic(model, {rnnkit.LSTM, nn.Linear, ...}, mapping=rnnkit.quantized.dynamic_quant_mapping())``.
+    Its default ``qconfig_spec`` lists torch.nn types only, so name rnnkit's types in it: with the
+    defaults it leaves rnnkit layers in float32 (`quantize` has no such trap)."""
+    from torch.ao.quantization.quantization_mappings import get_default_dynamic_quant_module_mappings
+
+    mapping = dict(get_default_dynamic_quant_module_mappings())
+    mapping.update(_QUANTIZED)
+    return mapping
+
+
+def quantize(module: nn.Module, dtype=torch.qint8) -> nn.Module:
+    """int8 dynamic quantization of every rnnkit layer in ``module``, for CPU inference.
+
+    Args:
+        module: an rnnkit LSTM / GRU / RNN / LSTMCell / GRUCell / RNNCell, or a model containing
+            some (on the CPU, floating-point weights).
+        dtype: ``torch.qint8`` (or ``torch.int8``), the only one supported.
+
+    Returns:
+        A new module (``module`` is not modified): a deep copy in which every rnnkit layer is
+        replaced by its quantized counterpart (``rnnkit.quantized.LSTM``, ...), which takes the
+        same calls and returns float32 outputs. Other layers are copied as they are.
+
+    Raises:
+        ValueError: no rnnkit layer in ``module``, a layer not on the CPU, or an unsupported dtype.
+
+    Example:
+        >>> model = rnnkit.LSTM(32, 64, proj_size=16, layer_norm=True).eval()
+        >>> q = rnnkit.quantize(model)
+        >>> with torch.no_grad():
+        ...     y, (h, c) = q(torch.randn(10, 4, 32))
+        >>> safetensors.torch.save_model(q, "q.safetensors")
+        >>> again = rnnkit.quantize(rnnkit.LSTM(32, 64, proj_size=16, layer_norm=True))
+        >>> safetensors.torch.load_model(again, "q.safetensors")   # the same int8 weights
+    """
+    if dtype not in (torch.qint8, torch.int8):
+        raise ValueError(f"dtype: expected torch.qint8 (int8 weights), got {dtype}")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
+    # each rnnkit layer's quantized twin, handed to deepcopy as the copy of that layer
+    memo = {id(m): _quantized_twin(m) for m in module.modules() if isinstance(m, tuple(_QUANTIZED))}
+    if not memo:
+        already = any(isinstance(m, _Quantized) for m in module.modules())
+        raise ValueError("module: " + ("already quantized" if already else
+                                       f"no rnnkit LSTM / GRU / RNN / cell in {type(module).__name__} to quantize"))
+    return memo[id(module)] if id(module) in memo else copy.deepcopy(module, memo)
+
+
+def _quantized_twin(module: nn.Module) -> _Quantized:
+    target = _QUANTIZED.get(type(module))
+    if target is None:
+        raise ValueError(f"module: {type(module).__name__} subclasses an rnnkit layer, and its forward may differ from "
+                         "the layer's: quantize the rnnkit layers inside it instead")
+    return target(module)
+
+
+__all__ = ["quantize", "quantize_rows", "dynamic_quant_mapping", "QuantizedPass", "LSTM", "GRU", "RNN", "LSTMCell",
+           "GRUCell", "RNNCell"]

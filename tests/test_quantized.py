@@ -1,0 +1,307 @@
+"""int8 dynamic quantization (rnnkit.quantize) for every option.
+
+Two rungs, as for the float kernels:
+
+- the int8 kernels against the int8 reference (`rnnkit.testing.int8_reference`: the reference
+  backend on the dequantized weights, each GEMM's input rounded to the int8 grid per row): the
+  integer GEMM is exact, so they agree to float32 rounding (fp32's tolerance), every option;
+- int8 against float32, per layer, on realistic sizes, within `INT8_TOLERANCE`.
+
+Kernel buffers are NaN-poisoned as in test_fused.py.
+"""
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import rnnkit
+from rnnkit.fused import build
+from rnnkit.testing import INT8_TOLERANCE, assert_close, int8_reference, rel_rms
+from helpers import flatten, make_module, map_tree, random_states, require_fused_kernels
+from test_fused import AWKWARD, CASES
+
+EXACT = INT8_TOLERANCE["int8_reference"]  # against int8_reference (rnnkit/testing.py says why not 1e-5)
+INT8 = INT8_TOLERANCE["float"]  # against float32, per layer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def poisoned_kernel_buffers():
+    require_fused_kernels()
+    build.set_poison(True)
+    yield
+    build.set_poison(False)
+
+
+def quantized_pair(mode, I=5, H=7, **options):
+    module = make_module(mode, I, H, torch.float32, **options).eval()
+    return module, rnnkit.quantize(module)
+
+
+def assert_matches_int8_reference(mode, T=6, B=3, I=5, H=7, lengths=None, batch_first=False, **options):
+    module, q = quantized_pair(mode, I, H, batch_first=batch_first, **options)
+    x = torch.randn(*((B, T) if batch_first else (T, B)), I)
+    hx = map_tree(random_states(module, B), lambda t: t.float())
+    lens = None if lengths is None else torch.tensor(lengths)
+    with torch.no_grad():
+        y, hy = q(x, hx, lens)
+    y_ref, hy_ref = int8_reference(q, x, hx, lens)
+    assert_close(y, y_ref, "y", tol=EXACT)
+    assert_close(hy, hy_ref, "final states", tol=EXACT)
+
+
+@pytest.mark.parametrize("mode, options", CASES)
+def test_matches_int8_reference(mode, options):
+    assert_matches_int8_reference(mode, **options)
+
+
+@pytest.mark.parametrize("mode, options", CASES)
+def test_matches_int8_reference_with_lengths(mode, options):
+    assert_matches_int8_reference(mode, T=9, B=4, lengths=[9, 3, 1, 6], **options)
+
+
+@pytest.mark.parametrize("shape", list(AWKWARD))
+@pytest.mark.parametrize("mode, options", [
+    pytest.param("lstm", dict(peephole=True, layer_norm=True, proj_size=4, bidirectional=True), id="lstm"),
+    pytest.param("gru", dict(reset_after=False, bidirectional=True), id="gru_reset_before"),
+    pytest.param("rnn_relu", dict(layer_norm=True), id="rnn"),
+])
+def test_awkward_shapes(mode, options, shape):
+    assert_matches_int8_reference(mode, **{**options, **AWKWARD[shape]})
+
+
+@pytest.mark.parametrize("B", [1, 5, 64])  # 1: the matrix-vector path; 64: blocks over batch rows
+@pytest.mark.parametrize("H", [37, 300])  # tails; large enough to split across threads
+def test_kernel_paths(B, H):
+    assert_matches_int8_reference("lstm", T=4, B=B, I=33, H=H, proj_size=11, layer_norm=True)
+
+
+def test_segmented_variable_lengths():
+    """Lengths spread out, H >= 256: the batch runs sorted, in time spans (functional.Segments)."""
+    module, q = quantized_pair("lstm", I=16, H=256)
+    x = torch.randn(40, 8, 16)
+    lengths = torch.tensor([40, 5, 33, 12, 20, 40, 7, 26])
+    with torch.no_grad():
+        y, hy = q(x, lengths=lengths)
+    y_ref, hy_ref = int8_reference(q, x, lengths=lengths)
+    assert_close(y, y_ref, "y", tol=EXACT)
+    assert_close(hy, hy_ref, "final states", tol=EXACT)
+
+
+def test_packed_sequence():
+    module, q = quantized_pair("gru", I=6, H=9, bidirectional=True)
+    seqs = [torch.randn(n, 6) for n in (5, 2, 7)]
+    packed = nn.utils.rnn.pack_sequence(seqs, enforce_sorted=False)
+    with torch.no_grad():
+        out, h = q(packed)
+    ref_out, ref_h = int8_reference(q, packed)
+    assert isinstance(out, nn.utils.rnn.PackedSequence)
+    assert_close(out.data, ref_out.data, "packed output", tol=EXACT)
+    assert_close(h, ref_h, "h_n", tol=EXACT)
+
+
+@pytest.mark.parametrize("mode, options", [
+    pytest.param("lstm", dict(peephole=True, proj_size=5, layer_norm=True, zoneout=0.2), id="lstm"),
+    pytest.param("gru", dict(reset_after=False), id="gru_reset_before"),
+    pytest.param("rnn_tanh", {}, id="rnn"),
+])
+@pytest.mark.parametrize("batch", [0, 3], ids=["unbatched", "batched"])
+def test_cells(mode, options, batch):
+    """A quantized cell is the one-step, one-layer quantized stack, with or without a state."""
+    cls = {"lstm": rnnkit.LSTMCell, "gru": rnnkit.GRUCell, "rnn_tanh": rnnkit.RNNCell}[mode]
+    stack_cls = {"lstm": rnnkit.LSTM, "gru": rnnkit.GRU, "rnn_tanh": rnnkit.RNN}[mode]
+    cell = cls(8, 12, **options).eval()
+    stack = stack_cls(8, 12, **options).eval()
+    stack.load_state_dict({k + "_l0": v for k, v in cell.state_dict().items()})
+    q_cell, q_stack = rnnkit.quantize(cell), rnnkit.quantize(stack)
+    x = torch.randn(8) if batch == 0 else torch.randn(batch, 8)
+    lead = () if batch == 0 else (batch,)
+    Hr = 5 if options.get("proj_size") else 12
+    h = torch.randn(*lead, Hr)
+    hx = (h, torch.randn(*lead, 12)) if mode == "lstm" else h
+    for state in (None, hx):
+        with torch.no_grad():
+            out = q_cell(x, state)
+            stack_state = None if state is None else map_tree(state, lambda t: t.unsqueeze(0))
+            _, expected = q_stack(x.unsqueeze(0), stack_state)
+        expected = map_tree(expected, lambda t: t[0])
+        assert_close(out, expected, "cell step", tol=EXACT)
+        ref = map_tree(int8_reference(q_stack, x.unsqueeze(0), stack_state)[1], lambda t: t[0])
+        assert_close(out, ref, "cell step vs int8 reference", tol=EXACT)
+
+
+@pytest.mark.parametrize("mode, options", [
+    pytest.param("lstm", {}, id="lstm"),
+    pytest.param("lstm", dict(peephole=True, layer_norm=True), id="lstm-peephole_ln"),
+    pytest.param("lstm", dict(proj_size=32, bidirectional=True), id="lstm-proj_bidirectional"),
+    pytest.param("gru", {}, id="gru"),
+    pytest.param("gru", dict(reset_after=False), id="gru-reset_before"),
+    pytest.param("gru", dict(layer_norm=True), id="gru-ln"),
+    pytest.param("rnn_tanh", {}, id="rnn"),
+])
+def test_close_to_float32_per_layer(mode, options):
+    """Each layer's output, run on the float layer's input, against float32 (INT8_TOLERANCE).
+
+    Over 5 steps: the quantization's error, not what the dynamics make of it. An untrained
+    layer-normalized LSTM amplifies any perturbation of its weights over time (its error grows
+    from 0.5% at step 0 to 5% at step 30 with the weights alone rounded to int8); the trained
+    char LM's bits/char (README) measure what that costs on a real model."""
+    module = make_module(mode, 64, 128, torch.float32, num_layers=2, **options).eval()
+    q = rnnkit.quantize(module)
+    x = torch.randn(5, 8, 64)
+    with torch.no_grad():
+        errors = []
+        for layer in range(2):
+            single = make_module(mode, module.spec.layer_input_size(layer), 128, torch.float32,
+                                 **options).eval()
+            single.load_state_dict({k.replace(f"_l{layer}", "_l0"): v for k, v in module.state_dict().items()
+                                    if f"_l{layer}" in k})
+            q_single = rnnkit.quantize(single)
+            y, hy = single(x)
+            yq, hyq = q_single(x)
+            errors.append(max(rel_rms(a, e) for a, e in zip([yq, *flatten(hyq)], [y, *flatten(hy)])))
+            x = y  # the next layer runs on the float layer's output
+        print(f"per-layer relative RMS errors {errors}")
+        assert max(errors) <= INT8, f"per-layer relative RMS errors {errors}"
+    # the whole stack too (errors compound, but stay small)
+    x = torch.randn(5, 8, 64)
+    with torch.no_grad():
+        assert rel_rms(q(x)[0], module(x)[0]) <= 2 * INT8
+
+
+def test_qgemm_is_exact():
+    """The int8 GEMM against an int64 computation of the same quantization, odd shapes, zero rows."""
+    extension = build.extension()
+    for rows, N, K in [(1, 5, 37), (3, 37, 33), (5, 148, 100), (64, 1024, 256), (2, 3, 1)]:
+        X = torch.randn(rows, K) * 3
+        X[0, :] = 0  # a zero row: scale 0, zeros out
+        M = torch.randint(-127, 128, (N, K), dtype=torch.int8)
+        M[0, :] = 127
+        scale = torch.rand(N) + 0.1
+        C = extension.qgemm(X, M, scale)
+        amax = X.abs().amax(1, keepdim=True)
+        q = torch.round(X * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))).long()
+        acc = q @ M.long().T
+        expected = (amax / 127.0) * scale * acc.float()
+        torch.testing.assert_close(C, expected, rtol=1e-6, atol=0)
+    # the largest products everywhere: sums that would overflow int16 pairs must not saturate
+    X = torch.full((4, 512), -2.0)
+    M = torch.full((8, 512), -127, dtype=torch.int8)
+    C = extension.qgemm(X, M, torch.ones(8))
+    torch.testing.assert_close(C, torch.full((4, 8), 2.0 / 127 * 127 * 127 * 512))
+
+
+# ---- the module's contract ----------------------------------------------------------------------
+
+def test_does_not_modify_the_module_and_copies_containers():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 8)
+            self.rnn = rnnkit.LSTM(8, 16, num_layers=2, peephole=True)
+            self.head = nn.Linear(16, 10)
+
+        def forward(self, ids):
+            y, _ = self.rnn(self.embed(ids))
+            return self.head(y)
+
+    model = Model().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    q = rnnkit.quantize(model)
+    assert type(model.rnn) is rnnkit.LSTM and type(q.rnn) is rnnkit.quantized.LSTM
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert q.embed is not model.embed and torch.equal(q.embed.weight, model.embed.weight)
+    ids = torch.randint(0, 10, (12, 3))
+    with torch.no_grad():
+        assert rel_rms(q(ids), model(ids)) < INT8
+    assert q.rnn.weight_hh_l1.dtype == torch.int8 and q.rnn.weight_hh_l1_scale.shape == (64,)
+    assert "weights=int8" in repr(q.rnn)
+
+
+def test_save_and_load_safetensors(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    module = rnnkit.LSTM(6, 10, proj_size=4, layer_norm=True, bidirectional=True).eval()
+    q = rnnkit.quantize(module)
+    path = tmp_path / "q.safetensors"
+    safetensors_torch.save_model(q, str(path))
+    fresh = rnnkit.quantize(rnnkit.LSTM(6, 10, proj_size=4, layer_norm=True, bidirectional=True))
+    safetensors_torch.load_model(fresh, str(path))
+    x = torch.randn(5, 2, 6)
+    with torch.no_grad():
+        assert_close(fresh(x), q(x), "reloaded outputs", tol=0)
+    # torch.save of the state_dict loads with weights_only=True
+    buffer = io.BytesIO()
+    torch.save(q.state_dict(), buffer)
+    buffer.seek(0)
+    again = rnnkit.quantize(rnnkit.LSTM(6, 10, proj_size=4, layer_norm=True, bidirectional=True))
+    again.load_state_dict(torch.load(buffer, weights_only=True))
+    with torch.no_grad():
+        assert_close(again(x), q(x), "reloaded outputs", tol=0)
+
+
+def test_cell_plan_follows_loaded_weights():
+    cell = rnnkit.GRUCell(4, 6)
+    q = rnnkit.quantize(cell)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        first = q(x)
+        other = rnnkit.quantize(rnnkit.GRUCell(4, 6))
+        q.load_state_dict(other.state_dict(), assign=True)
+        assert_close(q(x), other(x), "after load_state_dict(assign=True)", tol=0)
+        assert not torch.equal(first, q(x))
+
+
+def test_quantize_dynamic_mapping():
+    quantization = pytest.importorskip("torch.ao.quantization")
+    model = nn.Sequential(nn.Linear(4, 8), rnnkit.GRU(8, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization is deprecated upstream
+        q = quantization.quantize_dynamic(model, {nn.Linear, rnnkit.GRU},
+                                          mapping=rnnkit.quantized.dynamic_quant_mapping())
+    assert type(q[1]) is rnnkit.quantized.GRU and type(q[0]) is not nn.Linear
+    with torch.no_grad():
+        y, _ = q(torch.randn(3, 2, 4))
+    assert y.shape == (3, 2, 8)
+
+
+def test_compile_and_export():
+    q = rnnkit.quantize(rnnkit.LSTM(5, 8, peephole=True).eval())
+    x = torch.randn(4, 2, 5)
+    with torch.no_grad():
+        expected = q(x)
+        compiled = torch.compile(q, fullgraph=True, backend="eager")
+        assert_close(compiled(x), expected, "compiled", tol=0)
+    program = torch.export.export(q, (x,))
+    assert any("fused_int8_pass" in str(node.target) for node in program.graph.nodes)
+    assert_close(program.module()(x), expected, "exported", tol=0)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: rnnkit.quantize(nn.Linear(3, 3)), ValueError, "no rnnkit LSTM"),
+    (lambda: rnnkit.quantize(rnnkit.LSTM(3, 3), dtype=torch.float16), ValueError, "dtype"),
+    (lambda: rnnkit.quantize(rnnkit.quantize(rnnkit.LSTM(3, 3))), ValueError, "already quantized"),
+    (lambda: rnnkit.quantize("lstm"), TypeError, "nn.Module"),
+    (lambda: rnnkit.quantize(type("MyLSTM", (rnnkit.LSTM,), {})(3, 3)), ValueError, "subclasses"),
+])
+def test_refusals(call, error, words):
+    with pytest.raises(error, match=words):
+        call()
+
+
+def test_refuses_gradients_and_wrong_inputs():
+    q = rnnkit.quantize(rnnkit.LSTM(3, 4))
+    x = torch.randn(2, 1, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="inference"):
+        q(x)
+    with torch.no_grad():
+        q(x)  # fine without a gradient to record
+        with pytest.raises(TypeError, match="input"):
+            q(torch.randn(2, 1, 3, dtype=torch.float64))
+        with pytest.raises(ValueError, match="input_size=3"):
+            q(torch.randn(2, 1, 5))
+    cell = rnnkit.quantize(rnnkit.LSTMCell(3, 4))
+    with torch.no_grad(), pytest.raises(TypeError, match="pair"):
+        cell(torch.randn(2, 3), torch.randn(2, 4))
