@@ -11,6 +11,7 @@ Kernel buffers are NaN-poisoned as in test_fused.py.
 """
 from __future__ import annotations
 
+import copy
 import io
 import warnings
 
@@ -252,6 +253,24 @@ def test_cell_plan_follows_loaded_weights():
         q.load_state_dict(other.state_dict(), assign=True)
         assert_close(q(x), other(x), "after load_state_dict(assign=True)", tol=0)
         assert not torch.equal(first, q(x))
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int8"])
+def test_cells_deepcopy_and_pickle_after_a_call(quantized):
+    """A cell that has run (and so holds its compiled one-step plan) copies and pickles."""
+    cell = rnnkit.LSTMCell(3, 4, peephole=True)
+    cell = rnnkit.quantize(cell) if quantized else cell.eval()
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        expected = cell(x)
+        copied = copy.deepcopy(cell)
+        buffer = io.BytesIO()
+        torch.save(cell, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)  # our own object, just written
+        for other in (copied, loaded):
+            assert_close(other(x), expected, "after deepcopy / pickle", tol=0)
+        assert_close(cell(x), expected, "the original, after", tol=0)
 
 
 def test_quantize_dynamic_mapping():

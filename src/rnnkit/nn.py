@@ -586,6 +586,12 @@ class _Cell(_PackedModule):
                 return out
         return self._step(input, hx)
 
+    def __getstate__(self):
+        """deepcopy / pickle without the one-step plan (a compiled object; rebuilt on the next call)."""
+        state = dict(self.__dict__)
+        state.pop("_plan", None)
+        return state
+
     def _step_plan(self):
         """The fused kernels' one-step plan (weights and scalars fixed once, one C++ call a step) when
         this call can take it: eager, no gradient to record, no autocast, no random masks, the

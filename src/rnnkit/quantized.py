@@ -218,6 +218,12 @@ class _QuantizedCell(_Quantized):
                                   backend=INT8, batch_first=False, like=self._like())
         return (hy[0][0], hy[1][0]) if lstm else hy[0]
 
+    def __getstate__(self):
+        """deepcopy / pickle without the one-step plan (a compiled object; rebuilt on the next call)."""
+        state = dict(self.__dict__)
+        state.pop("_plan_cache", None)
+        return state
+
     def _plan(self):
         """The fused kernels' one-step plan on the int8 weights (built once, rebuilt when a buffer is
         replaced, as load_state_dict(assign=True) does)."""
