@@ -121,15 +121,19 @@ PackedRight<float>::PackedRight(const float* M, int64_t ldm, bool trans, int64_t
   sgemm_pack_(&id, &ta, &m, &n, &k, &one, M, &ld, storage_.data_ptr<float>());
 }
 
+// int8: qgemm's packed panels, for every batch size (one row included: it reads fewer bytes than M).
 template <>
-PackedRight<float>::PackedRight(const QuantizedRows& M, int64_t rows, int64_t N, int64_t K)
-    : rows_(rows), N_(N), K_(K), ldm_(M.ld), quantized_(M) {}
+PackedRight<float>::PackedRight(const QuantizedRows& M, int64_t rows, int64_t N, int64_t K, const Tensor& like)
+    : rows_(rows), N_(N), K_(K), ldm_(M.ld), quantized_scale_(M.scale) {
+  storage_ = cached_empty({qgemm_packed_bytes(N, K)}, like);
+  qgemm_pack(M, N, K, storage_.data_ptr<int8_t>());
+}
 
 template <>
 void PackedRight<float>::multiply(const float* X, int64_t ldx, float beta, float* C, int64_t ldc) const {
   if (rows_ == 0) return;
-  if (quantized_.data != nullptr) {
-    qgemm_nt(X, rows_, ldx, quantized_, N_, K_, beta, C, ldc);
+  if (quantized_scale_ != nullptr) {
+    qgemm_nt_packed(X, rows_, ldx, storage_.data_ptr<int8_t>(), quantized_scale_, N_, K_, beta, C, ldc);
     return;
   }
   if (rows_ == 1) {
@@ -149,7 +153,7 @@ PackedRight<double>::PackedRight(const double* M, int64_t ldm, bool trans, int64
     : rows_(rows), N_(N), K_(K), ldm_(ldm), matrix_(M), trans_(trans) {}
 
 template <>
-PackedRight<double>::PackedRight(const QuantizedRows&, int64_t, int64_t, int64_t) {
+PackedRight<double>::PackedRight(const QuantizedRows&, int64_t, int64_t, int64_t, const Tensor&) {
   TORCH_CHECK(false, "rnnkit fused: int8 weights compute in float32, not float64");
 }
 

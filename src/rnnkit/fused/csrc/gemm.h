@@ -2,7 +2,7 @@
 // (MKL's packed GEMM) so that T steps do not re-pack the same weights T times:
 // row-major C[rows, N] = X[rows, K] · op(M) + beta · C, op(M) = Mᵀ when `trans`.
 // With one row (batch of one) it packs nothing and runs the kernels' own matrix-vector loops.
-// int8 weights (quantized inference, float only) are multiplied as they are by qgemm_nt.
+// int8 weights (quantized inference, float only) are packed once per pass by qgemm_pack.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,8 +17,8 @@ template <typename scalar_t>
 class PackedRight {
  public:
   PackedRight(const scalar_t* M, int64_t ldm, bool trans, int64_t rows, int64_t N, int64_t K, const Tensor& like);
-  // C = X · Mᵀ with M [N, K] int8 per row.
-  PackedRight(const QuantizedRows& M, int64_t rows, int64_t N, int64_t K);
+  // C = X · Mᵀ with M [N, K] int8 per row; `like`: an int8 tensor (the packed buffer's type).
+  PackedRight(const QuantizedRows& M, int64_t rows, int64_t N, int64_t K, const Tensor& like);
   void multiply(const scalar_t* X, int64_t ldx, scalar_t beta, scalar_t* C, int64_t ldc) const;
 
  private:
@@ -26,7 +26,7 @@ class PackedRight {
   int64_t rows_, N_, K_, ldm_;
   const scalar_t* matrix_ = nullptr;
   bool trans_ = true;
-  QuantizedRows quantized_;
+  const float* quantized_scale_ = nullptr;  // int8 M: its scales (storage_ holds it packed)
 };
 
 // C[N] = M[N, K] · x[K] (+ beta · C): one row times Mᵀ, the matrix-vector loop of PackedRight.

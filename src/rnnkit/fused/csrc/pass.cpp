@@ -107,6 +107,10 @@ InputSteps::InputSteps(const PassArgs& a, const Tensor& bias, bool training, Ten
     raw_ = new_buffer({n, a.GH}, a.x), mean_ = new_buffer({n, 1}, a.x), rstd_ = new_buffer({n, 1}, a.x);
     raw = raw_, mean = mean_, rstd = rstd_;
   }
+  if (a.quantized()) {
+    packed_W_ = cached_empty({qgemm_packed_bytes(a.GH, a.I)}, a.W);
+    qgemm_pack(a.quantized_rows(kW, 0), a.GH, a.I, packed_W_.data_ptr<int8_t>());
+  }
 }
 
 void InputSteps::compute_chunk(int64_t s) {
@@ -118,7 +122,8 @@ void InputSteps::compute_chunk(int64_t s) {
   const bool ln = a_.ln_x_gain.defined();
   Tensor raw = ln ? (raw_.defined() ? raw_.narrow(0, row0, rows) : out) : out;  // inference normalizes in place
   if (a_.quantized()) {  // int8 W: x quantized per row
-    qgemm_nt(x2.data_ptr<float>(), rows, a_.I, a_.quantized_rows(kW, 0), a_.GH, a_.I, 0, raw.data_ptr<float>(), a_.GH);
+    qgemm_nt_packed(x2.data_ptr<float>(), rows, a_.I, packed_W_.data_ptr<int8_t>(), a_.W_scale.data_ptr<float>(), a_.GH,
+                    a_.I, 0, raw.data_ptr<float>(), a_.GH);
     if (!ln && bias_.defined()) out.add_(bias_);
   } else if (rows == 1 && out.scalar_type() == at::kFloat) {
     // One row (a batch of one): the matrix-vector loop reads W once, without BLAS's packing.

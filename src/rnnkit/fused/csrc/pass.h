@@ -113,7 +113,7 @@ PackedRight<scalar_t> right_operand(const PassArgs& a, WeightSlot slot, int64_t 
                                     int64_t N, int64_t K, const Tensor& like) {
   if (a.quantized()) {
     TORCH_CHECK(trans, "rnnkit fused: int8 weights are for inference (no backward)");
-    return PackedRight<scalar_t>(a.quantized_rows(slot, first_row), rows, N, K);
+    return PackedRight<scalar_t>(a.quantized_rows(slot, first_row), rows, N, K, a.weight(slot));
   }
   const Tensor& M = a.weight(slot);
   const int64_t ld = M.size(1);
@@ -183,6 +183,7 @@ class InputSteps {
   const PassArgs& a_;
   bool training_;
   Tensor bias_, out_, raw_, mean_, rstd_;
+  Tensor packed_W_;  // int8 W packed by qgemm_pack, once per pass
   int64_t chunk_steps_ = 1, first_ = 0;
 };
 

@@ -1,4 +1,5 @@
-// int8 GEMMs of quantized inference (qgemm.h): AVX2 byte products read straight off row-major M.
+// int8 GEMMs of quantized inference (qgemm.h): M packed into panels of 8 rows × 4 k per vector,
+// so AVX2 byte products accumulate 8 outputs per int32 vector with no horizontal sums.
 #include "qgemm.h"
 
 #include <ATen/Parallel.h>
@@ -14,20 +15,50 @@
 
 namespace rnnkit {
 
+namespace {
+
+constexpr int64_t kPanel = 8;  // rows of M per panel: one int32 vector of outputs
+
+inline int64_t groups_of(int64_t K) { return (K + 3) / 4; }
+
+}  // namespace
+
+int64_t qgemm_packed_bytes(int64_t N, int64_t K) {
+  return (N + kPanel - 1) / kPanel * groups_of(K) * 4 * kPanel;
+}
+
+// dest[p][g][j][b] = M[8p + j, 4g + b], zero outside [N, K].
+void qgemm_pack(const QuantizedRows& M, int64_t N, int64_t K, int8_t* dest) {
+  const int64_t groups = groups_of(K), panels = (N + kPanel - 1) / kPanel, full = K / 4;
+  at::parallel_for(0, panels, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1))),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      int8_t* panel = dest + p * groups * 4 * kPanel;
+      std::memset(panel, 0, groups * 4 * kPanel);
+      for (int64_t j = 0; j < kPanel && kPanel * p + j < N; ++j) {
+        const int8_t* m = M.data + (kPanel * p + j) * M.ld;
+        for (int64_t g = 0; g < full; ++g) std::memcpy(panel + g * 4 * kPanel + 4 * j, m + 4 * g, 4);
+        for (int64_t k = 4 * full; k < K; ++k) panel[full * 4 * kPanel + 4 * j + k - 4 * full] = m[k];
+      }
+    }
+  });
+}
+
+// Packed into a thread-local buffer per call: for callers that multiply by M once.
+void qgemm_nt(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M, int64_t N, int64_t K, float beta,
+              float* C, int64_t ldc) {
+  thread_local std::vector<int8_t> packed;
+  packed.resize(qgemm_packed_bytes(N, K));
+  qgemm_pack(M, N, K, packed.data());
+  qgemm_nt_packed(X, rows, ldx, packed.data(), M.scale, N, K, beta, C, ldc);
+}
+
 #if defined(__AVX2__)
 
 namespace {
 
-constexpr int64_t kGrain = 1 << 16;    // multiply-adds per thread, at least
-constexpr int64_t kTileBytes = 1 << 18;  // bytes of M per N tile: stays in L2 while every X row passes over it
-
-// Quantized X, one row per `ld` bytes: qx in 32-byte chunks (the K tail last, see `quantize`),
-// then |qx| in the same layout; sx[r] the row's scale.
-struct QuantizedX {
-  const int8_t* q;
-  const float* sx;
-  int64_t ld, chunks, full;  // full: chunks without the tail
-};
+constexpr int64_t kGrain = 1 << 16;      // multiply-adds per thread, at least
+constexpr int64_t kTileBytes = 1 << 18;  // bytes of packed M per N tile: stays in L2 while every X row passes over it
 
 struct Scratch {
   std::vector<int8_t> bytes;
@@ -44,10 +75,16 @@ inline __m256i quantize32(const float* x, __m256 inv) {
   return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// Each row of X into chunks of qx and |qx|. The K tail (K % 32 values) is one more chunk aligned to
-// end at K: its lanes before the tail are zero, so M is read there as the 32 bytes ending at K.
-void quantize(const float* X, int64_t rows, int64_t ldx, int64_t K, Scratch& s, QuantizedX& out) {
-  const int64_t full = K / 32, chunks = full + (K % 32 != 0), ld = 64 * chunks;
+// Quantized X for the packed kernels, one row per `ld` bytes: qx (K zero-padded to 32), then |qx|.
+struct RowsX {
+  const int8_t* q;
+  const float* sx;
+  int64_t ld, abs_off;
+};
+
+// Each row of X into qx and |qx|, row-major, K zero-padded to 32 (the packed M's padding is zero).
+void quantize_rows(const float* X, int64_t rows, int64_t ldx, int64_t K, Scratch& s, RowsX& out) {
+  const int64_t full = K / 32, padded = 32 * ((K + 31) / 32), ld = 2 * padded;
   s.bytes.resize(rows * ld + 32);
   s.scales.resize(rows);
   int8_t* base = s.bytes.data() + ((32 - reinterpret_cast<uintptr_t>(s.bytes.data()) % 32) % 32);
@@ -66,149 +103,133 @@ void quantize(const float* X, int64_t rows, int64_t ldx, int64_t K, Scratch& s, 
     s.scales[r] = amax / 127.0f;
     const __m256 vinv = _mm256_set1_ps(inv);
     int8_t* q = base + r * ld;
-    int8_t* a = q + 32 * chunks;
+    int8_t* a = q + padded;
     for (int64_t c = 0; c < full; ++c) {
       const __m256i v = quantize32(x + 32 * c, vinv);
       _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * c), v);
       _mm256_store_si256(reinterpret_cast<__m256i*>(a + 32 * c), _mm256_abs_epi8(v));
     }
-    if (chunks > full) {
+    if (padded > 32 * full) {
       alignas(32) int8_t tail[32] = {};
-      const int64_t rem = K - 32 * full;
-      for (int64_t j = 0; j < rem; ++j) tail[32 - rem + j] = int8_t(std::nearbyint(x[32 * full + j] * inv));
+      for (int64_t j = 0; j < K - 32 * full; ++j) tail[j] = int8_t(std::nearbyint(x[32 * full + j] * inv));
       const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
       _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * full), v);
       _mm256_store_si256(reinterpret_cast<__m256i*>(a + 32 * full), _mm256_abs_epi8(v));
     }
   }
-  out = {base, s.scales.data(), ld, chunks, full};
+  out = {base, s.scales.data(), ld, padded};
 }
 
-// 8 int32 lanes each of a[0..3] summed: one int32 per a[i].
-inline __m128i hsum4(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
-  const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
-  return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
 }
 
-// One 32-byte chunk: acc[r][i] += Σ x[r]·w[i] over it, each M vector loaded once for all XR rows.
-template <int MR, int XR>
-__attribute__((always_inline)) inline void step(__m256i (&acc)[XR][MR], const int8_t* w, int64_t ldw, const int8_t* x,
-                                                int64_t ldx, int64_t abs_off) {
+// C[XR rows, NR panels of 8 columns (the last cut at `width`)]: per 4 k, x's 4 bytes broadcast
+// against each panel's [8][4] bytes, so each int32 lane sums one output (no horizontal sums).
+template <int NR, int XR>
+void packed_kernel(const RowsX& qx, int64_t r0, const int8_t* w, int64_t panel_bytes, int64_t groups,
+                   const float* scale, int64_t width, float beta, float* C, int64_t ldc) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256i wv[MR];
-  for (int i = 0; i < MR; ++i) wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * ldw));
-  for (int r = 0; r < XR; ++r) {
-    const __m256i xs = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + r * ldx));
-    const __m256i xa = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + r * ldx + abs_off));
-    for (int i = 0; i < MR; ++i) {
-      const __m256i prod = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv[i], xs));
-      acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(prod, ones));
+  __m256i acc[XR][NR];
+  for (int r = 0; r < XR; ++r)
+    for (int i = 0; i < NR; ++i) acc[r][i] = _mm256_setzero_si256();
+  const int8_t* xq = qx.q + r0 * qx.ld;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i wv[NR];
+    for (int i = 0; i < NR; ++i)
+      wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * panel_bytes + 32 * g));
+    for (int r = 0; r < XR; ++r) {
+      const __m256i xs = broadcast4(xq + r * qx.ld + 4 * g);
+      const __m256i xa = broadcast4(xq + r * qx.ld + qx.abs_off + 4 * g);
+      for (int i = 0; i < NR; ++i) {
+        const __m256i prod = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv[i], xs));
+        acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(prod, ones));
+      }
     }
   }
-}
-
-// C[XR rows, MR cols] from XR quantized X rows and MR rows of M (row i at w + i·ldw, its tail
-// chunk at tw + i·ldt).
-template <int MR, int XR>
-void kernel(const QuantizedX& qx, int64_t r0, const int8_t* w, int64_t ldw, const int8_t* tw, int64_t ldt,
-            const float* scale, float beta, float* C, int64_t ldc) {
-  __m256i acc[XR][MR];
-  for (int r = 0; r < XR; ++r)
-    for (int i = 0; i < MR; ++i) acc[r][i] = _mm256_setzero_si256();
-  const int8_t* xq = qx.q + r0 * qx.ld;
-  const int64_t abs_off = 32 * qx.chunks;
-  for (int64_t c = 0; c < qx.full; ++c) step<MR, XR>(acc, w + 32 * c, ldw, xq + 32 * c, qx.ld, abs_off);
-  if (qx.chunks > qx.full) step<MR, XR>(acc, tw, ldt, xq + 32 * qx.full, qx.ld, abs_off);
   for (int r = 0; r < XR; ++r) {
     const float sx = qx.sx[r0 + r];
     float* c = C + (r0 + r) * ldc;
-    for (int i0 = 0; i0 < MR; i0 += 4) {
-      if (i0 + 4 <= MR) {
-        const __m128i sums = hsum4(acc[r][i0], acc[r][i0 + 1], acc[r][i0 + 2], acc[r][i0 + 3]);
-        __m128 v = _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(sx), _mm_loadu_ps(scale + i0)), _mm_cvtepi32_ps(sums));
+    for (int i = 0; i < NR; ++i) {
+      const int64_t n = kPanel * i;
+      if (n + kPanel <= width) {
+        __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(sx), _mm256_loadu_ps(scale + n)),
+                                 _mm256_cvtepi32_ps(acc[r][i]));
         if (beta != 0) {
           asm("" : "+x"(v));  // v rounded before the add: no fused multiply-add
-          v = _mm_add_ps(v, _mm_mul_ps(_mm_set1_ps(beta), _mm_loadu_ps(c + i0)));
+          v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(beta), _mm256_loadu_ps(c + n)));
         }
-        _mm_storeu_ps(c + i0, v);
+        _mm256_storeu_ps(c + n, v);
       } else {
-        for (int i = i0; i < MR; ++i) {
-          const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc[r][i]), _mm256_extracti128_si256(acc[r][i], 1));
-          const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-          const int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xb1)));
-          float v = sx * scale[i] * float(sum);
+        alignas(32) int32_t sums[kPanel];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sums), acc[r][i]);
+        for (int64_t j = 0; n + j < width; ++j) {
+          float v = sx * scale[n + j] * float(sums[j]);
           asm("" : "+x"(v));
-          c[i] = beta == 0 ? v : v + beta * c[i];
+          c[n + j] = beta == 0 ? v : v + beta * c[n + j];
         }
       }
     }
   }
 }
 
-constexpr int kMR = 4, kXR = 3;  // a block: 4 rows of M times 3 rows of X, 12 accumulators
+constexpr int kNR = 3, kXR = 4;  // a block: 3 panels (24 columns) times 4 rows of X, 12 accumulators
 
-template <int MR>
-inline void kernel_rows(int xr, const QuantizedX& qx, int64_t r0, const int8_t* w, int64_t ldw, const int8_t* tw,
-                        int64_t ldt, const float* scale, float beta, float* C, int64_t ldc) {
+template <int NR>
+inline void packed_rows(int xr, const RowsX& qx, int64_t r0, const int8_t* w, int64_t panel_bytes, int64_t groups,
+                        const float* scale, int64_t width, float beta, float* C, int64_t ldc) {
   switch (xr) {
-    case 1: return kernel<MR, 1>(qx, r0, w, ldw, tw, ldt, scale, beta, C, ldc);
-    case 2: return kernel<MR, 2>(qx, r0, w, ldw, tw, ldt, scale, beta, C, ldc);
-    case 3: return kernel<MR, 3>(qx, r0, w, ldw, tw, ldt, scale, beta, C, ldc);
+    case 1: return packed_kernel<NR, 1>(qx, r0, w, panel_bytes, groups, scale, width, beta, C, ldc);
+    case 2: return packed_kernel<NR, 2>(qx, r0, w, panel_bytes, groups, scale, width, beta, C, ldc);
+    case 3: return packed_kernel<NR, 3>(qx, r0, w, panel_bytes, groups, scale, width, beta, C, ldc);
+    case 4: return packed_kernel<NR, 4>(qx, r0, w, panel_bytes, groups, scale, width, beta, C, ldc);
     default: return;
   }
 }
 
-// Columns [n, n + mr) of rows [r0, r0 + xr), mr ≤ kMR, xr ≤ kXR.
-inline void block(int mr, int xr, const QuantizedX& qx, int64_t r0, const int8_t* w, int64_t ldw, const int8_t* tw,
-                  int64_t ldt, const float* scale, float beta, float* C, int64_t ldc) {
-  switch (mr) {
-    case 1: return kernel_rows<1>(xr, qx, r0, w, ldw, tw, ldt, scale, beta, C, ldc);
-    case 2: return kernel_rows<2>(xr, qx, r0, w, ldw, tw, ldt, scale, beta, C, ldc);
-    case 3: return kernel_rows<3>(xr, qx, r0, w, ldw, tw, ldt, scale, beta, C, ldc);
-    case 4: return kernel_rows<4>(xr, qx, r0, w, ldw, tw, ldt, scale, beta, C, ldc);
+// Columns [0, width) of rows [r0, r0 + xr) from panels w, w + panel_bytes, ...: np ≤ kNR panels.
+inline void packed_block(int np, int xr, const RowsX& qx, int64_t r0, const int8_t* w, int64_t panel_bytes,
+                         int64_t groups, const float* scale, int64_t width, float beta, float* C, int64_t ldc) {
+  switch (np) {
+    case 1: return packed_rows<1>(xr, qx, r0, w, panel_bytes, groups, scale, width, beta, C, ldc);
+    case 2: return packed_rows<2>(xr, qx, r0, w, panel_bytes, groups, scale, width, beta, C, ldc);
+    case 3: return packed_rows<3>(xr, qx, r0, w, panel_bytes, groups, scale, width, beta, C, ldc);
     default: return;
   }
 }
 
 }  // namespace
 
-void qgemm_nt(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M, int64_t N, int64_t K, float beta,
-              float* C, int64_t ldc) {
+void qgemm_nt_packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N,
+                     int64_t K, float beta, float* C, int64_t ldc) {
   if (rows <= 0 || N <= 0) return;
   if (K <= 0) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t n = 0; n < N; ++n) {
-        const float v = 0.0f * M.scale[n] * 0.0f;
+        const float v = 0.0f * scale[n] * 0.0f;
         C[r * ldc + n] = beta == 0 ? v : v + beta * C[r * ldc + n];
       }
     return;
   }
   thread_local Scratch scratch;
-  QuantizedX qx;
-  quantize(X, rows, ldx, K, scratch, qx);
-  const int64_t blocks = (N + kMR - 1) / kMR;
-  const int64_t tile = std::max<int64_t>(1, kTileBytes / (kMR * K));  // blocks of M per N tile
-  const int64_t grain = std::max<int64_t>(1, kGrain / (kMR * K * rows));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    alignas(32) int8_t small[kMR * 32];  // K < 32: rows of M copied right-aligned into 32 bytes
+  RowsX qx;
+  quantize_rows(X, rows, ldx, K, scratch, qx);
+  const int64_t groups = groups_of(K), panel_bytes = groups * 4 * kPanel;
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const int64_t tile = std::max<int64_t>(kNR, kTileBytes / panel_bytes);  // panels per N tile (L2)
+  const int64_t grain = std::max<int64_t>(1, kGrain / (kPanel * K * rows));
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t0 = begin; t0 < end; t0 += tile) {
       const int64_t t1 = std::min(end, t0 + tile);
       for (int64_t r0 = 0; r0 < rows; r0 += kXR) {
         const int xr = int(std::min<int64_t>(kXR, rows - r0));
-        for (int64_t b = t0; b < t1; ++b) {
-          const int64_t n = b * kMR;
-          const int mr = int(std::min<int64_t>(kMR, N - n));
-          const int8_t* w = M.data + n * M.ld;
-          const int8_t* tw = small;
-          int64_t ldt = 32;
-          if (K >= 32) {
-            tw = w + K - 32;
-            ldt = M.ld;
-          } else {
-            std::memset(small, 0, sizeof(small));
-            for (int i = 0; i < mr; ++i) std::memcpy(small + 32 * i + 32 - K, w + i * M.ld, K);
-          }
-          block(mr, xr, qx, r0, w, M.ld, tw, ldt, M.scale + n, beta, C + n, ldc);
+        for (int64_t p = t0; p < t1; p += kNR) {
+          const int np = int(std::min<int64_t>(kNR, t1 - p));
+          const int64_t n = kPanel * p;
+          packed_block(np, xr, qx, r0, packed + p * panel_bytes, panel_bytes, groups, scale + n,
+                       std::min(kPanel * np, N - n), beta, C + n, ldc);
         }
       }
     }
@@ -217,9 +238,10 @@ void qgemm_nt(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M,
 
 #else  // no AVX2: plain loops
 
-void qgemm_nt(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M, int64_t N, int64_t K, float beta,
-              float* C, int64_t ldc) {
-  std::vector<int8_t> q(std::max<int64_t>(K, 0));
+void qgemm_nt_packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N,
+                     int64_t K, float beta, float* C, int64_t ldc) {
+  const int64_t groups = groups_of(K);
+  std::vector<int8_t> q(std::max<int64_t>(4 * groups, 0));
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = X + r * ldx;
     float amax = 0;
@@ -227,10 +249,10 @@ void qgemm_nt(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M,
     const float inv = amax > 0 ? 127.0f / amax : 0.0f, sx = amax / 127.0f;
     for (int64_t k = 0; k < K; ++k) q[k] = int8_t(std::nearbyint(x[k] * inv));
     for (int64_t n = 0; n < N; ++n) {
-      const int8_t* m = M.data + n * M.ld;
+      const int8_t* m = packed + (n / kPanel) * groups * 4 * kPanel + 4 * (n % kPanel);
       int32_t acc = 0;
-      for (int64_t k = 0; k < K; ++k) acc += int32_t(q[k]) * int32_t(m[k]);
-      const float v = sx * M.scale[n] * float(acc);
+      for (int64_t k = 0; k < K; ++k) acc += int32_t(q[k]) * int32_t(m[(k / 4) * 4 * kPanel + k % 4]);
+      const float v = sx * scale[n] * float(acc);
       float* c = C + r * ldc + n;
       *c = beta == 0 ? v : v + beta * *c;
     }

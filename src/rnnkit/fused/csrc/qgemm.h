@@ -20,4 +20,16 @@ struct QuantizedRows {
 void qgemm_nt(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M, int64_t N, int64_t K, float beta,
               float* C, int64_t ldc);
 
+// Bytes of qgemm_pack's layout of an [N, K] matrix: panels of 8 rows, each [ceil(K / 4)][8][4]
+// (4 consecutive k of 8 rows per 32 bytes), N and K zero-padded to whole panels and groups.
+int64_t qgemm_packed_bytes(int64_t N, int64_t K);
+
+// M's values (not its scales) into that layout, once per pass, so that every GEMM of the pass
+// reads 8 outputs' worth of products per vector with no horizontal sums.
+void qgemm_pack(const QuantizedRows& M, int64_t N, int64_t K, int8_t* dest);
+
+// qgemm_nt with M packed by qgemm_pack (scale: M.scale): the same results, bit for bit.
+void qgemm_nt_packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N,
+                     int64_t K, float beta, float* C, int64_t ldc);
+
 }  // namespace rnnkit
