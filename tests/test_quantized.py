@@ -74,10 +74,10 @@ def test_awkward_shapes(mode, options, shape):
     assert_matches_int8_reference(mode, **{**options, **AWKWARD[shape]})
 
 
-@pytest.mark.parametrize("B", [1, 5, 64])  # 1: the matrix-vector path; 64: blocks over batch rows
+@pytest.mark.parametrize("T, B", [(1, 1), (4, 1), (4, 5), (4, 64)])  # T·B = 1: M unpacked; 64: blocks of rows
 @pytest.mark.parametrize("H", [37, 300])  # tails; large enough to split across threads
-def test_kernel_paths(B, H):
-    assert_matches_int8_reference("lstm", T=4, B=B, I=33, H=H, proj_size=11, layer_norm=True)
+def test_kernel_paths(T, B, H):
+    assert_matches_int8_reference("lstm", T=T, B=B, I=33, H=H, proj_size=11, layer_norm=True)
 
 
 def test_segmented_variable_lengths():
@@ -188,6 +188,8 @@ def test_qgemm_is_exact():
         acc = q @ M.long().T
         expected = (amax / 127.0) * scale * acc.float()
         torch.testing.assert_close(C, expected, rtol=1e-6, atol=0)
+        for r in range(min(rows, 2)):  # the one-row kernel on M unpacked: the same bits as the packed one
+            assert torch.equal(extension.qgemv(X[r].contiguous(), M, scale), C[r])
     # the largest products everywhere: sums that would overflow int16 pairs must not saturate
     X = torch.full((4, 512), -2.0)
     M = torch.full((8, 512), -127, dtype=torch.int8)

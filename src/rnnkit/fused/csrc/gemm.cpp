@@ -121,10 +121,15 @@ PackedRight<float>::PackedRight(const float* M, int64_t ldm, bool trans, int64_t
   sgemm_pack_(&id, &ta, &m, &n, &k, &one, M, &ld, storage_.data_ptr<float>());
 }
 
-// int8: qgemm's packed panels, for every batch size (one row included: it reads fewer bytes than M).
+// int8: qgemm's packed panels (faster at every batch size, one row included), unless M is used
+// for only one product (`pack` false: a single step of batch one, the step API), where packing
+// would cost more than it saves and qgemv_rows multiplies M as it is.
 template <>
-PackedRight<float>::PackedRight(const QuantizedRows& M, int64_t rows, int64_t N, int64_t K, const Tensor& like)
-    : rows_(rows), N_(N), K_(K), ldm_(M.ld), quantized_scale_(M.scale) {
+PackedRight<float>::PackedRight(const QuantizedRows& M, int64_t rows, int64_t N, int64_t K, const Tensor& like,
+                                bool pack)
+    : rows_(rows), N_(N), K_(K), ldm_(M.ld), quantized_scale_(M.scale), quantized_(M) {
+  TORCH_CHECK(pack || rows <= 1, "rnnkit fused: unpacked int8 weights take one row, got ", rows);
+  if (!pack || rows == 0) return;
   storage_ = cached_empty({qgemm_packed_bytes(N, K)}, like);
   qgemm_pack(M, N, K, storage_.data_ptr<int8_t>());
 }
@@ -132,6 +137,10 @@ PackedRight<float>::PackedRight(const QuantizedRows& M, int64_t rows, int64_t N,
 template <>
 void PackedRight<float>::multiply(const float* X, int64_t ldx, float beta, float* C, int64_t ldc) const {
   if (rows_ == 0) return;
+  if (quantized_scale_ != nullptr && !storage_.defined()) {
+    qgemv_rows(X, quantized_, N_, K_, beta, C);
+    return;
+  }
   if (quantized_scale_ != nullptr) {
     qgemm_nt_packed(X, rows_, ldx, storage_.data_ptr<int8_t>(), quantized_scale_, N_, K_, beta, C, ldc);
     return;
@@ -153,7 +162,7 @@ PackedRight<double>::PackedRight(const double* M, int64_t ldm, bool trans, int64
     : rows_(rows), N_(N), K_(K), ldm_(ldm), matrix_(M), trans_(trans) {}
 
 template <>
-PackedRight<double>::PackedRight(const QuantizedRows&, int64_t, int64_t, int64_t, const Tensor&) {
+PackedRight<double>::PackedRight(const QuantizedRows&, int64_t, int64_t, int64_t, const Tensor&, bool) {
   TORCH_CHECK(false, "rnnkit fused: int8 weights compute in float32, not float64");
 }
 

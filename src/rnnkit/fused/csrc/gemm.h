@@ -17,8 +17,9 @@ template <typename scalar_t>
 class PackedRight {
  public:
   PackedRight(const scalar_t* M, int64_t ldm, bool trans, int64_t rows, int64_t N, int64_t K, const Tensor& like);
-  // C = X · Mᵀ with M [N, K] int8 per row; `like`: an int8 tensor (the packed buffer's type).
-  PackedRight(const QuantizedRows& M, int64_t rows, int64_t N, int64_t K, const Tensor& like);
+  // C = X · Mᵀ with M [N, K] int8 per row; `like`: an int8 tensor (the packed buffer's type);
+  // `pack` false multiplies M as it is (one row only: a single product does not pay for packing).
+  PackedRight(const QuantizedRows& M, int64_t rows, int64_t N, int64_t K, const Tensor& like, bool pack);
   void multiply(const scalar_t* X, int64_t ldx, scalar_t beta, scalar_t* C, int64_t ldc) const;
 
  private:
@@ -26,7 +27,8 @@ class PackedRight {
   int64_t rows_, N_, K_, ldm_;
   const scalar_t* matrix_ = nullptr;
   bool trans_ = true;
-  const float* quantized_scale_ = nullptr;  // int8 M: its scales (storage_ holds it packed)
+  const float* quantized_scale_ = nullptr;  // int8 M: its scales (storage_ holds it packed, for rows > 1)
+  QuantizedRows quantized_;                  // int8 M as given (used unpacked for a single product)
 };
 
 // C[N] = M[N, K] · x[K] (+ beta · C): one row times Mᵀ, the matrix-vector loop of PackedRight.

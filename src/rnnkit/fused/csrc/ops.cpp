@@ -240,6 +240,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return C;
       },
       "X · Mᵀ through the int8 kernel (X quantized per row)");
+  m.def(
+      "qgemv",
+      [](const at::Tensor& x, const at::Tensor& M, const at::Tensor& scale) {  // x · Mᵀ, one row, unpacked (tests)
+        TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(), "qgemv: x float [K]");
+        TORCH_CHECK(M.dim() == 2 && M.scalar_type() == at::kChar && M.stride(1) == 1 && M.size(1) == x.size(0),
+                    "qgemv: M int8 [N, K]");
+        TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.size(0) == M.size(0) &&
+                        scale.is_contiguous(), "qgemv: scale float [N]");
+        at::Tensor C = at::empty({M.size(0)}, x.options());
+        rnnkit::QuantizedRows q;
+        q.data = M.data_ptr<int8_t>(), q.scale = scale.data_ptr<float>(), q.ld = M.stride(0);
+        rnnkit::qgemv_rows(x.data_ptr<float>(), q, M.size(0), x.size(0), 0, C.data_ptr<float>());
+        return C;
+      },
+      "x · Mᵀ through the one-row int8 kernel (M unpacked)");
   m.def("saved_count", [] { return int(rnnkit::kNumSaved); }, "entries of the saved list");
   py::class_<rnnkit::StepPlan>(m, "StepPlan", "a one-step cell's weights and scalars, fixed (inference)")
       .def("__call__", &rnnkit::StepPlan::call, py::arg("input"), py::arg("hx"));

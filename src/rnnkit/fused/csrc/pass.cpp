@@ -107,7 +107,7 @@ InputSteps::InputSteps(const PassArgs& a, const Tensor& bias, bool training, Ten
     raw_ = new_buffer({n, a.GH}, a.x), mean_ = new_buffer({n, 1}, a.x), rstd_ = new_buffer({n, 1}, a.x);
     raw = raw_, mean = mean_, rstd = rstd_;
   }
-  if (a.quantized()) {
+  if (a.quantized() && a.T * a.B > 1) {  // one row in all (a step of batch one): qgemv_rows, no packing
     packed_W_ = cached_empty({qgemm_packed_bytes(a.GH, a.I)}, a.W);
     qgemm_pack(a.quantized_rows(kW, 0), a.GH, a.I, packed_W_.data_ptr<int8_t>());
   }
@@ -121,7 +121,10 @@ void InputSteps::compute_chunk(int64_t s) {
   Tensor out = out_.narrow(0, row0, rows);
   const bool ln = a_.ln_x_gain.defined();
   Tensor raw = ln ? (raw_.defined() ? raw_.narrow(0, row0, rows) : out) : out;  // inference normalizes in place
-  if (a_.quantized()) {  // int8 W: x quantized per row
+  if (a_.quantized() && !packed_W_.defined()) {  // int8 W, one row
+    qgemv_rows(x2.data_ptr<float>(), a_.quantized_rows(kW, 0), a_.GH, a_.I, 0, raw.data_ptr<float>());
+    if (!ln && bias_.defined()) out.add_(bias_);
+  } else if (a_.quantized()) {  // int8 W: x quantized per row
     qgemm_nt_packed(x2.data_ptr<float>(), rows, a_.I, packed_W_.data_ptr<int8_t>(), a_.W_scale.data_ptr<float>(), a_.GH,
                     a_.I, 0, raw.data_ptr<float>(), a_.GH);
     if (!ln && bias_.defined()) out.add_(bias_);

@@ -113,7 +113,8 @@ PackedRight<scalar_t> right_operand(const PassArgs& a, WeightSlot slot, int64_t 
                                     int64_t N, int64_t K, const Tensor& like) {
   if (a.quantized()) {
     TORCH_CHECK(trans, "rnnkit fused: int8 weights are for inference (no backward)");
-    return PackedRight<scalar_t>(a.quantized_rows(slot, first_row), rows, N, K, a.weight(slot));
+    const bool once = a.T == 1 && rows == 1;  // a single product (one step of batch one): not worth packing
+    return PackedRight<scalar_t>(a.quantized_rows(slot, first_row), rows, N, K, a.weight(slot), !once);
   }
   const Tensor& M = a.weight(slot);
   const int64_t ld = M.size(1);

@@ -202,6 +202,57 @@ inline void packed_block(int np, int xr, const RowsX& qx, int64_t r0, const int8
 
 }  // namespace
 
+// Four rows of M at a time against the one quantized row: sign trick per 32 bytes, then one
+// horizontal sum per output; M's last partial 32 bytes go through a zeroed copy (never read past K).
+void qgemv_rows(const float* x, const QuantizedRows& M, int64_t N, int64_t K, float beta, float* C) {
+  if (N <= 0) return;
+  if (K <= 0) return qgemm_nt_packed(x, 1, K, nullptr, M.scale, N, K, beta, C, N);
+  thread_local Scratch scratch;
+  RowsX qx;
+  quantize_rows(x, 1, K, K, scratch, qx);
+  const int64_t chunks = (K + 31) / 32, full = K / 32, tail = K - 32 * full;
+  const float sx = qx.sx[0];
+  const __m256i ones = _mm256_set1_epi16(1);
+  // Σ_k q[k]·m_j[k] for the R ≤ 4 rows m_j = m + j·ld, into out[j].
+  const auto row_sums = [&](const int8_t* m, int R, int32_t* out) {
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(qx.q + 32 * c));
+      const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(qx.q + qx.abs_off + 32 * c));
+      for (int j = 0; j < R; ++j) {
+        const int8_t* row = m + j * M.ld + 32 * c;
+        __m256i w;
+        if (c < full) {
+          w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+        } else {
+          alignas(32) int8_t part[32] = {};
+          std::memcpy(part, row, tail);
+          w = _mm256_load_si256(reinterpret_cast<const __m256i*>(part));
+        }
+        acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(w, q)), ones));
+      }
+    }
+    for (int j = 0; j < R; ++j) {
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(acc[j]), _mm256_extracti128_si256(acc[j], 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+      out[j] = _mm_cvtsi128_si32(t);
+    }
+  };
+  at::parallel_for(0, (N + 3) / 4, std::max<int64_t>(1, kGrain / (4 * K)), [&](int64_t begin, int64_t end) {
+    for (int64_t n = 4 * begin; n < std::min(N, 4 * end); n += 4) {
+      const int R = int(std::min<int64_t>(4, N - n));
+      int32_t sums[4];
+      row_sums(M.data + n * M.ld, R, sums);
+      for (int j = 0; j < R; ++j) {
+        float v = sx * M.scale[n + j] * float(sums[j]);
+        asm("" : "+x"(v));  // v rounded before the add: no fused multiply-add
+        C[n + j] = beta == 0 ? v : v + beta * C[n + j];
+      }
+    }
+  });
+}
+
 void qgemm_nt_packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N,
                      int64_t K, float beta, float* C, int64_t ldc) {
   if (rows <= 0 || N <= 0) return;
@@ -256,6 +307,21 @@ void qgemm_nt_packed(const float* X, int64_t rows, int64_t ldx, const int8_t* pa
       float* c = C + r * ldc + n;
       *c = beta == 0 ? v : v + beta * *c;
     }
+  }
+}
+
+void qgemv_rows(const float* x, const QuantizedRows& M, int64_t N, int64_t K, float beta, float* C) {
+  std::vector<int8_t> q(std::max<int64_t>(K, 0));
+  float amax = 0;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(x[k]));
+  const float inv = amax > 0 ? 127.0f / amax : 0.0f, sx = amax / 127.0f;
+  for (int64_t k = 0; k < K; ++k) q[k] = int8_t(std::nearbyint(x[k] * inv));
+  for (int64_t n = 0; n < N; ++n) {
+    const int8_t* m = M.data + n * M.ld;
+    int32_t acc = 0;
+    for (int64_t k = 0; k < K; ++k) acc += int32_t(q[k]) * int32_t(m[k]);
+    const float v = sx * M.scale[n] * float(acc);
+    C[n] = beta == 0 ? v : v + beta * C[n];
   }
 }
 

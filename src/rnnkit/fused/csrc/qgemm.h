@@ -28,6 +28,11 @@ int64_t qgemm_packed_bytes(int64_t N, int64_t K);
 // reads 8 outputs' worth of products per vector with no horizontal sums.
 void qgemm_pack(const QuantizedRows& M, int64_t N, int64_t K, int8_t* dest);
 
+// qgemm_nt of one row of X, straight off row-major M (no packing): for passes of a single row
+// (a one-step call of batch one), where packing M would cost more than the product. Bit for bit
+// the same results.
+void qgemv_rows(const float* x, const QuantizedRows& M, int64_t N, int64_t K, float beta, float* C);
+
 // qgemm_nt with M packed by qgemm_pack (scale: M.scale): the same results, bit for bit.
 void qgemm_nt_packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N,
                      int64_t K, float beta, float* C, int64_t ldc);
