@@ -34,7 +34,7 @@ from . import functional
 from . import nn as float_nn
 from .nn import _Cell, _PackedModule, _Recurrent, check_cell_input, sequence_call
 from .params import Layout, PassWeights
-from .passes import PASS_ARGUMENTS, _direct, mask_tensors, pass_scalars, pass_values
+from .passes import PASS_ARGUMENTS, _direct, mask_tensors, named, output_shapes, pass_scalars, pass_values
 
 MATRICES = ("weight_ih", "weight_hh", "weight_hr")  # the pieces stored int8, each with a "_scale"
 
@@ -75,11 +75,9 @@ def _int8_pass(*values):
 
 
 def _int8_pass_fake(*values):
-    args = dict(zip(_NAMES, values))
-    x, R, W_hr, c0 = args["x"], args["R"], args["W_hr"], args["c0"]
-    Hr = R.shape[1]
-    H = W_hr.shape[1] if W_hr is not None else (c0.shape[1] if c0 is not None else Hr)
-    T, B = x.shape[:2]
+    args = named(values, _NAMES)
+    x = args["x"]
+    T, B, H, Hr = output_shapes(args)
     c_n = x.new_empty(B, H) if args["mode"] == "lstm" else x.new_empty(0)
     return x.new_empty(T, B, Hr), x.new_empty(B, Hr), c_n
 
@@ -176,17 +174,13 @@ class _Quantized(nn.Module):
         return ", ".join(parts + ["weights=int8"])
 
 
-def _leaves(hx):
-    return [t for part in (hx if isinstance(hx, (list, tuple)) else [hx]) for t in (part if isinstance(part, (list, tuple)) else [part])]
-
-
 class _QuantizedStack(_Quantized):
     _FLOAT = _Recurrent
 
     def forward(self, input, hx=None, lengths=None):
         """As the float module's call (input, hx, lengths; PackedSequence), in evaluation mode."""
         data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
-        self._check_call([data, *_leaves(hx)])
+        self._check_call([data, *functional._leaves(hx)])
         return sequence_call(self._run, input, hx, lengths, self.spec.batch_first)
 
     def _run(self, input, hx, lengths, batch_first):
@@ -201,7 +195,7 @@ class _QuantizedCell(_Quantized):
     def forward(self, input, hx=None):
         """One step, as the float cell's call (input (B, I) or (I,); hx as the cell takes it)."""
         check_cell_input(self.spec, input)
-        self._check_call([input, *_leaves(hx)])
+        self._check_call([input, *functional._leaves(hx)])
         plan = self._plan() if _direct(input) else None
         if plan is not None:
             out = plan(input, hx)
