@@ -61,6 +61,12 @@ PassArgs pass_args(RNNKIT_PASS_PARAMETERS, const Tensor& W_scale = Tensor(), con
   return a;
 }
 
+// A pass's forward by its cell family (the caller has released the GIL).
+ForwardResult forward(const PassArgs& a, bool training) {
+  if (a.mode == "lstm") return lstm_forward(a, training);
+  return a.mode == "gru" ? gru_forward(a, training) : rnn_forward(a, training);
+}
+
 // Undefined results become empty tensors: an op returns tensors, never None.
 Tensor or_empty(const Tensor& t, const Tensor& like) { return t.defined() ? t : at::empty({0}, like.options()); }
 
@@ -72,13 +78,7 @@ py::tuple pass_forward(RNNKIT_PASS_PARAMETERS, bool training) {
   ForwardResult out;
   {
     py::gil_scoped_release no_gil;
-    if (a.mode == "lstm") {
-      out = lstm_forward(a, training);
-    } else if (a.mode == "gru") {
-      out = gru_forward(a, training);
-    } else {
-      out = rnn_forward(a, training);
-    }
+    out = forward(a, training);
   }
   std::vector<Tensor> saved;
   for (size_t i = 3; i < out.size(); ++i) saved.push_back(or_empty(out[i], a.x));
@@ -122,7 +122,7 @@ py::tuple pass_forward_int8(RNNKIT_PASS_PARAMETERS, const Tensor& W_scale, const
   ForwardResult out;
   {
     py::gil_scoped_release no_gil;
-    out = a.mode == "lstm" ? lstm_forward(a, false) : (a.mode == "gru" ? gru_forward(a, false) : rnn_forward(a, false));
+    out = forward(a, false);
   }
   return py::make_tuple(out[0], out[1], or_empty(out[2], a.x));
 }
@@ -175,7 +175,7 @@ class StepPlan {
     ForwardResult out;
     {
       py::gil_scoped_release no_gil;
-      out = lstm ? lstm_forward(a, false) : (a.mode == "gru" ? gru_forward(a, false) : rnn_forward(a, false));
+      out = forward(a, false);
     }
     Tensor h = unbatched ? out[1][0] : out[1];
     if (!lstm) return py::cast(h);
