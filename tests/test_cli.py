@@ -610,6 +610,26 @@ def test_doctor(capsys):
         assert word in out
 
 
+def test_doctor_names_the_int8_kernels_that_run(capsys):
+    import rnnkit
+
+    expected = rnnkit.quantized.int8_kernel()  # builds the fused kernels if need be: the doctor then asks them
+    status, out, _ = run(capsys, "doctor")
+    line = next(line for line in out.splitlines() if line.startswith("int8"))
+    assert f"{expected} kernels (in use)" in line and rnnkit.quantized.INT8_KERNELS[expected] in line
+
+
+def test_expected_int8_kernel():
+    from rnnkit.app.machine import expected_int8_kernel
+
+    assert expected_int8_kernel(["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"], "AVX512") == "avx512-vnni"
+    assert expected_int8_kernel(["avx2", "fma", "avx512f", "avx512_vnni"], "AVX512") == "avx2"  # no VL: no 256-bit vpdpbusd
+    assert expected_int8_kernel(["avx2", "fma", "avx_vnni"], "AVX2") == "avx-vnni"
+    assert expected_int8_kernel(["avx2", "fma"], "AVX2") == "avx2"
+    assert expected_int8_kernel(["avx2", "avx_vnni"], "DEFAULT") == "scalar"  # torch without AVX2: a build without it
+    assert expected_int8_kernel(None, "AVX2") == "avx2"
+
+
 def test_bench_is_wired(capsys):
     status, out, _ = run(capsys, "bench", "--help")
     assert status == 0 and "usage: rnnkit bench" in out and "--step" in out

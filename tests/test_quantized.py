@@ -11,8 +11,12 @@ Kernel buffers are NaN-poisoned as in test_fused.py.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -183,6 +187,10 @@ def test_qgemm_is_exact():
         M[0, :] = 127
         scale = torch.rand(N) + 0.1
         C = extension.qgemm(X, M, scale)
+        for name in extension.int8_kernels():  # every kernel this CPU runs, emulated VNNI among them
+            with int8_kernel(name):
+                assert torch.equal(extension.qgemm(X, M, scale), C), name
+                assert torch.equal(extension.qgemv(X[-1].contiguous(), M, scale), C[-1]), name
         amax = X.abs().amax(1, keepdim=True)
         q = torch.round(X * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))).long()
         acc = q @ M.long().T
@@ -193,8 +201,66 @@ def test_qgemm_is_exact():
     # the largest products everywhere: sums that would overflow int16 pairs must not saturate
     X = torch.full((4, 512), -2.0)
     M = torch.full((8, 512), -127, dtype=torch.int8)
-    C = extension.qgemm(X, M, torch.ones(8))
-    torch.testing.assert_close(C, torch.full((4, 8), 2.0 / 127 * 127 * 127 * 512))
+    for name in extension.int8_kernels():
+        with int8_kernel(name):
+            C = extension.qgemm(X, M, torch.ones(8))
+            torch.testing.assert_close(C, torch.full((4, 8), 2.0 / 127 * 127 * 127 * 512))
+
+
+@contextlib.contextmanager
+def int8_kernel(name):
+    """Run the int8 products on `name`'s kernels inside the block."""
+    previous = build.extension().set_int8_kernel(name)
+    try:
+        yield
+    finally:
+        build.extension().set_int8_kernel(previous)
+
+
+def test_every_int8_kernel_gives_the_same_bits():
+    """The kernels differ in instructions only (VNNI: unsigned x + 128 less 128·Σw; AVX2: |x| and
+    sign(w, x)); whole models give identical outputs on each, batched (packed M), one row
+    (unpacked M) and one-step cells. VNNI's own instructions run only on a CPU that has them; the
+    emulated kernel runs their arithmetic everywhere."""
+    extension = build.extension()
+    names = extension.int8_kernels()
+    assert "emulated-vnni" in names or names == ["scalar"]
+    module, q = quantized_pair("lstm", I=37, H=45, num_layers=2, bidirectional=True, peephole=True,
+                               layer_norm=True, proj_size=13)
+    cell = rnnkit.quantize(rnnkit.GRUCell(37, 29).eval())
+    x, lengths, step = torch.randn(7, 5, 37), torch.tensor([7, 2, 5, 7, 1]), torch.randn(1, 37)
+    with torch.no_grad():
+        expected = q(x, lengths=lengths)[0], q(x[:1, :1])[0], cell(step)
+        for name in names:
+            with int8_kernel(name):
+                got = q(x, lengths=lengths)[0], q(x[:1, :1])[0], cell(step)
+            for a, b in zip(got, expected):
+                assert torch.equal(a, b), name
+
+
+def test_int8_kernel_choice(monkeypatch):
+    """The CPU's fastest kernels run (what the doctor foretells from /proc/cpuinfo); a name this
+    CPU cannot run, or an unknown one, is a ValueError, from the setter and from $RNNKIT_INT8_KERNEL."""
+    from rnnkit.app import machine
+
+    extension = build.extension()
+    assert rnnkit.quantized.int8_kernel() in rnnkit.quantized.INT8_KERNELS
+    if machine.cpu_flags() is not None:
+        assert rnnkit.quantized.int8_kernel() == machine.expected_int8_kernel(
+            machine.cpu_flags(), torch.backends.cpu.get_cpu_capability())
+    for name in set(rnnkit.quantized.INT8_KERNELS) - set(extension.int8_kernels()) - {"scalar"}:
+        with pytest.raises(ValueError, match=f"'{name}' needs instructions this CPU does not have"):
+            extension.set_int8_kernel(name)
+    with pytest.raises(ValueError, match="expected 'auto', avx512-vnni, .*got 'sse'"):
+        extension.set_int8_kernel("sse")
+    assert extension.int8_kernel() == rnnkit.quantized.int8_kernel()  # a refused name changes nothing
+    script = ("import torch, rnnkit; q = rnnkit.quantize(rnnkit.LSTM(4, 6).eval()); "
+              "q(torch.randn(3, 2, 4)); print(rnnkit.quantized.int8_kernel())")
+    chosen = extension.int8_kernels()[-1]
+    for value, expected in ((chosen, chosen), ("sse", "RNNKIT_INT8_KERNEL: expected 'auto'")):
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "RNNKIT_INT8_KERNEL": value})
+        assert expected in (result.stdout if value == chosen else result.stderr), result.stderr[-2000:]
 
 
 # ---- the module's contract ----------------------------------------------------------------------

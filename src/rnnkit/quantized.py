@@ -14,8 +14,8 @@ function (no dropout; zoneout's expectation) whatever its ``training`` flag.
 
 The kernels are the fused CPU passes (rnnkit/fused) with int8 weights: the custom op
 ``rnnkit::fused_int8_pass`` (compile- and export-clean). Its GEMM is exact integer arithmetic
-(csrc/qgemm.cpp: AVX2 where the CPU has it, plain loops otherwise), so every CPU computes the
-same values.
+(csrc/qgemm.cpp: VNNI's vpdpbusd where the CPU has it, else AVX2, else plain loops; see
+`int8_kernel`), so every CPU computes the same values.
 
 Example:
     >>> lstm = rnnkit.LSTM(64, 128, num_layers=2, peephole=True).eval()
@@ -279,12 +279,25 @@ _QUANTIZED = {float_nn.LSTM: LSTM, float_nn.GRU: GRU, float_nn.RNN: RNN, float_n
               float_nn.GRUCell: GRUCell, float_nn.RNNCell: RNNCell}
 
 
-def kernel_path() -> str:
-    """Which int8 GEMM the fused kernels are built with on this CPU (decided by the build's flags,
-    which follow torch's CPU capability; nothing is built or loaded to answer)."""
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        return "AVX2 int8 kernels (vpmaddubsw / vpmaddwd, exact int32 sums)"
-    return "plain C++ loops (no AVX2 on this CPU: correct, slower)"
+#: The int8 GEMM kernels (csrc/qgemm.cpp), by the names `int8_kernel` and $RNNKIT_INT8_KERNEL use.
+#: Every one sums the same products exactly in int32: they give the same outputs bit for bit.
+INT8_KERNELS = {
+    "avx512-vnni": "AVX512-VNNI: vpdpbusd on x + 128 as unsigned bytes, less 128·Σw",
+    "avx-vnni": "AVX-VNNI: vpdpbusd (VEX) on x + 128 as unsigned bytes, less 128·Σw",
+    "avx2": "AVX2: vpmaddubsw on |x| and sign(w, x), pairs summed by vpmaddwd",
+    "emulated-vnni": "the VNNI kernels' arithmetic in AVX2 instructions (for tests on CPUs without VNNI)",
+    "scalar": "plain C++ loops (a build without AVX2: correct, slower)",
+}
+
+
+def int8_kernel() -> str:
+    """The int8 GEMM kernels `quantize`'s modules run on (a key of `INT8_KERNELS`): the fastest
+    this CPU has (AVX512-VNNI, then AVX-VNNI, then AVX2), or the one $RNNKIT_INT8_KERNEL names
+    (read at the first int8 product; a ValueError if this CPU cannot run it). Loads the fused
+    kernels, building them on first use."""
+    from .fused import build
+
+    return build.extension().int8_kernel()
 
 
 def dynamic_quant_mapping() -> dict:

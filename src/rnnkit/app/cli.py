@@ -449,6 +449,27 @@ def _eval(args) -> int:
 
 # ---- doctor ------------------------------------------------------------------------------
 
+def _int8_kernel_line() -> str:
+    """Which int8 kernels run: asked of the fused kernels where they are built (loading them), else
+    foretold from the CPU's features (the doctor builds nothing)."""
+    from rnnkit.fused import build
+
+    state = build.status()
+    if state == "loaded" or state.startswith("built"):
+        try:
+            name = rnnkit.quantized.int8_kernel()
+        except (RuntimeError, ValueError) as error:  # a failed load, or a bad $RNNKIT_INT8_KERNEL
+            return f"unavailable ({error})"
+        how = "in use"
+    else:
+        name = machine.expected_int8_kernel(machine.cpu_flags(), torch.backends.cpu.get_cpu_capability())
+        how = "expected; the fused kernels are not built yet"
+    flags = machine.cpu_flags() or []
+    vnni = [f for f in ("avx512_vnni", "avx_vnni") if f in flags]
+    return (f"{name} kernels ({how}): {rnnkit.quantized.INT8_KERNELS[name]}; "
+            + (f"this CPU has {', '.join(vnni)}" if vnni else "no VNNI on this CPU"))
+
+
 def _doctor(args) -> int:
     import numpy
 
@@ -463,10 +484,7 @@ def _doctor(args) -> int:
     print(f"cuda     {torch.cuda.is_available()}" + (f" ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else ""))
     print(f"cpu      {machine.cpu_model()} ({', '.join(machine.cpu_flags() or []) or 'no AVX2'}); torch dispatches to {torch.backends.cpu.get_cpu_capability()}; "
           f"oneDNN bf16 {'yes' if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 'no'}")
-    flags = machine.cpu_flags() or []
-    vnni = [f for f in ("avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
-    print(f"int8     rnnkit.quantize: {rnnkit.quantized.kernel_path()}; "
-          + (f"{', '.join(vnni)} present, not used yet" if vnni else "no VNNI on this CPU"))
+    print(f"int8     rnnkit.quantize: {_int8_kernel_line()}")
     print("bf16     fused CPU backend: bfloat16 weights and inputs computed in float32 (no bf16 GEMM kernels yet); "
           f"{'this CPU has' if machine.has_bf16() else 'no'} bf16 instructions")
     print("backends (auto takes, in this order, the first that can run the configuration; one-step calls on "

@@ -7,7 +7,8 @@ import platform
 from pathlib import Path
 from typing import List, Optional
 
-SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile",
+              "amx_bf16", "amx_int8")
 
 
 def _field(name: str) -> Optional[str]:
@@ -36,3 +37,14 @@ def has_bf16() -> Optional[bool]:
     """Whether the CPU has bfloat16 instructions (AVX512_BF16 or AMX-BF16); None where unknown."""
     flags = cpu_flags()
     return None if flags is None else ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+def expected_int8_kernel(flags: Optional[List[str]], torch_capability: str) -> str:
+    """The int8 kernels `rnnkit.quantized.int8_kernel()` will report once the fused kernels are
+    built (they follow torch's CPU capability, then pick by the CPU's features), without building them."""
+    if torch_capability not in ("AVX2", "AVX512"):
+        return "scalar"
+    present = set(flags or ())
+    if {"avx512_vnni", "avx512vl", "avx512bw"} <= present:
+        return "avx512-vnni"
+    return "avx-vnni" if "avx_vnni" in present else "avx2"

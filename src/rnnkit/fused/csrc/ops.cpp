@@ -213,6 +213,19 @@ StepPlan make_step_plan(RNNKIT_PASS_PARAMETERS, const OptTensor& W_scale, const 
 }
 
 }  // namespace
+
+// The test bindings' operands: X float [rows, K] (unit stride), M int8 [N, K], scale float [N].
+QuantizedRows int8_operands(const char* who, const at::Tensor& X, const at::Tensor& M, const at::Tensor& scale) {
+  TORCH_CHECK(X.dim() == 2 && X.scalar_type() == at::kFloat && X.stride(1) == 1, who, ": x float [rows, K]");
+  TORCH_CHECK(M.dim() == 2 && M.scalar_type() == at::kChar && M.stride(1) == 1 && M.size(1) == X.size(1), who,
+              ": M int8 [N, K]");
+  TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.size(0) == M.size(0) &&
+                  scale.is_contiguous(), who, ": scale float [N]");
+  QuantizedRows q;
+  q.data = M.data_ptr<int8_t>(), q.scale = scale.data_ptr<float>(), q.ld = M.stride(0);
+  return q;
+}
+
 }  // namespace rnnkit
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -227,14 +240,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "qgemm",
       [](const at::Tensor& X, const at::Tensor& M, const at::Tensor& scale) {  // X · Mᵀ, int8 M (tests)
-        TORCH_CHECK(X.dim() == 2 && X.scalar_type() == at::kFloat && X.stride(1) == 1, "qgemm: X float [rows, K]");
-        TORCH_CHECK(M.dim() == 2 && M.scalar_type() == at::kChar && M.stride(1) == 1 && M.size(1) == X.size(1),
-                    "qgemm: M int8 [N, K]");
-        TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.size(0) == M.size(0) &&
-                        scale.is_contiguous(), "qgemm: scale float [N]");
+        const rnnkit::QuantizedRows q = rnnkit::int8_operands("qgemm", X, M, scale);
         at::Tensor C = at::empty({X.size(0), M.size(0)}, X.options());
-        rnnkit::QuantizedRows q;
-        q.data = M.data_ptr<int8_t>(), q.scale = scale.data_ptr<float>(), q.ld = M.stride(0);
         rnnkit::qgemm_nt(X.data_ptr<float>(), X.size(0), X.stride(0), q, M.size(0), X.size(1), 0, C.data_ptr<float>(),
                          M.size(0));
         return C;
@@ -243,18 +250,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "qgemv",
       [](const at::Tensor& x, const at::Tensor& M, const at::Tensor& scale) {  // x · Mᵀ, one row, unpacked (tests)
-        TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(), "qgemv: x float [K]");
-        TORCH_CHECK(M.dim() == 2 && M.scalar_type() == at::kChar && M.stride(1) == 1 && M.size(1) == x.size(0),
-                    "qgemv: M int8 [N, K]");
-        TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.size(0) == M.size(0) &&
-                        scale.is_contiguous(), "qgemv: scale float [N]");
+        const rnnkit::QuantizedRows q = rnnkit::int8_operands("qgemv", x.view({1, -1}), M, scale);
         at::Tensor C = at::empty({M.size(0)}, x.options());
-        rnnkit::QuantizedRows q;
-        q.data = M.data_ptr<int8_t>(), q.scale = scale.data_ptr<float>(), q.ld = M.stride(0);
         rnnkit::qgemv_rows(x.data_ptr<float>(), q, M.size(0), x.size(0), 0, C.data_ptr<float>());
         return C;
       },
       "x · Mᵀ through the one-row int8 kernel (M unpacked)");
+  m.def("int8_kernel", [] { return std::string(rnnkit::int8_kernel()); },
+        "the int8 kernels in use: avx512-vnni, avx-vnni, avx2 or scalar");
+  m.def("int8_kernels", &rnnkit::int8_kernels, "the int8 kernels this CPU can run");
+  m.def("set_int8_kernel", &rnnkit::set_int8_kernel, py::arg("name"),
+        "use these int8 kernels from now on ('auto': the CPU's choice); returns the previous name");
   m.def("saved_count", [] { return int(rnnkit::kNumSaved); }, "entries of the saved list");
   py::class_<rnnkit::StepPlan>(m, "StepPlan", "a one-step cell's weights and scalars, fixed (inference)")
       .def("__call__", &rnnkit::StepPlan::call, py::arg("input"), py::arg("hx"));

@@ -1,11 +1,18 @@
 // int8 GEMMs of quantized inference (qgemm.h): M packed into panels of 8 rows × 4 k per vector,
-// so AVX2 byte products accumulate 8 outputs per int32 vector with no horizontal sums.
+// so byte products accumulate 8 outputs per int32 vector with no horizontal sums. One kernel
+// source (qgemm_kernels.h) is compiled per instruction set: AVX2 (vpmaddubsw on |x| and
+// sign(w, x)), AVX512-VNNI and AVX-VNNI (vpdpbusd on x + 128, less 128·Σw), and plain loops
+// without AVX2; the CPU picks one at run time. All sum the same products exactly in int32, so
+// every kernel gives the same results bit for bit.
 #include "qgemm.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -20,25 +27,46 @@ namespace {
 constexpr int64_t kPanel = 8;  // rows of M per panel: one int32 vector of outputs
 
 inline int64_t groups_of(int64_t K) { return (K + 3) / 4; }
+inline int64_t panels_of(int64_t N) { return (N + kPanel - 1) / kPanel; }
+
+// After the panels: Σ_k M[n, k] for each n of the padded N, as int32 (the VNNI kernels' correction).
+inline const int32_t* packed_sums(const int8_t* packed, int64_t N, int64_t K) {
+  return reinterpret_cast<const int32_t*>(packed + panels_of(N) * groups_of(K) * 4 * kPanel);
+}
+
+struct Int8Kernels {
+  const char* name;
+  void (*gemv)(const float* x, const QuantizedRows& M, int64_t N, int64_t K, float beta, float* C);
+  void (*packed)(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N,
+                 int64_t K, float beta, float* C, int64_t ldc);
+  bool (*runs_here)();
+  bool automatic;  // chosen by "auto" when it runs here (the first such in kKernels' order)
+};
 
 }  // namespace
 
 int64_t qgemm_packed_bytes(int64_t N, int64_t K) {
-  return (N + kPanel - 1) / kPanel * groups_of(K) * 4 * kPanel;
+  return panels_of(N) * (groups_of(K) * 4 * kPanel + kPanel * int64_t(sizeof(int32_t)));
 }
 
-// dest[p][g][j][b] = M[8p + j, 4g + b], zero outside [N, K].
+// dest[p][g][j][b] = M[8p + j, 4g + b], zero outside [N, K]; then the row sums.
 void qgemm_pack(const QuantizedRows& M, int64_t N, int64_t K, int8_t* dest) {
-  const int64_t groups = groups_of(K), panels = (N + kPanel - 1) / kPanel, full = K / 4;
+  const int64_t groups = groups_of(K), panels = panels_of(N), full = K / 4;
+  int8_t* sums = dest + panels * groups * 4 * kPanel;
   at::parallel_for(0, panels, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1))),
                    [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       int8_t* panel = dest + p * groups * 4 * kPanel;
       std::memset(panel, 0, groups * 4 * kPanel);
-      for (int64_t j = 0; j < kPanel && kPanel * p + j < N; ++j) {
-        const int8_t* m = M.data + (kPanel * p + j) * M.ld;
-        for (int64_t g = 0; g < full; ++g) std::memcpy(panel + g * 4 * kPanel + 4 * j, m + 4 * g, 4);
-        for (int64_t k = 4 * full; k < K; ++k) panel[full * 4 * kPanel + 4 * j + k - 4 * full] = m[k];
+      for (int64_t j = 0; j < kPanel; ++j) {
+        int32_t sum = 0;
+        if (kPanel * p + j < N) {
+          const int8_t* m = M.data + (kPanel * p + j) * M.ld;
+          for (int64_t g = 0; g < full; ++g) std::memcpy(panel + g * 4 * kPanel + 4 * j, m + 4 * g, 4);
+          for (int64_t k = 4 * full; k < K; ++k) panel[full * 4 * kPanel + 4 * j + k - 4 * full] = m[k];
+          for (int64_t k = 0; k < K; ++k) sum += m[k];
+        }
+        std::memcpy(sums + (kPanel * p + j) * int64_t(sizeof(int32_t)), &sum, sizeof(sum));
       }
     }
   });
@@ -59,6 +87,7 @@ namespace {
 
 constexpr int64_t kGrain = 1 << 16;      // multiply-adds per thread, at least
 constexpr int64_t kTileBytes = 1 << 18;  // bytes of packed M per N tile: stays in L2 while every X row passes over it
+constexpr int kNR = 3, kXR = 4;          // a block: 3 panels (24 columns) times 4 rows of X, 12 accumulators
 
 struct Scratch {
   std::vector<int8_t> bytes;
@@ -75,14 +104,22 @@ inline __m256i quantize32(const float* x, __m256 inv) {
   return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// Quantized X for the packed kernels, one row per `ld` bytes: qx (K zero-padded to 32), then |qx|.
+// Quantized X for the kernels, one row per `ld` bytes: qx (K zero-padded to 32), then its
+// companion bytes at abs_off: |qx|, or qx + 128 as unsigned bytes (`offset`).
 struct RowsX {
   const int8_t* q;
   const float* sx;
   int64_t ld, abs_off;
 };
 
-// Each row of X into qx and |qx|, row-major, K zero-padded to 32 (the packed M's padding is zero).
+template <bool offset>
+inline __m256i companion(__m256i q) {
+  return offset ? _mm256_xor_si256(q, _mm256_set1_epi8(int8_t(0x80))) : _mm256_abs_epi8(q);
+}
+
+// Each row of X into qx and its companion, row-major, K zero-padded to 32 (the packed M's padding
+// is zero, so the padding's products are zero whatever the companion byte).
+template <bool offset>
 void quantize_rows(const float* X, int64_t rows, int64_t ldx, int64_t K, Scratch& s, RowsX& out) {
   const int64_t full = K / 32, padded = 32 * ((K + 31) / 32), ld = 2 * padded;
   s.bytes.resize(rows * ld + 32);
@@ -107,14 +144,14 @@ void quantize_rows(const float* X, int64_t rows, int64_t ldx, int64_t K, Scratch
     for (int64_t c = 0; c < full; ++c) {
       const __m256i v = quantize32(x + 32 * c, vinv);
       _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * c), v);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(a + 32 * c), _mm256_abs_epi8(v));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(a + 32 * c), companion<offset>(v));
     }
     if (padded > 32 * full) {
       alignas(32) int8_t tail[32] = {};
       for (int64_t j = 0; j < K - 32 * full; ++j) tail[j] = int8_t(std::nearbyint(x[32 * full + j] * inv));
       const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
       _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * full), v);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(a + 32 * full), _mm256_abs_epi8(v));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(a + 32 * full), companion<offset>(v));
     }
   }
   out = {base, s.scales.data(), ld, padded};
@@ -126,179 +163,102 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// C[XR rows, NR panels of 8 columns (the last cut at `width`)]: per 4 k, x's 4 bytes broadcast
-// against each panel's [8][4] bytes, so each int32 lane sums one output (no horizontal sums).
-template <int NR, int XR>
-void packed_kernel(const RowsX& qx, int64_t r0, const int8_t* w, int64_t panel_bytes, int64_t groups,
-                   const float* scale, int64_t width, float beta, float* C, int64_t ldc) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i acc[XR][NR];
-  for (int r = 0; r < XR; ++r)
-    for (int i = 0; i < NR; ++i) acc[r][i] = _mm256_setzero_si256();
-  const int8_t* xq = qx.q + r0 * qx.ld;
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i wv[NR];
-    for (int i = 0; i < NR; ++i)
-      wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * panel_bytes + 32 * g));
-    for (int r = 0; r < XR; ++r) {
-      const __m256i xs = broadcast4(xq + r * qx.ld + 4 * g);
-      const __m256i xa = broadcast4(xq + r * qx.ld + qx.abs_off + 4 * g);
-      for (int i = 0; i < NR; ++i) {
-        const __m256i prod = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv[i], xs));
-        acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(prod, ones));
-      }
-    }
-  }
-  for (int r = 0; r < XR; ++r) {
-    const float sx = qx.sx[r0 + r];
-    float* c = C + (r0 + r) * ldc;
-    for (int i = 0; i < NR; ++i) {
-      const int64_t n = kPanel * i;
-      if (n + kPanel <= width) {
-        __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(sx), _mm256_loadu_ps(scale + n)),
-                                 _mm256_cvtepi32_ps(acc[r][i]));
-        if (beta != 0) {
-          asm("" : "+x"(v));  // v rounded before the add: no fused multiply-add
-          v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(beta), _mm256_loadu_ps(c + n)));
-        }
-        _mm256_storeu_ps(c + n, v);
-      } else {
-        alignas(32) int32_t sums[kPanel];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(sums), acc[r][i]);
-        for (int64_t j = 0; n + j < width; ++j) {
-          float v = sx * scale[n + j] * float(sums[j]);
-          asm("" : "+x"(v));
-          c[n + j] = beta == 0 ? v : v + beta * c[n + j];
-        }
-      }
-    }
-  }
+// VNNI's vpdpbusd (acc + Σ of 4 unsigned × signed byte products per int32 lane, exact) in AVX2:
+// even and odd bytes widened to 16 bits, two vpmaddwd.
+inline __m256i emulated_dpbusd(__m256i acc, __m256i u, __m256i s) {
+  const __m256i u_even = _mm256_and_si256(u, _mm256_set1_epi16(0x00ff)), u_odd = _mm256_srli_epi16(u, 8);
+  const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), s_odd = _mm256_srai_epi16(s, 8);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
 }
 
-constexpr int kNR = 3, kXR = 4;  // a block: 3 panels (24 columns) times 4 rows of X, 12 accumulators
-
-template <int NR>
-inline void packed_rows(int xr, const RowsX& qx, int64_t r0, const int8_t* w, int64_t panel_bytes, int64_t groups,
-                        const float* scale, int64_t width, float beta, float* C, int64_t ldc) {
-  switch (xr) {
-    case 1: return packed_kernel<NR, 1>(qx, r0, w, panel_bytes, groups, scale, width, beta, C, ldc);
-    case 2: return packed_kernel<NR, 2>(qx, r0, w, panel_bytes, groups, scale, width, beta, C, ldc);
-    case 3: return packed_kernel<NR, 3>(qx, r0, w, panel_bytes, groups, scale, width, beta, C, ldc);
-    case 4: return packed_kernel<NR, 4>(qx, r0, w, panel_bytes, groups, scale, width, beta, C, ldc);
-    default: return;
-  }
+// AVX2: |x| times sign(w, x) with vpmaddubsw (no pair reaches int16's limit: 2·127·127 < 32768),
+// pairs summed by vpmaddwd.
+namespace avx2 {
+constexpr bool kOffset = false;
+inline __m256i dot_sign(__m256i acc, __m256i x_abs, __m256i x_q, __m256i w) {
+  const __m256i pairs = _mm256_maddubs_epi16(x_abs, _mm256_sign_epi8(w, x_q));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
+inline __m256i dot_packed(__m256i acc, __m256i x_aux, __m256i x_q, __m256i w) { return dot_sign(acc, x_aux, x_q, w); }
+#include "qgemm_kernels.h"
+}  // namespace avx2
 
-// Columns [0, width) of rows [r0, r0 + xr) from panels w, w + panel_bytes, ...: np ≤ kNR panels.
-inline void packed_block(int np, int xr, const RowsX& qx, int64_t r0, const int8_t* w, int64_t panel_bytes,
-                         int64_t groups, const float* scale, int64_t width, float beta, float* C, int64_t ldc) {
-  switch (np) {
-    case 1: return packed_rows<1>(xr, qx, r0, w, panel_bytes, groups, scale, width, beta, C, ldc);
-    case 2: return packed_rows<2>(xr, qx, r0, w, panel_bytes, groups, scale, width, beta, C, ldc);
-    case 3: return packed_rows<3>(xr, qx, r0, w, panel_bytes, groups, scale, width, beta, C, ldc);
-    default: return;
-  }
+// The VNNI kernels' arithmetic with AVX2 instructions: how CPUs without VNNI test it.
+namespace emulated_vnni {
+constexpr bool kOffset = true;
+inline __m256i dot_sign(__m256i acc, __m256i x_abs, __m256i x_q, __m256i w) {
+  return emulated_dpbusd(acc, x_abs, _mm256_sign_epi8(w, x_q));
 }
+inline __m256i dot_packed(__m256i acc, __m256i x_aux, __m256i, __m256i w) { return emulated_dpbusd(acc, x_aux, w); }
+#include "qgemm_kernels.h"
+}  // namespace emulated_vnni
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512vnni")
+namespace avx512_vnni {  // vpdpbusd on 256-bit vectors (AVX512_VNNI + VL): Ice Lake, Sapphire Rapids, Zen 4
+constexpr bool kOffset = true;
+inline __m256i dot_sign(__m256i acc, __m256i x_abs, __m256i x_q, __m256i w) {
+  return _mm256_dpbusd_epi32(acc, x_abs, _mm256_sign_epi8(w, x_q));
+}
+inline __m256i dot_packed(__m256i acc, __m256i x_aux, __m256i, __m256i w) { return _mm256_dpbusd_epi32(acc, x_aux, w); }
+#include "qgemm_kernels.h"
+}  // namespace avx512_vnni
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avxvnni")
+namespace avx_vnni {  // the VEX encoding (AVX-VNNI): Alder Lake and later client cores, Sierra Forest
+constexpr bool kOffset = true;
+inline __m256i dot_sign(__m256i acc, __m256i x_abs, __m256i x_q, __m256i w) {
+  return _mm256_dpbusd_avx_epi32(acc, x_abs, _mm256_sign_epi8(w, x_q));
+}
+inline __m256i dot_packed(__m256i acc, __m256i x_aux, __m256i, __m256i w) {
+  return _mm256_dpbusd_avx_epi32(acc, x_aux, w);
+}
+#include "qgemm_kernels.h"
+}  // namespace avx_vnni
+#pragma GCC pop_options
+
+bool has_avx512_vnni() {
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bw");
+}
+bool has_avx_vnni() { return __builtin_cpu_supports("avxvnni"); }
+bool always() { return true; }
+bool never() { return false; }
+
+// In the order `auto` tries them; emulated-vnni only on request (tests).
+const Int8Kernels kKernels[] = {
+    {"avx512-vnni", avx512_vnni::gemv, avx512_vnni::packed, has_avx512_vnni, true},
+    {"avx-vnni", avx_vnni::gemv, avx_vnni::packed, has_avx_vnni, true},
+    {"avx2", avx2::gemv, avx2::packed, always, true},
+    {"emulated-vnni", emulated_vnni::gemv, emulated_vnni::packed, always, false},
+};
 
 }  // namespace
 
-// Four rows of M at a time against the one quantized row: sign trick per 32 bytes, then one
-// horizontal sum per output; M's last partial 32 bytes go through a zeroed copy (never read past K).
-void qgemv_rows(const float* x, const QuantizedRows& M, int64_t N, int64_t K, float beta, float* C) {
-  if (N <= 0) return;
-  if (K <= 0) return qgemm_nt_packed(x, 1, K, nullptr, M.scale, N, K, beta, C, N);
-  thread_local Scratch scratch;
-  RowsX qx;
-  quantize_rows(x, 1, K, K, scratch, qx);
-  const int64_t chunks = (K + 31) / 32, full = K / 32, tail = K - 32 * full;
-  const float sx = qx.sx[0];
-  const __m256i ones = _mm256_set1_epi16(1);
-  // Σ_k q[k]·m_j[k] for the R ≤ 4 rows m_j = m + j·ld, into out[j].
-  const auto row_sums = [&](const int8_t* m, int R, int32_t* out) {
-    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(qx.q + 32 * c));
-      const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(qx.q + qx.abs_off + 32 * c));
-      for (int j = 0; j < R; ++j) {
-        const int8_t* row = m + j * M.ld + 32 * c;
-        __m256i w;
-        if (c < full) {
-          w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-        } else {
-          alignas(32) int8_t part[32] = {};
-          std::memcpy(part, row, tail);
-          w = _mm256_load_si256(reinterpret_cast<const __m256i*>(part));
-        }
-        acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(w, q)), ones));
-      }
-    }
-    for (int j = 0; j < R; ++j) {
-      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(acc[j]), _mm256_extracti128_si256(acc[j], 1));
-      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-      out[j] = _mm_cvtsi128_si32(t);
-    }
-  };
-  at::parallel_for(0, (N + 3) / 4, std::max<int64_t>(1, kGrain / (4 * K)), [&](int64_t begin, int64_t end) {
-    for (int64_t n = 4 * begin; n < std::min(N, 4 * end); n += 4) {
-      const int R = int(std::min<int64_t>(4, N - n));
-      int32_t sums[4];
-      row_sums(M.data + n * M.ld, R, sums);
-      for (int j = 0; j < R; ++j) {
-        float v = sx * M.scale[n + j] * float(sums[j]);
-        asm("" : "+x"(v));  // v rounded before the add: no fused multiply-add
-        C[n + j] = beta == 0 ? v : v + beta * C[n + j];
-      }
-    }
-  });
-}
-
-void qgemm_nt_packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N,
-                     int64_t K, float beta, float* C, int64_t ldc) {
-  if (rows <= 0 || N <= 0) return;
-  if (K <= 0) {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t n = 0; n < N; ++n) {
-        const float v = 0.0f * scale[n] * 0.0f;
-        C[r * ldc + n] = beta == 0 ? v : v + beta * C[r * ldc + n];
-      }
-    return;
-  }
-  thread_local Scratch scratch;
-  RowsX qx;
-  quantize_rows(X, rows, ldx, K, scratch, qx);
-  const int64_t groups = groups_of(K), panel_bytes = groups * 4 * kPanel;
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  const int64_t tile = std::max<int64_t>(kNR, kTileBytes / panel_bytes);  // panels per N tile (L2)
-  const int64_t grain = std::max<int64_t>(1, kGrain / (kPanel * K * rows));
-  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t0 = begin; t0 < end; t0 += tile) {
-      const int64_t t1 = std::min(end, t0 + tile);
-      for (int64_t r0 = 0; r0 < rows; r0 += kXR) {
-        const int xr = int(std::min<int64_t>(kXR, rows - r0));
-        for (int64_t p = t0; p < t1; p += kNR) {
-          const int np = int(std::min<int64_t>(kNR, t1 - p));
-          const int64_t n = kPanel * p;
-          packed_block(np, xr, qx, r0, packed + p * panel_bytes, panel_bytes, groups, scale + n,
-                       std::min(kPanel * np, N - n), beta, C + n, ldc);
-        }
-      }
-    }
-  });
-}
-
 #else  // no AVX2: plain loops
 
-void qgemm_nt_packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N,
-                     int64_t K, float beta, float* C, int64_t ldc) {
+namespace {
+
+namespace scalar {
+
+// Row r of X quantized as the vector kernels do it (round to nearest even) -> its scale.
+float quantize_row(const float* x, int64_t K, std::vector<int8_t>& q) {
+  q.assign(std::max<int64_t>(K, 0), 0);
+  float amax = 0;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(x[k]));
+  const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+  for (int64_t k = 0; k < K; ++k) q[k] = int8_t(std::nearbyint(x[k] * inv));
+  return amax / 127.0f;
+}
+
+void packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N, int64_t K,
+            float beta, float* C, int64_t ldc) {
   const int64_t groups = groups_of(K);
-  std::vector<int8_t> q(std::max<int64_t>(4 * groups, 0));
+  std::vector<int8_t> q;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* x = X + r * ldx;
-    float amax = 0;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(x[k]));
-    const float inv = amax > 0 ? 127.0f / amax : 0.0f, sx = amax / 127.0f;
-    for (int64_t k = 0; k < K; ++k) q[k] = int8_t(std::nearbyint(x[k] * inv));
+    const float sx = quantize_row(X + r * ldx, K, q);
     for (int64_t n = 0; n < N; ++n) {
       const int8_t* m = packed + (n / kPanel) * groups * 4 * kPanel + 4 * (n % kPanel);
       int32_t acc = 0;
@@ -310,12 +270,9 @@ void qgemm_nt_packed(const float* X, int64_t rows, int64_t ldx, const int8_t* pa
   }
 }
 
-void qgemv_rows(const float* x, const QuantizedRows& M, int64_t N, int64_t K, float beta, float* C) {
-  std::vector<int8_t> q(std::max<int64_t>(K, 0));
-  float amax = 0;
-  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(x[k]));
-  const float inv = amax > 0 ? 127.0f / amax : 0.0f, sx = amax / 127.0f;
-  for (int64_t k = 0; k < K; ++k) q[k] = int8_t(std::nearbyint(x[k] * inv));
+void gemv(const float* x, const QuantizedRows& M, int64_t N, int64_t K, float beta, float* C) {
+  std::vector<int8_t> q;
+  const float sx = quantize_row(x, K, q);
   for (int64_t n = 0; n < N; ++n) {
     const int8_t* m = M.data + n * M.ld;
     int32_t acc = 0;
@@ -325,6 +282,82 @@ void qgemv_rows(const float* x, const QuantizedRows& M, int64_t N, int64_t K, fl
   }
 }
 
+}  // namespace scalar
+
+bool always() { return true; }
+
+const Int8Kernels kKernels[] = {{"scalar", scalar::gemv, scalar::packed, always, true}};
+
+}  // namespace
+
 #endif
+
+namespace {
+
+const Int8Kernels* automatic_kernels() {
+  for (const Int8Kernels& k : kKernels)
+    if (k.automatic && k.runs_here()) return &k;
+  return &kKernels[0];  // not reached: the last automatic entry runs everywhere it is compiled
+}
+
+// `name`'s kernels ("auto": the CPU's choice); a ValueError naming what was expected otherwise.
+const Int8Kernels* find_kernels(const std::string& name, const char* who) {
+  if (name == "auto") return automatic_kernels();
+  std::string known;
+  for (const Int8Kernels& k : kKernels) {
+    if (name == k.name) {
+      TORCH_CHECK_VALUE(k.runs_here(), who, ": int8 kernel '", name, "' needs instructions this CPU does not have");
+      return &k;
+    }
+    known += std::string(", ") + k.name;
+  }
+  TORCH_CHECK_VALUE(false, who, ": expected 'auto'", known, "; got '", name, "'");
+}
+
+// The CPU's choice, or $RNNKIT_INT8_KERNEL's (read at the first int8 product).
+std::atomic<const Int8Kernels*>& current_kernels() {
+  static std::atomic<const Int8Kernels*> current{[] {
+    const char* env = std::getenv("RNNKIT_INT8_KERNEL");
+    return env && *env ? find_kernels(env, "RNNKIT_INT8_KERNEL") : automatic_kernels();
+  }()};
+  return current;
+}
+
+}  // namespace
+
+const char* int8_kernel() { return current_kernels().load()->name; }
+
+std::vector<std::string> int8_kernels() {
+  std::vector<std::string> names;
+  for (const Int8Kernels& k : kKernels)
+    if (k.runs_here()) names.emplace_back(k.name);
+  return names;
+}
+
+std::string set_int8_kernel(const std::string& name) {
+  const std::string previous = int8_kernel();
+  current_kernels().store(find_kernels(name, "set_int8_kernel"));
+  return previous;
+}
+
+void qgemv_rows(const float* x, const QuantizedRows& M, int64_t N, int64_t K, float beta, float* C) {
+  if (N <= 0) return;
+  if (K <= 0) return qgemm_nt_packed(x, 1, K, nullptr, M.scale, N, K, beta, C, N);
+  current_kernels().load()->gemv(x, M, N, K, beta, C);
+}
+
+void qgemm_nt_packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N,
+                     int64_t K, float beta, float* C, int64_t ldc) {
+  if (rows <= 0 || N <= 0) return;
+  if (K <= 0) {  // empty sums: 0 · scale (a NaN or infinite scale still shows)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t n = 0; n < N; ++n) {
+        const float v = 0.0f * scale[n] * 0.0f;
+        C[r * ldc + n] = beta == 0 ? v : v + beta * C[r * ldc + n];
+      }
+    return;
+  }
+  current_kernels().load()->packed(X, rows, ldx, packed, scale, N, K, beta, C, ldc);
+}
 
 }  // namespace rnnkit

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace rnnkit {
 
@@ -21,7 +23,8 @@ void qgemm_nt(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M,
               float* C, int64_t ldc);
 
 // Bytes of qgemm_pack's layout of an [N, K] matrix: panels of 8 rows, each [ceil(K / 4)][8][4]
-// (4 consecutive k of 8 rows per 32 bytes), N and K zero-padded to whole panels and groups.
+// (4 consecutive k of 8 rows per 32 bytes), N and K zero-padded to whole panels and groups; then
+// Σ_k M[n, k] for each n of the padded N as int32 (what the VNNI kernels' unsigned x + 128 adds).
 int64_t qgemm_packed_bytes(int64_t N, int64_t K);
 
 // M's values (not its scales) into that layout, once per pass, so that every GEMM of the pass
@@ -36,5 +39,18 @@ void qgemv_rows(const float* x, const QuantizedRows& M, int64_t N, int64_t K, fl
 // qgemm_nt with M packed by qgemm_pack (scale: M.scale): the same results, bit for bit.
 void qgemm_nt_packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N,
                      int64_t K, float beta, float* C, int64_t ldc);
+
+// The kernels in use: "avx512-vnni", "avx-vnni", "avx2" or "scalar" (a build without AVX2), the
+// fastest this CPU runs, or $RNNKIT_INT8_KERNEL's choice (read once, at the first int8 product).
+// All give the same results bit for bit.
+const char* int8_kernel();
+
+// The kernels this CPU can run, "emulated-vnni" among them where AVX2 is (the VNNI kernels'
+// arithmetic in AVX2 instructions: how a CPU without VNNI tests that code).
+std::vector<std::string> int8_kernels();
+
+// Use `name` ("auto": the CPU's choice) from now on, for every thread; returns the previous name.
+// A ValueError for a name not in int8_kernels().
+std::string set_int8_kernel(const std::string& name);
 
 }  // namespace rnnkit

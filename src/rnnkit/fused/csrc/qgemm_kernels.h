@@ -1,0 +1,160 @@
+// The int8 GEMM kernels of qgemm.cpp, once per instruction set: qgemm.cpp includes this file in
+// a namespace per target (no include guard on purpose), after defining in that namespace
+//   constexpr bool kOffset;  // packed products take x + 128 as unsigned bytes, then subtract 128·Σw
+//   __m256i dot_packed(__m256i acc, __m256i x_aux, __m256i x_q, __m256i w);  // acc + Σ of 4 products a lane
+//   __m256i dot_sign(__m256i acc, __m256i x_abs, __m256i x_q, __m256i w);    // the same, from |x| and sign(w, x)
+// where x_aux is |x| (kOffset false) or x + 128 (kOffset true). Every variant sums the same
+// products exactly in int32, so all give the same results bit for bit.
+
+// C[XR rows, NR panels of 8 columns (the last cut at `width`)]: per 4 k, x's 4 bytes broadcast
+// against each panel's [8][4] bytes, so each int32 lane sums one output (no horizontal sums).
+// wsum: the panels' row sums (qgemm_pack), for the offset's correction.
+template <int NR, int XR>
+void packed_kernel(const RowsX& qx, int64_t r0, const int8_t* w, int64_t panel_bytes, int64_t groups,
+                   const int32_t* wsum, const float* scale, int64_t width, float beta, float* C, int64_t ldc) {
+  __m256i acc[XR][NR];
+  for (int r = 0; r < XR; ++r)
+    for (int i = 0; i < NR; ++i) acc[r][i] = _mm256_setzero_si256();
+  const int8_t* xq = qx.q + r0 * qx.ld;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i wv[NR];
+    for (int i = 0; i < NR; ++i)
+      wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * panel_bytes + 32 * g));
+    for (int r = 0; r < XR; ++r) {
+      const __m256i xs = broadcast4(xq + r * qx.ld + 4 * g);
+      const __m256i xa = broadcast4(xq + r * qx.ld + qx.abs_off + 4 * g);
+      for (int i = 0; i < NR; ++i) acc[r][i] = dot_packed(acc[r][i], xa, xs, wv[i]);
+    }
+  }
+  if (kOffset) {  // Σ (x + 128)·w = Σ x·w + 128·Σ w
+    for (int i = 0; i < NR; ++i) {
+      const __m256i correction =
+          _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wsum + kPanel * i)), 7);
+      for (int r = 0; r < XR; ++r) acc[r][i] = _mm256_sub_epi32(acc[r][i], correction);
+    }
+  }
+  for (int r = 0; r < XR; ++r) {
+    const float sx = qx.sx[r0 + r];
+    float* c = C + (r0 + r) * ldc;
+    for (int i = 0; i < NR; ++i) {
+      const int64_t n = kPanel * i;
+      if (n + kPanel <= width) {
+        __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(sx), _mm256_loadu_ps(scale + n)),
+                                 _mm256_cvtepi32_ps(acc[r][i]));
+        if (beta != 0) {
+          asm("" : "+x"(v));  // v rounded before the add: no fused multiply-add
+          v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(beta), _mm256_loadu_ps(c + n)));
+        }
+        _mm256_storeu_ps(c + n, v);
+      } else {
+        alignas(32) int32_t sums[kPanel];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sums), acc[r][i]);
+        for (int64_t j = 0; n + j < width; ++j) {
+          float v = sx * scale[n + j] * float(sums[j]);
+          asm("" : "+x"(v));
+          c[n + j] = beta == 0 ? v : v + beta * c[n + j];
+        }
+      }
+    }
+  }
+}
+
+template <int NR>
+inline void packed_rows(int xr, const RowsX& qx, int64_t r0, const int8_t* w, int64_t panel_bytes, int64_t groups,
+                        const int32_t* wsum, const float* scale, int64_t width, float beta, float* C, int64_t ldc) {
+  switch (xr) {
+    case 1: return packed_kernel<NR, 1>(qx, r0, w, panel_bytes, groups, wsum, scale, width, beta, C, ldc);
+    case 2: return packed_kernel<NR, 2>(qx, r0, w, panel_bytes, groups, wsum, scale, width, beta, C, ldc);
+    case 3: return packed_kernel<NR, 3>(qx, r0, w, panel_bytes, groups, wsum, scale, width, beta, C, ldc);
+    case 4: return packed_kernel<NR, 4>(qx, r0, w, panel_bytes, groups, wsum, scale, width, beta, C, ldc);
+    default: return;
+  }
+}
+
+// Columns [0, width) of rows [r0, r0 + xr) from panels w, w + panel_bytes, ...: np ≤ kNR panels.
+inline void packed_block(int np, int xr, const RowsX& qx, int64_t r0, const int8_t* w, int64_t panel_bytes,
+                         int64_t groups, const int32_t* wsum, const float* scale, int64_t width, float beta, float* C,
+                         int64_t ldc) {
+  switch (np) {
+    case 1: return packed_rows<1>(xr, qx, r0, w, panel_bytes, groups, wsum, scale, width, beta, C, ldc);
+    case 2: return packed_rows<2>(xr, qx, r0, w, panel_bytes, groups, wsum, scale, width, beta, C, ldc);
+    case 3: return packed_rows<3>(xr, qx, r0, w, panel_bytes, groups, wsum, scale, width, beta, C, ldc);
+    default: return;
+  }
+}
+
+// qgemm_nt_packed for rows, N, K > 0.
+void packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N, int64_t K,
+            float beta, float* C, int64_t ldc) {
+  thread_local Scratch scratch;
+  RowsX qx;
+  quantize_rows<kOffset>(X, rows, ldx, K, scratch, qx);
+  const int64_t groups = groups_of(K), panel_bytes = groups * 4 * kPanel;
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const int32_t* wsum = packed_sums(packed, N, K);
+  const int64_t tile = std::max<int64_t>(kNR, kTileBytes / panel_bytes);  // panels per N tile (L2)
+  const int64_t grain = std::max<int64_t>(1, kGrain / (kPanel * K * rows));
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t0 = begin; t0 < end; t0 += tile) {
+      const int64_t t1 = std::min(end, t0 + tile);
+      for (int64_t r0 = 0; r0 < rows; r0 += kXR) {
+        const int xr = int(std::min<int64_t>(kXR, rows - r0));
+        for (int64_t p = t0; p < t1; p += kNR) {
+          const int np = int(std::min<int64_t>(kNR, t1 - p));
+          const int64_t n = kPanel * p;
+          packed_block(np, xr, qx, r0, packed + p * panel_bytes, panel_bytes, groups, wsum + n, scale + n,
+                       std::min(kPanel * np, N - n), beta, C + n, ldc);
+        }
+      }
+    }
+  });
+}
+
+// qgemv_rows for N, K > 0: four rows of M at a time against the one quantized row, 32 bytes per
+// product, then one horizontal sum per output; M's last partial 32 bytes go through a zeroed
+// copy (never read past K).
+void gemv(const float* x, const QuantizedRows& M, int64_t N, int64_t K, float beta, float* C) {
+  thread_local Scratch scratch;
+  RowsX qx;
+  quantize_rows<false>(x, 1, K, K, scratch, qx);
+  const int64_t chunks = (K + 31) / 32, full = K / 32, tail = K - 32 * full;
+  const float sx = qx.sx[0];
+  // Σ_k q[k]·m_j[k] for the R ≤ 4 rows m_j = m + j·ld, into out[j].
+  const auto row_sums = [&](const int8_t* m, int R, int32_t* out) {
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(qx.q + 32 * c));
+      const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(qx.q + qx.abs_off + 32 * c));
+      for (int j = 0; j < R; ++j) {
+        const int8_t* row = m + j * M.ld + 32 * c;
+        __m256i w;
+        if (c < full) {
+          w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+        } else {
+          alignas(32) int8_t part[32] = {};
+          std::memcpy(part, row, tail);
+          w = _mm256_load_si256(reinterpret_cast<const __m256i*>(part));
+        }
+        acc[j] = dot_sign(acc[j], a, q, w);
+      }
+    }
+    for (int j = 0; j < R; ++j) {
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(acc[j]), _mm256_extracti128_si256(acc[j], 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+      out[j] = _mm_cvtsi128_si32(t);
+    }
+  };
+  at::parallel_for(0, (N + 3) / 4, std::max<int64_t>(1, kGrain / (4 * K)), [&](int64_t begin, int64_t end) {
+    for (int64_t n = 4 * begin; n < std::min(N, 4 * end); n += 4) {
+      const int R = int(std::min<int64_t>(4, N - n));
+      int32_t sums[4];
+      row_sums(M.data + n * M.ld, R, sums);
+      for (int j = 0; j < R; ++j) {
+        float v = sx * M.scale[n + j] * float(sums[j]);
+        asm("" : "+x"(v));  // v rounded before the add: no fused multiply-add
+        C[n + j] = beta == 0 ? v : v + beta * C[n + j];
+      }
+    }
+  });
+}
