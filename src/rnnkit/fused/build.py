@@ -71,12 +71,29 @@ def cache_dir() -> Path:
     return base / "rnnkit" / torch.__version__.replace("+", "_") / _NAME / _build_key()
 
 
+def _copy_sources(folder: Path) -> Path:
+    """The C++ sources copied into the build's folder, and that copy's path. The build compiles the
+    copy: its build file then names the same paths whichever installed copy of rnnkit asks (two
+    environments, or a checkout and an installed wheel, with the same sources and key share one
+    build instead of recompiling over each other). Each file is written atomically, and only when
+    it differs (it never does for a given key: the key hashes these bytes)."""
+    target = folder / "csrc"
+    target.mkdir(exist_ok=True)
+    for path in sorted(Path(__file__).with_name("csrc").iterdir()):
+        data, copy = path.read_bytes(), target / path.name
+        if not copy.exists() or copy.read_bytes() != data:
+            partial = target / f".{path.name}.{os.getpid()}.tmp"
+            partial.write_bytes(data)
+            os.replace(partial, copy)
+    return target
+
+
 def _compile():
     from torch.utils import cpp_extension
 
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    csrc = Path(__file__).with_name("csrc")
+    csrc = _copy_sources(folder)
     if not any(folder.glob(f"{_NAME}*.so")):
         print(f"rnnkit: compiling the fused CPU kernels into {folder} (once; a minute or two)", file=sys.stderr)
     return cpp_extension.load(
