@@ -366,6 +366,96 @@ def test_compile_and_export():
     assert_close(program.module()(x), expected, "exported", tol=0)
 
 
+INT8_ONNX_CASES = {  # name -> (layer, with lengths)
+    "lstm_lengths": (lambda: rnnkit.LSTM(6, 12), True),
+    "lstm_peephole_coupled": (lambda: rnnkit.LSTM(6, 12, peephole=True, coupled_gates=True), False),
+    "lstm_bidir2_peephole": (lambda: rnnkit.LSTM(6, 12, num_layers=2, bidirectional=True, peephole=True), True),
+}
+
+
+def int8_onnx(model, args):
+    """torch.onnx.export of `model` (dynamic T and B) -> an onnxruntime session."""
+    import onnxruntime
+    from torch.export import Dim
+
+    from test_pytorch2 import onnx_export
+
+    proto = onnx_export(model, args).model_proto
+    return proto, onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def run_onnx(session, *inputs):
+    feeds = dict(zip([i.name for i in session.get_inputs()], [t.numpy() for t in inputs]))
+    return [torch.from_numpy(a) for a in session.run(None, feeds)]
+
+
+@pytest.mark.parametrize("case", list(INT8_ONNX_CASES))
+def test_onnx_export_is_onnxruntimes_quantized_lstm(case):
+    """torch.onnx.export of a model with an int8 LSTM: one com.microsoft.DynamicQuantizeLSTM per
+    layer-direction on the same int8 weights and scales (stored uint8, zero point 128); onnxruntime
+    quantizes the activations its own way, so on new shapes it matches rnnkit's int8 to int8's
+    tolerance, as rnnkit's int8 matches float32."""
+    from test_pytorch2 import VOCAB, Model, outputs_of
+
+    factory, with_lengths = INT8_ONNX_CASES[case]
+    torch.manual_seed(0)
+    model = Model(factory()).eval()
+    q = rnnkit.quantize(model)
+    tokens, lengths = torch.randint(0, VOCAB, (5, 3)), torch.tensor([5, 2, 4])
+    proto, session = int8_onnx(q, (tokens, lengths) if with_lengths else (tokens,))
+    spec = q.rnn.spec
+    nodes = [node for node in proto.graph.node if node.op_type == "DynamicQuantizeLSTM"]
+    assert len(nodes) == spec.num_layers * spec.num_directions and {n.domain for n in nodes} == {"com.microsoft"}
+    assert {node.domain for node in proto.graph.node} <= {"", "ai.onnx", "com.microsoft"}
+    weights = {t.name: t for t in proto.graph.initializer}
+    for node in nodes:  # W, R and their zero points are stored uint8 (onnx.TensorProto.UINT8 = 2)
+        assert all(weights[node.input[i]].data_type == 2 for i in (1, 2, 9, 11)), node
+    tokens, lengths = torch.randint(0, VOCAB, (7, 4)), torch.tensor([7, 1, 3, 6])
+    actual = run_onnx(session, tokens, lengths) if with_lengths else run_onnx(session, tokens)
+    with torch.no_grad():
+        expected = outputs_of(q(tokens, lengths if with_lengths else None))
+        float32 = outputs_of(model(tokens, lengths if with_lengths else None))
+    for a, e, f in zip(actual, expected, float32):
+        assert rel_rms(a, e) <= INT8 and rel_rms(a, f) <= INT8
+
+
+def test_onnx_export_of_extreme_int8_weights_does_not_saturate():
+    """Rows at ±127 against positive inputs: onnxruntime's u8 × s8 kernels on CPUs without VNNI
+    add pairs of products in 16 bits and saturate there (an int8 export measured 11% off); the
+    export's u8 × u8 weights (q + 128) do not."""
+    torch.manual_seed(0)
+    lstm = rnnkit.LSTM(64, 48).eval()
+    with torch.no_grad():
+        for weight in (lstm.weight_ih_l0, lstm.weight_hh_l0):
+            weight.copy_(torch.where(torch.rand_like(weight) < 0.5, -0.05, 0.05))
+    q = rnnkit.quantize(lstm)
+    x = torch.rand(6, 3, 64) * 4  # unsigned inputs near the top of onnxruntime's uint8 range
+    _, session = int8_onnx(q, (x,))
+    actual = run_onnx(session, x)
+    with torch.no_grad():
+        expected = flatten(q(x))
+    for a, e in zip(actual, expected):
+        assert rel_rms(a, e) <= INT8
+
+
+@pytest.mark.parametrize("layer, words", [
+    (lambda: rnnkit.GRU(6, 12), "torch.onnx.export: an int8 GRU has no ONNX operator"),
+    (lambda: rnnkit.RNN(6, 12), "torch.onnx.export: an int8 RNN has no ONNX operator"),
+    (lambda: rnnkit.LSTM(6, 12, layer_norm=True), "torch.onnx.export: layer_norm"),
+    (lambda: rnnkit.LSTM(6, 12, proj_size=4), "torch.onnx.export: proj_size"),
+])
+def test_onnx_export_refuses_what_onnxruntime_cannot_run_in_int8(layer, words):
+    """The error is found in the exporter's exception chain (it wraps every exception)."""
+    q = rnnkit.quantize(layer().eval())
+    with pytest.raises(torch.onnx.OnnxExporterError) as info:
+        int8_onnx(q, (torch.randn(5, 3, 6),))
+    chain, error = [], info.value
+    while error is not None and len(chain) < 20:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    assert any(isinstance(e, ValueError) and str(e).startswith(words) for e in chain), [str(e)[:200] for e in chain]
+
+
 @pytest.mark.parametrize("call, error, words", [
     (lambda: rnnkit.quantize(nn.Linear(3, 3)), ValueError, "no rnnkit LSTM"),
     (lambda: rnnkit.quantize(rnnkit.LSTM(3, 3), dtype=torch.float16), ValueError, "dtype"),

@@ -154,9 +154,8 @@ class _Quantized(nn.Module):
         return self._buffers[self._names[0] + "_scale"]  # float32, on the module's device
 
     def _check_call(self, tensors) -> None:
-        if torch.onnx.is_in_onnx_export():
-            raise NotImplementedError(f"{type(self).__name__}: int8 rnnkit modules do not export to ONNX; export the "
-                                      "float module and quantize the ONNX model (onnxruntime.quantization)")
+        if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+            return  # an exported graph is for inference: gradients through it are not asked for
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
             raise RuntimeError(f"{type(self).__name__}: an int8 module is for inference and has no gradient; call it "
                                "under torch.no_grad() / torch.inference_mode() with inputs that do not require grad, "

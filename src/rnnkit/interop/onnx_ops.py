@@ -94,4 +94,5 @@ def register() -> None:
 
     for backend in ("fused", "triton"):
         torch_op(f"rnnkit::{backend}_pass_forward", trace_only=True)(_onnx_pass.pass_forward)
+    torch_op("rnnkit::fused_int8_pass", trace_only=True)(_onnx_pass.pass_forward_int8)
     _registered = True
