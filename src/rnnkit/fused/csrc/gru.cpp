@@ -51,11 +51,7 @@ struct Gru {
   }
 
   // Biases folded into the input projection: all of them, except b_Rn with reset_after.
-  Tensor folded_bias() const {
-    if (!after || !a.b_R.defined()) return sum_biases(a.b_W, a.b_R);
-    Tensor rz = at::cat({a.b_R.narrow(0, 0, 2 * H), at::zeros({H}, a.b_R.options())});
-    return sum_biases(a.b_W, rz);
-  }
+  Tensor folded_bias() const { return sum_biases(a.b_W, a.b_R, after ? 2 * H : -1); }
 
   ForwardResult forward(bool training) {
     std::vector<Tensor> saved = saved_slots();

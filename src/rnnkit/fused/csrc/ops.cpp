@@ -168,8 +168,11 @@ class StepPlan {
                (unbatched ? (t.dim() == 1 && t.size(0) == n) : (t.dim() == 2 && t.size(0) == B && t.size(1) == n));
       };
       if (!state_ok(h, Hr) || (lstm && !state_ok(c, H))) return py::none();
-      a.h0 = h.reshape({B, Hr}).contiguous();
-      if (lstm) a.c0 = c.reshape({B, H}).contiguous();
+      const auto as_rows = [&](const Tensor& t, int64_t n) {  // [B, n] contiguous (no new view when it is)
+        return t.dim() == 2 && t.is_contiguous() ? t : t.reshape({B, n}).contiguous();
+      };
+      a.h0 = as_rows(h, Hr);
+      if (lstm) a.c0 = as_rows(c, H);
     }
     a.finish();
     ForwardResult out;

@@ -83,9 +83,23 @@ WeightGrads::WeightGrads(const PassArgs& a) {
   }
 }
 
-Tensor sum_biases(const Tensor& first, const Tensor& second) {
-  if (first.defined() && second.defined()) return first + second;
-  return first.defined() ? first : second;
+Tensor sum_biases(const Tensor& first, const Tensor& second, int64_t second_count) {
+  if (!second.defined()) return first;
+  const int64_t n = second.numel(), m = second_count < 0 ? n : second_count;
+  if (!first.defined() && m == n) return second;
+  // A loop, not ATen's add: a one-step call (the step API) pays a TensorIterator's set-up otherwise.
+  const Tensor& like = first.defined() ? first : second;
+  TORCH_CHECK(second.is_contiguous() && (!first.defined() || (first.is_contiguous() && first.numel() == n &&
+                                                               first.scalar_type() == second.scalar_type())),
+              "rnnkit fused: biases must be contiguous vectors of one size and dtype");
+  Tensor out = at::empty({n}, like.options());
+  AT_DISPATCH_FLOATING_TYPES(like.scalar_type(), "rnnkit_sum_biases", [&] {
+    const scalar_t* a = first.defined() ? first.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* b = second.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t j = 0; j < n; ++j) o[j] = (a ? a[j] : scalar_t(0)) + (j < m ? b[j] : scalar_t(0));
+  });
+  return out;
 }
 
 InputSteps::InputSteps(const PassArgs& a, const Tensor& bias, bool training, Tensor& raw, Tensor& mean,
@@ -117,27 +131,38 @@ void InputSteps::compute_chunk(int64_t s) {
   const int64_t count = std::min(chunk_steps_, a_.T - s), B = a_.B, rows = count * B;
   first_ = a_.reverse ? a_.T - s - count : s;
   const int64_t row0 = training_ ? first_ * B : 0;
-  const Tensor x2 = a_.x.narrow(0, first_, count).view({rows, a_.I});
-  Tensor out = out_.narrow(0, row0, rows);
   const bool ln = a_.ln_x_gain.defined();
-  Tensor raw = ln ? (raw_.defined() ? raw_.narrow(0, row0, rows) : out) : out;  // inference normalizes in place
-  if (a_.quantized() && !packed_W_.defined()) {  // int8 W, one row
-    qgemv_rows(x2.data_ptr<float>(), a_.quantized_rows(kW, 0), a_.GH, a_.I, 0, raw.data_ptr<float>());
-    if (!ln && bias_.defined()) out.add_(bias_);
-  } else if (a_.quantized()) {  // int8 W: x quantized per row
-    qgemm_nt_packed(x2.data_ptr<float>(), rows, a_.I, packed_W_.data_ptr<int8_t>(), a_.W_scale.data_ptr<float>(), a_.GH,
-                    a_.I, 0, raw.data_ptr<float>(), a_.GH);
-    if (!ln && bias_.defined()) out.add_(bias_);
-  } else if (rows == 1 && out.scalar_type() == at::kFloat) {
-    // One row (a batch of one): the matrix-vector loop reads W once, without BLAS's packing.
-    gemv_rows(a_.W.data_ptr<float>(), a_.I, a_.GH, a_.I, x2.data_ptr<float>(), 0, raw.data_ptr<float>());
-    if (!ln && bias_.defined()) out.add_(bias_);
-  } else if (!ln && bias_.defined()) {
-    at::addmm_out(out, bias_, x2, a_.W.t());
+  const bool own_loops = a_.quantized() || (rows == 1 && out_.scalar_type() == at::kFloat);
+  if (own_loops) {  // float32 rows (int8 weights take float32 x): plain pointers, no ATen views a step
+    const float* x2 = a_.x.data_ptr<float>() + first_ * B * a_.I;  // x is [T, B, I], contiguous
+    float* out = out_.data_ptr<float>() + row0 * a_.GH;
+    float* raw = ln && raw_.defined() ? raw_.data_ptr<float>() + row0 * a_.GH : out;  // inference normalizes in place
+    if (a_.quantized() && !packed_W_.defined()) {  // int8 W, one row
+      qgemv_rows(x2, a_.quantized_rows(kW, 0), a_.GH, a_.I, 0, raw);
+    } else if (a_.quantized()) {  // int8 W: x quantized per row
+      qgemm_nt_packed(x2, rows, a_.I, packed_W_.data_ptr<int8_t>(), a_.W_scale.data_ptr<float>(), a_.GH, a_.I, 0, raw,
+                      a_.GH);
+    } else {  // one row (a batch of one): the matrix-vector loop reads W once, without BLAS's packing
+      gemv_rows(a_.W.data_ptr<float>(), a_.I, a_.GH, a_.I, x2, 0, raw);
+    }
+    if (!ln && bias_.defined()) {
+      const float* bias = bias_.data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < a_.GH; ++j) out[r * a_.GH + j] += bias[j];
+    }
   } else {
-    at::mm_out(raw, x2, a_.W.t());
+    const Tensor x2 = a_.x.narrow(0, first_, count).view({rows, a_.I});
+    Tensor out = out_.narrow(0, row0, rows);
+    Tensor raw = ln ? (raw_.defined() ? raw_.narrow(0, row0, rows) : out) : out;  // inference normalizes in place
+    if (!ln && bias_.defined()) {
+      at::addmm_out(out, bias_, x2, a_.W.t());
+    } else {
+      at::mm_out(raw, x2, a_.W.t());
+    }
   }
   if (!ln) return;
+  Tensor out = out_.narrow(0, row0, rows);
+  Tensor raw = raw_.defined() ? raw_.narrow(0, row0, rows) : out;
   AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "rnnkit_input_layer_norm", [&] {
     layer_norm_rows<scalar_t>(raw.data_ptr<scalar_t>(), rows, a_.GH, a_.ln_x_gain.data_ptr<scalar_t>(),
                               a_.ln_x_shift.data_ptr<scalar_t>(),

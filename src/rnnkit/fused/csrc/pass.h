@@ -195,7 +195,9 @@ Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tens
                                  const Tensor& rstd, const GradNeeds& needs, WeightGrads& grads);
 
 // The sum of optional bias pieces (undefined when none): folded into the input projection.
-Tensor sum_biases(const Tensor& first, const Tensor& second);
+// first + second[:second_count] (second's other entries taken as 0; second_count < 0: all of
+// second), as a new vector; either may be undefined (then the other, as given, where it suffices).
+Tensor sum_biases(const Tensor& first, const Tensor& second, int64_t second_count = -1);
 
 // A pass's results: y, h_n, c_n (undefined unless LSTM), then kNumSaved saved tensors (undefined
 // where nothing is kept; all undefined in inference).
