@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+import rnnkit
 from rnnkit.app import bench
 from rnnkit.app import machine
 from rnnkit.app.bench import report
@@ -360,6 +361,9 @@ def test_int8_runners_are_checked_with_the_int8_tolerance_and_timed(tmp_path, fl
             assert TIMED_FIELDS <= set(record) and record["speedup_vs_torch_nn"] > 0
             assert record["tolerance"] == INT8_TOLERANCE
             assert TOLERANCE[torch.float32] < record["max_rel_rms_error"] <= INT8_TOLERANCE  # int8 indeed, within its bound
+            if runner == "int8":  # which kernels ran, in the record and the table's note
+                assert record["int8_kernel"] == rnnkit.quantized.int8_kernel()
+                assert f"int8 (int8, {record['int8_kernel']} kernels)" in (tmp_path / "results" / "bench.md").read_text()
         else:
             assert record["status"] == "unsupported", record
     # what they cannot run, they say, rather than time float32 under an int8 name

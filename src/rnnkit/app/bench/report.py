@@ -174,8 +174,10 @@ def _low_precision_note(records: List[dict]) -> List[str]:
     checked = {r["runner"]: (r["precision"], r["tolerance"]) for r in records if r.get("precision") and "tolerance" in r}
     if not checked:
         return []
+    kernels = {r["runner"]: r["int8_kernel"] for r in records if r.get("int8_kernel")}
     return ["", "Low precision (inference; speedups against torch.nn in float32): "
-            + ", ".join(f"{name} ({precision})" for name, (precision, _) in checked.items())
+            + ", ".join(f"{name} ({precision}" + (f", {kernels[name]} kernels" if name in kernels else "") + ")"
+                        for name, (precision, _) in checked.items())
             + ", checked against the float64 reference within relative RMS "
             + ", ".join(sorted({f"{tolerance:g}" for _, tolerance in checked.values()})) + " instead of the dtype's."]
 

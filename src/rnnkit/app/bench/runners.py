@@ -324,7 +324,7 @@ class RnnkitInt8(Int8Runner):
         _cpu_float32(case, "rnnkit.quantize")
         model = RnnkitBackend("auto").build(case)
         model.modules = [rnnkit.quantize(m) for m in model.modules]
-        model.info = {"weights": "int8"}
+        model.info = {"weights": "int8", "int8_kernel": rnnkit.quantized.int8_kernel()}
         return model
 
 
