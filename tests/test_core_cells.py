@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import rnnkit
-from helpers import assert_close
+from helpers import assert_close, require_fused_kernels
 
 T, B, I, H = 5, 3, 4, 6
 REF = "reference"
@@ -155,3 +155,88 @@ def test_stepping_an_unbatched_cell():
             outputs.append(state[0])
     assert_close(torch.stack(outputs), y, "outputs")
     assert_close(state, (h_n[0], c_n[0]), "final state")
+
+
+# ---- one-step calls of the sequence modules (generation loops): the plans, layer by layer ------
+
+STACKS = {  # id -> (module class, options)
+    "lstm-3-layers-everything": (rnnkit.LSTM, dict(num_layers=3, peephole=True, layer_norm=True, proj_size=4,
+                                                   proj_clip=0.5, zoneout=0.2, dropout=0.3)),
+    "gru-2-reset_before-batch_first": (rnnkit.GRU, dict(num_layers=2, reset_after=False, batch_first=True)),
+    "rnn-relu-2-layer_norm": (rnnkit.RNN, dict(num_layers=2, nonlinearity="relu", layer_norm=True)),
+}
+
+
+def _fused_and_reference(cls, dtype, **options):
+    require_fused_kernels()
+    fused = cls(I, H, backend="fused", dtype=dtype, **options).eval()
+    reference = cls(I, H, backend=REF, dtype=dtype, **options).eval()
+    with torch.no_grad():
+        fused.flat_weights.normal_(0, 0.5)
+    reference.load_state_dict(fused.state_dict())
+    return fused, reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("kind", list(STACKS))
+def test_one_step_calls_of_a_stack_equal_one_call_over_the_sequence(kind, dtype):
+    """T calls of one step each, the state carried (how generation loops call a stack), equal one
+    call over T steps; they run on the one-step plans (one per layer), from a given state and
+    from none."""
+    cls, options = STACKS[kind]
+    fused, reference = _fused_and_reference(cls, dtype, **options)
+    batch_first = options.get("batch_first", False)
+    x = torch.randn(B, T, I, dtype=dtype) if batch_first else torch.randn(T, B, I, dtype=dtype)
+    step = (lambda t: x[:, t:t + 1]) if batch_first else (lambda t: x[t:t + 1])
+    with torch.no_grad():
+        _, hx = reference(x)  # an initial state in the module's format
+        y, hy = reference(x, hx)
+        state, outputs = hx, []
+        for t in range(T):
+            out, state = fused(step(t), state)
+            outputs.append(out)
+        assert fused.__dict__["_plan"][0] is not None and fused.last_backend == "fused"  # the plans ran
+        assert_close(fused(step(0)), reference(step(0)), "from no state")
+    assert_close(torch.cat(outputs, 1 if batch_first else 0), y, "outputs")
+    assert_close(state, hy, "final state")
+
+
+@pytest.mark.parametrize("options", [dict(bidirectional=True), dict(num_layers=2, hidden_size=[H, H + 2])],
+                         ids=["bidirectional", "per_layer_sizes"])
+def test_one_step_calls_the_plans_do_not_take_run_the_general_path(options):
+    options = dict(options)
+    hidden = options.pop("hidden_size", H)
+    require_fused_kernels()
+    fused = rnnkit.LSTM(I, hidden, backend="fused", **options).eval()
+    reference = rnnkit.LSTM(I, hidden, backend=REF, **options).eval()
+    reference.load_state_dict(fused.state_dict())
+    x = torch.randn(1, B, I)
+    with torch.no_grad():
+        assert_close(fused(x), reference(x), "one step")
+    assert "_plan" not in fused.__dict__
+
+
+@pytest.mark.parametrize("stack", [False, True], ids=["cell", "stack"])
+def test_frozen_parameters_still_pass_gradients_to_the_input_and_state(stack):
+    """A one-step call with frozen parameters but an input or state that requires grad records
+    the graph (the plans, which record none, step aside): d(x, h, c) equal the reference's."""
+    if stack:
+        fused, reference = _fused_and_reference(rnnkit.LSTM, torch.float32, num_layers=2, peephole=True)
+        shape, lead = (1, B, I), (2,)
+    else:
+        require_fused_kernels()
+        fused = rnnkit.LSTMCell(I, H, backend="fused", peephole=True)
+        reference = rnnkit.LSTMCell(I, H, backend=REF, peephole=True)
+        reference.load_state_dict(fused.state_dict())
+        shape, lead = (B, I), ()
+    grads = []
+    torch.manual_seed(0)
+    x, h, c = torch.randn(*shape), torch.randn(*lead, B, H), torch.randn(*lead, B, H)
+    for module in (fused, reference):
+        module.requires_grad_(False)
+        inputs = [t.clone().requires_grad_() for t in (x, h, c)]
+        out = module(inputs[0], (inputs[1], inputs[2]))
+        results = [out[0], *out[1]] if stack else list(out)
+        assert all(r.requires_grad for r in results)
+        grads.append(torch.autograd.grad(results, inputs, [torch.ones_like(r) for r in results]))
+    assert_close(grads[0], grads[1], "d(x, h, c)")

@@ -177,6 +177,58 @@ class _PackedModule(nn.Module):
                 stacklevel=3,
             )
 
+    def __getstate__(self):
+        """deepcopy / pickle without the one-step plans (compiled objects; rebuilt on the next call)."""
+        state = dict(self.__dict__)
+        state.pop("_plan", None)
+        return state
+
+    def _step_plans(self, input, hx) -> Optional[list]:
+        """The fused kernels' one-step plans, one per pass (weights and scalars fixed once, one C++
+        call a step), when this call can take them: eager, no gradient to record (of the
+        parameters, the input or the state), no autocast, no random masks, the parameters the plans
+        were built on; else None. Generation loops live on this path (README, "Speed": step API)."""
+        if (self.training and self.spec.uses_dropout_masks) or not _plain_eager():
+            return None
+        params = self._parameters
+        tensors = tuple(params.get(name) for name in self._names)
+        if torch.is_grad_enabled() and (
+                any(t is None or t.requires_grad for t in tensors) or input.requires_grad
+                or any(isinstance(t, torch.Tensor) and t.requires_grad for t in functional._leaves(hx))):
+            return None
+        cached = self.__dict__.get("_plan")
+        if cached is None or cached[1] != self.backend or any(a is not b for a, b in zip(cached[2], tensors)):
+            cached = (self._make_plans(tensors), self.backend, tensors)
+            self.__dict__["_plan"] = cached
+        plans = cached[0]
+        if plans is None or torch.is_autocast_enabled(tensors[0].device.type):
+            return None
+        self.__dict__["last_backend"] = "fused"
+        return plans
+
+    def _make_plans(self, tensors) -> Optional[list]:
+        if any(t is None for t in tensors):  # a parametrized weight: computed each call
+            return None
+        W = tensors[0]
+        try:
+            chosen = backends_.select(self.backend, self.spec, W.device, W.dtype, steps=1)
+        except backends_.BackendUnavailableError:
+            return None  # the careful path says why
+        if chosen.name != "fused" or W.dtype not in (torch.float32, torch.float64):
+            return None
+        from .fused import build
+        from .passes import pass_scalars, pass_values
+
+        grouped = self.layout.group(dict(zip(self._names, (t.detach() for t in tensors))))
+        empty = W.new_empty(0)
+        plans = []
+        for index, w in enumerate(grouped):
+            cell = self.spec.cell(index // self.spec.num_directions)
+            masks = draw_pass(self.spec, cell, 1, 1, W, False).masks  # evaluation: zoneout's expectation
+            plans.append(build.extension().step_plan(*pass_values(pass_scalars(cell, False, masks), empty, empty, None,
+                                                                  tuple(w), (None,) * 4)))
+        return plans
+
     def _pass_weights(self) -> list:
         """One PassWeights per layer-direction: views of the packed buffer through `_Pack`
         when the parameters alias it and a gradient is wanted, else the parameters themselves."""
@@ -326,6 +378,41 @@ def check_cell_input(spec: RNNSpec, input) -> None:
         raise ValueError(f"input: expected feature size input_size={spec.input_size} in the last axis, got shape {tuple(input.shape)}")
 
 
+def one_step_call(spec: RNNSpec, plans_of, input, hx, lengths):
+    """A stack's call of one time step (generation loops) layer by layer through one-step plans
+    (``plans_of()``: one per layer, or None), or None where they cannot take it (the general path
+    then runs, and says what is wrong). One direction, one size for every layer, a tensor input
+    and tensor states; the results are the general path's."""
+    if lengths is not None or type(input) is not torch.Tensor or input.dim() != 3 or \
+            input.shape[1 if spec.batch_first else 0] != 1 or spec.num_directions != 1 or spec.per_layer:
+        return None
+    plans = plans_of()
+    if plans is None:
+        return None
+    lstm, L = spec.mode == "lstm", spec.num_layers
+    if hx is None:
+        states = [None] * L
+    else:
+        parts = hx if lstm else (hx,)
+        if (lstm and (not isinstance(hx, tuple) or len(hx) != 2)) or any(
+                type(t) is not torch.Tensor or t.dim() != 3 or t.shape[0] != L for t in parts):
+            return None
+        states = [(parts[0][layer], parts[1][layer]) if lstm else parts[0][layer] for layer in range(L)]
+    x = input[:, 0] if spec.batch_first else input[0]
+    hs, cs = [], []
+    for plan, state in zip(plans, states):
+        out = plan(x, state)
+        if out is None:
+            return None
+        h, c = out if lstm else (out, None)
+        hs.append(h)
+        cs.append(c)
+        x = h
+    y = x.unsqueeze(1 if spec.batch_first else 0)
+    h_n = torch.stack(hs)
+    return (y, (h_n, torch.stack(cs))) if lstm else (y, h_n)
+
+
 class _Recurrent(_PackedModule):
     def __init__(
         self,
@@ -377,6 +464,9 @@ class _Recurrent(_PackedModule):
             (output, h_n), or (output, (h_n, c_n)) for LSTM; output is a PackedSequence
             when the input is one.
         """
+        out = one_step_call(self.spec, lambda: self._step_plans(input, hx), input, hx, lengths)
+        if out is not None:
+            return out
         weights = self._pass_weights()
         return sequence_call(lambda *args: self._run(weights, *args), input, hx, lengths, self.spec.batch_first)
 
@@ -579,59 +669,12 @@ class _Cell(_PackedModule):
         self.input_size, self.hidden_size, self.bias = input_size, hidden_size, bias
 
     def _forward(self, input, hx):
-        plan = self._step_plan()
-        if plan is not None:
-            out = plan(input, hx)
+        plans = self._step_plans(input, hx) if isinstance(input, torch.Tensor) else None
+        if plans is not None:
+            out = plans[0](input, hx)
             if out is not None:
                 return out
         return self._step(input, hx)
-
-    def __getstate__(self):
-        """deepcopy / pickle without the one-step plan (a compiled object; rebuilt on the next call)."""
-        state = dict(self.__dict__)
-        state.pop("_plan", None)
-        return state
-
-    def _step_plan(self):
-        """The fused kernels' one-step plan (weights and scalars fixed once, one C++ call a step) when
-        this call can take it: eager, no gradient to record, no autocast, no random masks, the
-        parameters the plan was built on; else None. Generation loops live on this path: its
-        per-step cost is the kernel's plus about a microsecond (README, "Speed": step API)."""
-        if (self.training and self.spec.uses_dropout_masks) or not _plain_eager():
-            return None
-        params = self._parameters
-        tensors = tuple(params.get(name) for name in self._names)
-        if torch.is_grad_enabled() and any(t is None or t.requires_grad for t in tensors):
-            return None
-        cached = self.__dict__.get("_plan")
-        if cached is None or cached[1] != self.backend or any(a is not b for a, b in zip(cached[2], tensors)):
-            cached = (self._make_plan(tensors), self.backend, tensors)
-            self.__dict__["_plan"] = cached
-        plan = cached[0]
-        if plan is None or torch.is_autocast_enabled(tensors[0].device.type):
-            return None
-        self.__dict__["last_backend"] = "fused"
-        return plan
-
-    def _make_plan(self, tensors):
-        if any(t is None for t in tensors):  # a parametrized weight: computed each call
-            return None
-        W = tensors[0]
-        try:
-            chosen = backends_.select(self.backend, self.spec, W.device, W.dtype, steps=1)
-        except backends_.BackendUnavailableError:
-            return None  # the careful path says why
-        if chosen.name != "fused" or W.dtype not in (torch.float32, torch.float64):
-            return None
-        from .fused import build
-        from .passes import pass_scalars, pass_values
-
-        cell = self.spec.cell(0)
-        masks = draw_pass(self.spec, cell, 1, 1, W, False).masks  # evaluation: zoneout's expectation
-        w = self.layout.group(dict(zip(self._names, (t.detach() for t in tensors))))[0]
-        empty = W.new_empty(0)
-        return build.extension().step_plan(*pass_values(pass_scalars(cell, False, masks), empty, empty, None,
-                                                        tuple(w), (None,) * 4))
 
     def _step(self, input, hx):
         """One step, straight to the backend's pass (no stack loop, no state lists)."""
@@ -682,7 +725,7 @@ class LSTMCell(_Cell):
 
     The step of [`LSTM`][rnnkit.LSTM] (its equations) for one layer and direction, for
     generation loops and custom recurrences. In inference (no gradient to record) each call is
-    one C++ call on the CPU: the step costs the kernel plus about a microsecond.
+    one C++ call on the CPU: the step costs the kernel plus a few microseconds.
 
     Args:
         input_size: I.

@@ -32,7 +32,7 @@ from torch import nn
 
 from . import functional
 from . import nn as float_nn
-from .nn import _Cell, _PackedModule, _Recurrent, check_cell_input, sequence_call
+from .nn import _Cell, _PackedModule, _Recurrent, check_cell_input, one_step_call, sequence_call
 from .params import Layout, PassWeights
 from .passes import PASS_ARGUMENTS, _direct, mask_tensors, named, output_shapes, pass_scalars, pass_values
 
@@ -134,6 +134,19 @@ class _Quantized(nn.Module):
                 self.register_buffer(entry.name, value.to(torch.float32, copy=True).contiguous())
         self.train(source.training)
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Loading checks the int8 matrices' values: symmetric quantization keeps them in [-127, 127],
+        and the kernels rely on it (-128 has no negation in int8), so -128 is refused, not computed."""
+        for entry in self.layout.entries:
+            value = state_dict.get(prefix + entry.name)
+            if entry.piece in MATRICES and isinstance(value, torch.Tensor) and value.dtype == torch.int8 and \
+                    bool((value == -128).any()):
+                raise ValueError(f"{prefix}{entry.name}: expected int8 values in [-127, 127] (symmetric per-row "
+                                 f"quantization), got -128 in {int((value == -128).sum())} places")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     @classmethod
     def from_float(cls, module, use_precomputed_fake_quant: bool = False):
         """The quantized counterpart of an rnnkit module (``torch.ao.quantization``'s hook: see
@@ -154,12 +167,42 @@ class _Quantized(nn.Module):
         return self._buffers[self._names[0] + "_scale"]  # float32, on the module's device
 
     def _check_call(self, tensors) -> None:
-        if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+        if torch.onnx.is_in_onnx_export() and not torch.compiler.is_exporting():
+            raise ValueError(f"{type(self).__name__}: int8 modules export to ONNX with torch.onnx.export(..., "
+                             "dynamo=True); the TorchScript exporter (dynamo=False) has no translation of their op")
+        if torch.compiler.is_exporting():
             return  # an exported graph is for inference: gradients through it are not asked for
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
             raise RuntimeError(f"{type(self).__name__}: an int8 module is for inference and has no gradient; call it "
                                "under torch.no_grad() / torch.inference_mode() with inputs that do not require grad, "
                                "or train the float module")
+
+    def __getstate__(self):
+        """deepcopy / pickle without the one-step plans (compiled objects; rebuilt on the next call)."""
+        state = dict(self.__dict__)
+        state.pop("_plan_cache", None)
+        return state
+
+    def _plans(self) -> list:
+        """The fused kernels' one-step plans on the int8 weights, one per pass (built once, rebuilt
+        when a buffer is replaced, as load_state_dict(assign=True) does)."""
+        buffers = tuple(self._buffers.values())
+        cached = self.__dict__.get("_plan_cache")
+        if cached is None or any(a is not b for a, b in zip(cached[1], buffers)) or len(cached[1]) != len(buffers):
+            from .fused import build
+            from .masks import draw_pass
+
+            empty = self._like().new_empty(0)
+            plans = []
+            for index, w in enumerate(self._passes()):
+                cell = self.spec.cell(index // self.spec.num_directions)
+                masks = draw_pass(self.spec, cell, 1, 1, self._like(), False).masks
+                plans.append(build.extension().step_plan(
+                    *pass_values(pass_scalars(cell, False, masks), empty, empty, None, tuple(w.weights), (None,) * 4),
+                    W_scale=w.W_scale, R_scale=w.R_scale, W_hr_scale=w.W_hr_scale))
+            cached = (plans, buffers)
+            self.__dict__["_plan_cache"] = cached
+        return cached[0]
 
     def extra_repr(self) -> str:
         from .spec import RNNSpec
@@ -180,6 +223,9 @@ class _QuantizedStack(_Quantized):
         """As the float module's call (input, hx, lengths; PackedSequence), in evaluation mode."""
         data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
         self._check_call([data, *functional._leaves(hx)])
+        out = one_step_call(self.spec, lambda: self._plans() if _direct(data) else None, input, hx, lengths)
+        if out is not None:
+            return out
         return sequence_call(self._run, input, hx, lengths, self.spec.batch_first)
 
     def _run(self, input, hx, lengths, batch_first):
@@ -195,9 +241,9 @@ class _QuantizedCell(_Quantized):
         """One step, as the float cell's call (input (B, I) or (I,); hx as the cell takes it)."""
         check_cell_input(self.spec, input)
         self._check_call([input, *functional._leaves(hx)])
-        plan = self._plan() if _direct(input) else None
-        if plan is not None:
-            out = plan(input, hx)
+        plans = self._plans() if _direct(input) else None
+        if plans is not None:
+            out = plans[0](input, hx)
             if out is not None:
                 return out
         # the general path: a one-step, one-layer stack (the cell's states are the stack's with L·D = 1)
@@ -210,33 +256,6 @@ class _QuantizedCell(_Quantized):
         y, hy, _ = functional.run(self.spec, self._passes(), input.unsqueeze(0), hx, None, training=False,
                                   backend=INT8, batch_first=False, like=self._like())
         return (hy[0][0], hy[1][0]) if lstm else hy[0]
-
-    def __getstate__(self):
-        """deepcopy / pickle without the one-step plan (a compiled object; rebuilt on the next call)."""
-        state = dict(self.__dict__)
-        state.pop("_plan_cache", None)
-        return state
-
-    def _plan(self):
-        """The fused kernels' one-step plan on the int8 weights (built once, rebuilt when a buffer is
-        replaced, as load_state_dict(assign=True) does)."""
-        buffers = tuple(self._buffers.values())
-        cached = self.__dict__.get("_plan_cache")
-        if cached is None or any(a is not b for a, b in zip(cached[1], buffers)) or len(cached[1]) != len(buffers):
-            from .fused import build
-            from .masks import draw_pass
-
-            cell = self.spec.cell(0)
-            masks = draw_pass(self.spec, cell, 1, 1, self._like(), False).masks
-            w = self._passes()[0]
-            empty = self._like().new_empty(0)
-            plan = build.extension().step_plan(
-                *pass_values(pass_scalars(cell, False, masks), empty, empty, None, tuple(w.weights), (None,) * 4),
-                W_scale=w.W_scale, R_scale=w.R_scale, W_hr_scale=w.W_hr_scale)
-            cached = (plan, buffers)
-            self.__dict__["_plan_cache"] = cached
-        return cached[0]
-
 
 class LSTM(_QuantizedStack):
     """`rnnkit.LSTM` with int8 weights (made by `quantize`), for inference: the same call and outputs."""

@@ -461,9 +461,13 @@ def _int8_kernel_line() -> str:
         except (RuntimeError, ValueError) as error:  # a failed load, or a bad $RNNKIT_INT8_KERNEL
             return f"unavailable ({error})"
         how = "in use"
+    elif not state.startswith("not built"):  # the fused kernels cannot build here: why
+        return f"unavailable (the int8 kernels are the fused backend's: {state})"
     else:
         name = machine.expected_int8_kernel(machine.cpu_flags(), torch.backends.cpu.get_cpu_capability())
         how = "expected; the fused kernels are not built yet"
+        if os.environ.get("RNNKIT_INT8_KERNEL"):
+            how += f"; $RNNKIT_INT8_KERNEL={os.environ['RNNKIT_INT8_KERNEL']} will override it"
     flags = machine.cpu_flags() or []
     vnni = [f for f in ("avx512_vnni", "avx_vnni") if f in flags]
     return (f"{name} kernels ({how}): {rnnkit.quantized.INT8_KERNELS[name]}; "

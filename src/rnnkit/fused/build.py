@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -47,7 +48,8 @@ def _compiler_version(compiler: str) -> str:
 def _build_key() -> str:
     """Hash of what changes the binary: the sources, the flags, the compiler and its version, the
     torch build (install path and git revision: two environments with the same torch version
-    have different include paths) and the Python ABI. Two environments never share a build."""
+    have different include paths) and the Python ABI. Environments and installed copies that agree
+    on all of it share one build (it compiles a copy of the sources: `_copy_sources`)."""
     digest = hashlib.sha256()
     compiler = _compiler() or ""
     version = _compiler_version(compiler)
@@ -71,19 +73,25 @@ def cache_dir() -> Path:
     return base / "rnnkit" / torch.__version__.replace("+", "_") / _NAME / _build_key()
 
 
+_SOURCE_TIME = 1_000_000_000  # the copies' fixed modification time (2001): never newer than a build
+
+
 def _copy_sources(folder: Path) -> Path:
     """The C++ sources copied into the build's folder, and that copy's path. The build compiles the
     copy: its build file then names the same paths whichever installed copy of rnnkit asks (two
     environments, or a checkout and an installed wheel, with the same sources and key share one
-    build instead of recompiling over each other). Each file is written atomically, and only when
-    it differs (it never does for a given key: the key hashes these bytes)."""
+    build instead of recompiling over each other). Each file is written atomically, only when it
+    differs (it never does for a given key: the key hashes these bytes), with a fixed old
+    modification time, so a copy two processes both write never looks newer than the build."""
     target = folder / "csrc"
     target.mkdir(exist_ok=True)
     for path in sorted(Path(__file__).with_name("csrc").iterdir()):
         data, copy = path.read_bytes(), target / path.name
         if not copy.exists() or copy.read_bytes() != data:
-            partial = target / f".{path.name}.{os.getpid()}.tmp"
-            partial.write_bytes(data)
+            handle, partial = tempfile.mkstemp(dir=target, prefix=f".{path.name}.", suffix=".tmp")
+            with os.fdopen(handle, "wb") as out:
+                out.write(data)
+            os.utime(partial, (_SOURCE_TIME, _SOURCE_TIME))
             os.replace(partial, copy)
     return target
 

@@ -3,6 +3,7 @@ from typing import Optional
 
 from onnxscript.function_libs.torch_lib.tensor_typing import TFloat, TTensor
 from onnxscript.onnx_opset import opset18 as op
+import onnx
 from onnx.defs import OpSchema
 from onnxscript.values import Op, Opset
 
@@ -149,8 +150,8 @@ def _uint8_columns(q, scale, src: str, dst: str):
     columns = op.Transpose(_gate_blocks(q, src, dst), perm=[1, 0])
     shifted = op.Cast(op.Add(op.Cast(columns, to=_INT16), op.Cast(op.Constant(value_int=128), to=_INT16)), to=_UINT8)
     scales = _unsqueeze(_gate_blocks(scale, src, dst))
-    zero_points = op.Cast(op.Add(op.Mul(scales, op.Constant(value_float=0.0)), op.Constant(value_float=128.0)),
-                          to=_UINT8)
+    rows = q.shape[0] // len(src) * len(dst)  # ONNX's gates (coupled: a zero forget gate added); static
+    zero_points = op.Constant(value=onnx.helper.make_tensor("zero_point", _UINT8, [1, rows], [128] * rows))
     return _unsqueeze(shifted), scales, zero_points
 
 

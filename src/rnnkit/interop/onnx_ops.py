@@ -8,6 +8,10 @@ Each layer-direction pass (the custom ops ``rnnkit::fused_pass_forward`` and
 orders (docs/spec.md, "Gate orders elsewhere") by ``Split`` / ``Concat`` on the initializers, which
 the exporter's optimizer folds into constants.
 
+An int8 LSTM pass (``rnnkit::fused_int8_pass``, from `rnnkit.quantize`) becomes onnxruntime's
+``com.microsoft.DynamicQuantizeLSTM`` on the same int8 weights and scales (stored uint8 with zero
+point 128); int8 GRU and RNN have no such operator and are refused.
+
 The translations are registered with onnxscript's torch library, the registry torch's exporter
 reads (before it traces the model): right after that module is imported, through a post-import
 hook that ``import rnnkit`` installs (`install`), so importing rnnkit does not import

@@ -219,11 +219,14 @@ StepPlan make_step_plan(RNNKIT_PASS_PARAMETERS, const OptTensor& W_scale, const 
 
 // The test bindings' operands: X float [rows, K] (unit stride), M int8 [N, K], scale float [N].
 QuantizedRows int8_operands(const char* who, const at::Tensor& X, const at::Tensor& M, const at::Tensor& scale) {
-  TORCH_CHECK(X.dim() == 2 && X.scalar_type() == at::kFloat && X.stride(1) == 1, who, ": x float [rows, K]");
+  TORCH_CHECK(X.dim() == 2 && X.scalar_type() == at::kFloat && X.stride(1) == 1, who,
+              ": x: expected float32 [rows, K] with unit stride, got ", X.scalar_type(), " ", X.sizes(), " strides ",
+              X.strides());
   TORCH_CHECK(M.dim() == 2 && M.scalar_type() == at::kChar && M.stride(1) == 1 && M.size(1) == X.size(1), who,
-              ": M int8 [N, K]");
+              ": M: expected int8 [N, ", X.size(1), "] with unit stride, got ", M.scalar_type(), " ", M.sizes());
   TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.size(0) == M.size(0) &&
-                  scale.is_contiguous(), who, ": scale float [N]");
+                  scale.is_contiguous(), who, ": scale: expected contiguous float32 [", M.size(0), "], got ",
+              scale.scalar_type(), " ", scale.sizes());
   QuantizedRows q;
   q.data = M.data_ptr<int8_t>(), q.scale = scale.data_ptr<float>(), q.ld = M.stride(0);
   return q;
@@ -253,6 +256,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "qgemv",
       [](const at::Tensor& x, const at::Tensor& M, const at::Tensor& scale) {  // x · Mᵀ, one row, unpacked (tests)
+        TORCH_CHECK(x.dim() == 1 && x.is_contiguous(), "qgemv: x: expected a contiguous vector [K], got ",
+                    x.sizes(), " strides ", x.strides());
         const rnnkit::QuantizedRows q = rnnkit::int8_operands("qgemv", x.view({1, -1}), M, scale);
         at::Tensor C = at::empty({M.size(0)}, x.options());
         rnnkit::qgemv_rows(x.data_ptr<float>(), q, M.size(0), x.size(0), 0, C.data_ptr<float>());

@@ -193,6 +193,11 @@ inline __m256i dot_packed(__m256i acc, __m256i x_aux, __m256i, __m256i w) { retu
 #include "qgemm_kernels.h"
 }  // namespace emulated_vnni
 
+// The VNNI kernels need GCC 11 or later (#pragma GCC target with "avxvnni"); other compilers
+// build the AVX2 and emulated ones only (clang ignores the pragma, GCC 10 lacks avxvnni).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define RNNKIT_VNNI_KERNELS 1
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512vnni")
 namespace avx512_vnni {  // vpdpbusd on 256-bit vectors (AVX512_VNNI + VL): Ice Lake, Sapphire Rapids, Zen 4
@@ -224,13 +229,16 @@ bool has_avx512_vnni() {
          __builtin_cpu_supports("avx512bw");
 }
 bool has_avx_vnni() { return __builtin_cpu_supports("avxvnni"); }
+#endif
+
 bool always() { return true; }
-bool never() { return false; }
 
 // In the order `auto` tries them; emulated-vnni only on request (tests).
 const Int8Kernels kKernels[] = {
+#ifdef RNNKIT_VNNI_KERNELS
     {"avx512-vnni", avx512_vnni::gemv, avx512_vnni::packed, has_avx512_vnni, true},
     {"avx-vnni", avx_vnni::gemv, avx_vnni::packed, has_avx_vnni, true},
+#endif
     {"avx2", avx2::gemv, avx2::packed, always, true},
     {"emulated-vnni", emulated_vnni::gemv, emulated_vnni::packed, always, false},
 };
@@ -300,32 +308,57 @@ const Int8Kernels* automatic_kernels() {
   return &kKernels[0];  // not reached: the last automatic entry runs everywhere it is compiled
 }
 
+std::string runnable_names() {
+  std::string names;
+  for (const Int8Kernels& k : kKernels)
+    if (k.runs_here()) names += std::string(names.empty() ? "" : ", ") + k.name;
+  return names;
+}
+
 // `name`'s kernels ("auto": the CPU's choice); a ValueError naming what was expected otherwise.
 const Int8Kernels* find_kernels(const std::string& name, const char* who) {
   if (name == "auto") return automatic_kernels();
-  std::string known;
   for (const Int8Kernels& k : kKernels) {
-    if (name == k.name) {
-      TORCH_CHECK_VALUE(k.runs_here(), who, ": int8 kernel '", name, "' needs instructions this CPU does not have");
-      return &k;
-    }
-    known += std::string(", ") + k.name;
+    if (name != k.name) continue;
+    TORCH_CHECK_VALUE(k.runs_here(), who, ": int8 kernel '", name, "' needs instructions this CPU does not have; "
+                      "it runs 'auto', ", runnable_names());
+    return &k;
   }
-  TORCH_CHECK_VALUE(false, who, ": expected 'auto'", known, "; got '", name, "'");
+  TORCH_CHECK_VALUE(false, who, ": expected 'auto' or one of ", runnable_names(), " (this build and CPU); got '",
+                    name, "'");
+  return nullptr;
 }
 
-// The CPU's choice, or $RNNKIT_INT8_KERNEL's (read at the first int8 product).
-std::atomic<const Int8Kernels*>& current_kernels() {
-  static std::atomic<const Int8Kernels*> current{[] {
+// The kernels in use: the CPU's choice, or $RNNKIT_INT8_KERNEL's (read at the first int8
+// product). A bad value leaves no choice and its error, raised by every product until
+// set_int8_kernel makes one.
+struct Choice {
+  std::atomic<const Int8Kernels*> kernels{nullptr};
+  std::string error;
+  Choice() {
     const char* env = std::getenv("RNNKIT_INT8_KERNEL");
-    return env && *env ? find_kernels(env, "RNNKIT_INT8_KERNEL") : automatic_kernels();
-  }()};
-  return current;
+    try {
+      kernels = env && *env ? find_kernels(env, "RNNKIT_INT8_KERNEL") : automatic_kernels();
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    }
+  }
+};
+
+Choice& choice() {
+  static Choice c;
+  return c;
+}
+
+const Int8Kernels& current() {
+  const Int8Kernels* k = choice().kernels.load();
+  TORCH_CHECK_VALUE(k != nullptr, choice().error);
+  return *k;
 }
 
 }  // namespace
 
-const char* int8_kernel() { return current_kernels().load()->name; }
+const char* int8_kernel() { return current().name; }
 
 std::vector<std::string> int8_kernels() {
   std::vector<std::string> names;
@@ -335,15 +368,14 @@ std::vector<std::string> int8_kernels() {
 }
 
 std::string set_int8_kernel(const std::string& name) {
-  const std::string previous = int8_kernel();
-  current_kernels().store(find_kernels(name, "set_int8_kernel"));
-  return previous;
+  const Int8Kernels* previous = choice().kernels.exchange(find_kernels(name, "set_int8_kernel"));
+  return previous != nullptr ? previous->name : "auto";
 }
 
 void qgemv_rows(const float* x, const QuantizedRows& M, int64_t N, int64_t K, float beta, float* C) {
   if (N <= 0) return;
   if (K <= 0) return qgemm_nt_packed(x, 1, K, nullptr, M.scale, N, K, beta, C, N);
-  current_kernels().load()->gemv(x, M, N, K, beta, C);
+  current().gemv(x, M, N, K, beta, C);
 }
 
 void qgemm_nt_packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N,
@@ -357,7 +389,7 @@ void qgemm_nt_packed(const float* X, int64_t rows, int64_t ldx, const int8_t* pa
       }
     return;
   }
-  current_kernels().load()->packed(X, rows, ldx, packed, scale, N, K, beta, C, ldc);
+  current().packed(X, rows, ldx, packed, scale, N, K, beta, C, ldc);
 }
 
 }  // namespace rnnkit

@@ -40,17 +40,18 @@ void qgemv_rows(const float* x, const QuantizedRows& M, int64_t N, int64_t K, fl
 void qgemm_nt_packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N,
                      int64_t K, float beta, float* C, int64_t ldc);
 
-// The kernels in use: "avx512-vnni", "avx-vnni", "avx2" or "scalar" (a build without AVX2), the
-// fastest this CPU runs, or $RNNKIT_INT8_KERNEL's choice (read once, at the first int8 product).
-// All give the same results bit for bit.
+// The kernels in use: "avx512-vnni", "avx-vnni" (GCC 11 or later builds these), "avx2" or
+// "scalar" (a build without AVX2), the fastest this CPU runs; or $RNNKIT_INT8_KERNEL's choice
+// (read once, at the first int8 product), which may also be "emulated-vnni". All give the same
+// results bit for bit.
 const char* int8_kernel();
 
 // The kernels this CPU can run, "emulated-vnni" among them where AVX2 is (the VNNI kernels'
 // arithmetic in AVX2 instructions: how a CPU without VNNI tests that code).
 std::vector<std::string> int8_kernels();
 
-// Use `name` ("auto": the CPU's choice) from now on, for every thread; returns the previous name.
-// A ValueError for a name not in int8_kernels().
+// Use `name` ("auto": the CPU's choice) from now on, for every thread; returns the previous name
+// ("auto" where a bad $RNNKIT_INT8_KERNEL left none). A ValueError for a name not in int8_kernels().
 std::string set_int8_kernel(const std::string& name);
 
 }  // namespace rnnkit
