@@ -78,7 +78,8 @@ def test_awkward_shapes(mode, options, shape):
     assert_matches_int8_reference(mode, **{**options, **AWKWARD[shape]})
 
 
-@pytest.mark.parametrize("T, B", [(1, 1), (4, 1), (4, 5), (4, 64)])  # T·B = 1: M unpacked; 64: blocks of rows
+# one step of up to 8 rows: M unpacked, row by row; 9 rows or T > 1: packed; 64: blocks of rows
+@pytest.mark.parametrize("T, B", [(1, 1), (1, 5), (1, 9), (4, 1), (4, 5), (4, 64)])
 @pytest.mark.parametrize("H", [37, 300])  # tails; large enough to split across threads
 def test_kernel_paths(T, B, H):
     assert_matches_int8_reference("lstm", T=T, B=B, I=33, H=H, proj_size=11, layer_norm=True)

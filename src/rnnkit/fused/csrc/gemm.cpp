@@ -10,7 +10,11 @@
 
 extern "C" {
 // BLAS from the MKL that libtorch_cpu links and exports (LP64: int sizes).
-// float64 GEMM (torch's MKL exports no packed dgemm).
+// GEMMs: float32 for a right operand used once (not worth packing), float64 (torch's MKL exports
+// no packed dgemm).
+void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+            const int* ldc);
 void dgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* alpha,
             const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
             const int* ldc);
@@ -107,12 +111,14 @@ void gemv_columns(const float* M, int64_t ldm, int64_t N, int64_t K, const float
 }  // namespace
 
 // In column-major terms Cᵀ[N, rows] = op(M)ᵀ[N, K] · Xᵀ[K, rows]: op(M)ᵀ is BLAS's packed "A".
-// One row needs no packing: multiply() runs the matrix-vector loops above on M itself.
+// One row needs no packing: multiply() runs the matrix-vector loops above on M itself; nor does
+// a single product (`pack` false: a one-step call), which calls sgemm on M as it is (packing
+// reads and writes all of M, so one product with it took 2-3x torch.nn's time at B = 2..16).
 template <>
 PackedRight<float>::PackedRight(const float* M, int64_t ldm, bool trans, int64_t rows, int64_t N, int64_t K,
-                                const Tensor& like)
+                                const Tensor& like, bool pack)
     : rows_(rows), N_(N), K_(K), ldm_(ldm), matrix_(M), trans_(trans) {
-  if (rows <= 1) return;  // an empty batch multiplies nothing
+  if (rows <= 1 || !pack) return;  // an empty batch multiplies nothing
   const char id = 'A', ta = trans ? 'T' : 'N';
   const int m = int(N), n = int(rows), k = int(K), ld = int(ldm);
   const float one = 1;
@@ -122,13 +128,12 @@ PackedRight<float>::PackedRight(const float* M, int64_t ldm, bool trans, int64_t
 }
 
 // int8: qgemm's packed panels (faster at every batch size, one row included), unless M is used
-// for only one product (`pack` false: a single step of batch one, the step API), where packing
-// would cost more than it saves and qgemv_rows multiplies M as it is.
+// for only one product of a few rows (`pack` false: a one-step call, the step API), where packing
+// would cost more than it saves and qgemv_rows multiplies M as it is, row by row.
 template <>
 PackedRight<float>::PackedRight(const QuantizedRows& M, int64_t rows, int64_t N, int64_t K, const Tensor& like,
                                 bool pack)
     : rows_(rows), N_(N), K_(K), ldm_(M.ld), quantized_scale_(M.scale), quantized_(M) {
-  TORCH_CHECK(pack || rows <= 1, "rnnkit fused: unpacked int8 weights take one row, got ", rows);
   if (!pack || rows == 0) return;
   storage_ = cached_empty({qgemm_packed_bytes(N, K)}, like);
   qgemm_pack(M, N, K, storage_.data_ptr<int8_t>());
@@ -137,8 +142,8 @@ PackedRight<float>::PackedRight(const QuantizedRows& M, int64_t rows, int64_t N,
 template <>
 void PackedRight<float>::multiply(const float* X, int64_t ldx, float beta, float* C, int64_t ldc) const {
   if (rows_ == 0) return;
-  if (quantized_scale_ != nullptr && !storage_.defined()) {
-    qgemv_rows(X, quantized_, N_, K_, beta, C);
+  if (quantized_scale_ != nullptr && !storage_.defined()) {  // unpacked: row by row
+    for (int64_t r = 0; r < rows_; ++r) qgemv_rows(X + r * ldx, quantized_, N_, K_, beta, C + r * ldc);
     return;
   }
   if (quantized_scale_ != nullptr) {
@@ -150,15 +155,22 @@ void PackedRight<float>::multiply(const float* X, int64_t ldx, float beta, float
     (trans_ ? gemv_rows : gemv_columns)(matrix_, ldm_, N_, K_, X, beta, C);
     return;
   }
-  const char ta = 'P', tb = 'N';
   const int m = int(N_), n = int(rows_), k = int(K_), lda = int(ldm_), ldb = int(ldx), lc = int(ldc);
+  const char tb = 'N';
+  if (!storage_.defined()) {  // not packed: one product
+    const char ta = trans_ ? 'T' : 'N';
+    const float one = 1;
+    sgemm_(&ta, &tb, &m, &n, &k, &one, matrix_, &lda, X, &ldb, &beta, C, &lc);
+    return;
+  }
+  const char ta = 'P';
   sgemm_compute_(&ta, &tb, &m, &n, &k, storage_.data_ptr<float>(), &lda, X, &ldb, &beta, C, &lc);
 }
 
 // float64 (gradcheck, not speed): torch's MKL exports no packed dgemm, so keep M and call dgemm.
 template <>
 PackedRight<double>::PackedRight(const double* M, int64_t ldm, bool trans, int64_t rows, int64_t N, int64_t K,
-                                 const Tensor& like)
+                                 const Tensor& like, bool)
     : rows_(rows), N_(N), K_(K), ldm_(ldm), matrix_(M), trans_(trans) {}
 
 template <>

@@ -16,7 +16,9 @@ using at::Tensor;
 template <typename scalar_t>
 class PackedRight {
  public:
-  PackedRight(const scalar_t* M, int64_t ldm, bool trans, int64_t rows, int64_t N, int64_t K, const Tensor& like);
+  // `pack` false: M is used for one product only (a one-step call), so it is not packed.
+  PackedRight(const scalar_t* M, int64_t ldm, bool trans, int64_t rows, int64_t N, int64_t K, const Tensor& like,
+              bool pack = true);
   // C = X · Mᵀ with M [N, K] int8 per row; `like`: an int8 tensor (the packed buffer's type);
   // `pack` false multiplies M as it is (one row only: a single product does not pay for packing).
   PackedRight(const QuantizedRows& M, int64_t rows, int64_t N, int64_t K, const Tensor& like, bool pack);

@@ -226,9 +226,9 @@ struct Gru {
     };
 
     // · R with reset_after; otherwise · R_n and · R_rz
-    const PackedRight<scalar_t> R_right(R, H, false, B, H, after ? GH : 2 * H, like);
+    const PackedRight<scalar_t> R_right(R, H, false, B, H, after ? GH : 2 * H, like, T > 1);
     const std::optional<PackedRight<scalar_t>> R_n_right =
-        after ? std::nullopt : std::make_optional<PackedRight<scalar_t>>(R + 2 * H * H, H, false, B, H, H, like);
+        after ? std::nullopt : std::make_optional<PackedRight<scalar_t>>(R + 2 * H * H, H, false, B, H, H, like, T > 1);
     for (int64_t s = T - 1; s >= 0; --s) {
       const int64_t t = step_time(s);
       if (after) {

@@ -357,9 +357,9 @@ struct Lstm {
       }
     };
 
-    const PackedRight<scalar_t> R_right(R, Hr, false, B, Hr, GH, like);  // · R
+    const PackedRight<scalar_t> R_right(R, Hr, false, B, Hr, GH, like, T > 1);  // · R
     const std::optional<PackedRight<scalar_t>> W_hr_right =
-        proj ? std::make_optional<PackedRight<scalar_t>>(W_hr, H, false, B, H, P, like) : std::nullopt;  // · W_hr
+        proj ? std::make_optional<PackedRight<scalar_t>>(W_hr, H, false, B, H, P, like, T > 1) : std::nullopt;  // · W_hr
     for (int64_t s = T - 1; s >= 0; --s) {
       const int64_t t = step_time(s);
       if (proj) {

@@ -113,12 +113,13 @@ PackedRight<scalar_t> right_operand(const PassArgs& a, WeightSlot slot, int64_t 
                                     int64_t N, int64_t K, const Tensor& like) {
   if (a.quantized()) {
     TORCH_CHECK(trans, "rnnkit fused: int8 weights are for inference (no backward)");
-    const bool once = a.T == 1 && rows == 1;  // a single product (one step of batch one): not worth packing
+    const bool once = a.T == 1 && rows <= kUnpackedRows;  // a few rows, once (one step): not worth packing
     return PackedRight<scalar_t>(a.quantized_rows(slot, first_row), rows, N, K, a.weight(slot), !once);
   }
   const Tensor& M = a.weight(slot);
   const int64_t ld = M.size(1);
-  return PackedRight<scalar_t>(M.data_ptr<scalar_t>() + first_row * ld, ld, trans, rows, N, K, like);
+  // one step: M multiplies once (forward) or twice at most (backward), not worth packing
+  return PackedRight<scalar_t>(M.data_ptr<scalar_t>() + first_row * ld, ld, trans, rows, N, K, like, a.T > 1);
 }
 
 // Which gradients a backward computes; the others' work is skipped (their block slices are zero).

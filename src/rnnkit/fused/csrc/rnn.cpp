@@ -127,7 +127,7 @@ struct Rnn {
     scalar_t *dA_p = dA.data_ptr<scalar_t>(), *dgh_p = dgh.data_ptr<scalar_t>();
     scalar_t* alh_p = ln ? acc_ln_h.data_ptr<scalar_t>() : nullptr;
 
-    const PackedRight<scalar_t> R_right(R, H, false, B, H, H, like);  // · R
+    const PackedRight<scalar_t> R_right(R, H, false, B, H, H, like, T > 1);  // · R
     for (int64_t s = T - 1; s >= 0; --s) {
       const int64_t t = step_time(s);
       for_rows(B, H * 4, [&](int64_t b0, int64_t b1) {
