@@ -174,7 +174,7 @@ def test_batch_of_one_fp32(mode, options, H):
     assert_fused_matches(mode, dtype=torch.float32, T=7, B=1, I=11, H=H, training=True, lengths=[5], **options)
 
 
-@pytest.mark.parametrize("B", [2, 9])  # one step, several rows: R multiplies once, unpacked (sgemm on R as it is)
+@pytest.mark.parametrize("B", [2, 5, 9])  # one step: up to 8 rows, gemv_small_batch (4 + 1 at 5); 9, sgemm on R as it is
 @pytest.mark.parametrize("mode, options", BATCH_OF_ONE)
 def test_one_step_of_a_batch_fp32(mode, options, B):
     assert_fused_matches(mode, dtype=torch.float32, T=1, B=B, I=11, H=37, training=True, **options)

@@ -75,6 +75,54 @@ void gemv_rows(const float* M, int64_t ldm, int64_t N, int64_t K, const float* x
 
 namespace {
 
+// C[r, n] = Σ_k X[r, k]·M[n, k] + beta·C[r, n] for the R ≤ 4 rows of X: two rows of M at a time,
+// each read once for all R rows (R·2 accumulators).
+template <int R>
+void gemv_rows_block(const float* M, int64_t ldm, int64_t N, int64_t K, const float* X, int64_t ldx, float beta,
+                     float* C, int64_t ldc) {
+  at::parallel_for(0, (N + 1) / 2, std::max<int64_t>(1, kGemvGrain / (2 * K)), [&](int64_t begin, int64_t end) {
+    const int64_t stop = std::min(N, 2 * end);
+    for (int64_t n = 2 * begin; n < stop; n += 2) {
+      const bool pair = n + 1 < stop;
+      const float* m0 = M + n * ldm;
+      const float* m1 = pair ? m0 + ldm : m0;  // the last odd row: computed twice, stored once
+      FVec a0[R], a1[R];
+      for (int r = 0; r < R; ++r) a0[r] = FVec(0), a1[r] = FVec(0);
+      vec_loop<float>(K, [&](int64_t k, int64_t count) {
+        const FVec w0 = FVec::loadu(m0 + k, count), w1 = FVec::loadu(m1 + k, count);
+        for (int r = 0; r < R; ++r) {
+          const FVec xv = FVec::loadu(X + r * ldx + k, count);
+          a0[r] = at::vec::fmadd(w0, xv, a0[r]);
+          a1[r] = at::vec::fmadd(w1, xv, a1[r]);
+        }
+      });
+      for (int r = 0; r < R; ++r) {
+        put(C + r * ldc + n, hsum(a0[r]), beta);
+        if (pair) put(C + r * ldc + n + 1, hsum(a1[r]), beta);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// gemv_rows_block over `rows` rows of X, four at a time.
+void gemv_small_batch(const float* M, int64_t ldm, int64_t N, int64_t K, const float* X, int64_t ldx, int64_t rows,
+                      float beta, float* C, int64_t ldc) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const float* x = X + r0 * ldx;
+    float* c = C + r0 * ldc;
+    switch (std::min<int64_t>(4, rows - r0)) {
+      case 1: gemv_rows_block<1>(M, ldm, N, K, x, ldx, beta, c, ldc); break;
+      case 2: gemv_rows_block<2>(M, ldm, N, K, x, ldx, beta, c, ldc); break;
+      case 3: gemv_rows_block<3>(M, ldm, N, K, x, ldx, beta, c, ldc); break;
+      default: gemv_rows_block<4>(M, ldm, N, K, x, ldx, beta, c, ldc); break;
+    }
+  }
+}
+
+namespace {
+
 // C[n] = Σ_k x[k]·M[k, n] + beta·C[n]: rows of M scaled and summed into four SIMD registers'
 // worth of columns at a time.
 void gemv_columns(const float* M, int64_t ldm, int64_t N, int64_t K, const float* x, float beta, float* C) {
@@ -157,6 +205,10 @@ void PackedRight<float>::multiply(const float* X, int64_t ldx, float beta, float
   }
   const int m = int(N_), n = int(rows_), k = int(K_), lda = int(ldm_), ldb = int(ldx), lc = int(ldc);
   const char tb = 'N';
+  if (!storage_.defined() && trans_ && rows_ <= kSmallBatch) {  // one product of a few rows: M read once
+    gemv_small_batch(matrix_, ldm_, N_, K_, X, ldx, rows_, beta, C, ldc);
+    return;
+  }
   if (!storage_.defined()) {  // not packed: one product
     const char ta = trans_ ? 'T' : 'N';
     const float one = 1;

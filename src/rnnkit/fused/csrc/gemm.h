@@ -36,4 +36,12 @@ class PackedRight {
 // C[N] = M[N, K] · x[K] (+ beta · C): one row times Mᵀ, the matrix-vector loop of PackedRight.
 void gemv_rows(const float* M, int64_t ldm, int64_t N, int64_t K, const float* x, float beta, float* C);
 
+// One product of at most this many rows by an unpacked M goes through gemv_small_batch, not sgemm.
+constexpr int64_t kSmallBatch = 8;
+
+// C[rows, N] = X[rows, K] · Mᵀ (+ beta · C), M [N, K] row-major, for a few rows (≤ kSmallBatch):
+// the matrix-vector loops widened to four rows of X per read of M.
+void gemv_small_batch(const float* M, int64_t ldm, int64_t N, int64_t K, const float* X, int64_t ldx, int64_t rows,
+                      float beta, float* C, int64_t ldc);
+
 }  // namespace rnnkit

@@ -132,7 +132,7 @@ void InputSteps::compute_chunk(int64_t s) {
   first_ = a_.reverse ? a_.T - s - count : s;
   const int64_t row0 = training_ ? first_ * B : 0;
   const bool ln = a_.ln_x_gain.defined();
-  const bool own_loops = a_.quantized() || (rows == 1 && out_.scalar_type() == at::kFloat);
+  const bool own_loops = a_.quantized() || (rows <= kSmallBatch && out_.scalar_type() == at::kFloat);
   if (own_loops) {  // float32 rows (int8 weights take float32 x): plain pointers, no ATen views a step
     const float* x2 = a_.x.data_ptr<float>() + first_ * B * a_.I;  // x is [T, B, I], contiguous
     float* out = out_.data_ptr<float>() + row0 * a_.GH;
@@ -143,8 +143,10 @@ void InputSteps::compute_chunk(int64_t s) {
     } else if (a_.quantized()) {  // int8 W: x quantized per row
       qgemm_nt_packed(x2, rows, a_.I, packed_W_.data_ptr<int8_t>(), a_.W_scale.data_ptr<float>(), a_.GH, a_.I, 0, raw,
                       a_.GH);
-    } else {  // one row (a batch of one): the matrix-vector loop reads W once, without BLAS's packing
+    } else if (rows == 1) {  // a batch of one: the matrix-vector loop reads W once, without BLAS's packing
       gemv_rows(a_.W.data_ptr<float>(), a_.I, a_.GH, a_.I, x2, 0, raw);
+    } else {  // a few rows (one step of a small batch): W read once for four rows at a time
+      gemv_small_batch(a_.W.data_ptr<float>(), a_.I, a_.GH, a_.I, x2, a_.I, rows, 0, raw, a_.GH);
     }
     if (!ln && bias_.defined()) {
       const float* bias = bias_.data_ptr<float>();
