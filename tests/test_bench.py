@@ -101,9 +101,9 @@ def test_step_api_rows_are_checked_and_timed_per_step(tmp_path):
 
 
 def test_step_shapes_of_the_grid_follow_bench_md():
-    for name, H in (("step128", 128), ("step512", 512)):
+    for name, B, H in (("step128", 1, 128), ("step512", 1, 512), ("step512-b4", 4, 512)):
         shape = SHAPES[name]
-        assert (shape.B, shape.I, shape.H, shape.L) == (1, H, H, 1)
+        assert (shape.B, shape.I, shape.H, shape.L) == (B, H, H, 1)
     assert [VARIANTS[v].modes for v in ("lstm_cell", "gru_cell", "lstm_t1")] == [("inference",)] * 3
 
 

@@ -213,6 +213,7 @@ def test_qgemm_is_exact():
             with int8_kernel(name):
                 assert torch.equal(extension.qgemm(X, M, scale), C), name
                 assert torch.equal(extension.qgemv(X[-1].contiguous(), M, scale), C[-1]), name
+                assert torch.equal(extension.qgemm_unpacked(X, M, scale), C), name
         amax = X.abs().amax(1, keepdim=True)
         q = torch.round(X * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))).long()
         acc = q @ M.long().T
@@ -220,6 +221,7 @@ def test_qgemm_is_exact():
         torch.testing.assert_close(C, expected, rtol=1e-6, atol=0)
         for r in range(min(rows, 2)):  # the one-row kernel on M unpacked: the same bits as the packed one
             assert torch.equal(extension.qgemv(X[r].contiguous(), M, scale), C[r])
+        assert torch.equal(extension.qgemm_unpacked(X, M, scale), C)  # several rows, M unpacked
     # the largest products everywhere: sums that would overflow int16 pairs must not saturate
     X = torch.full((4, 512), -2.0)
     M = torch.full((8, 512), -127, dtype=torch.int8)

@@ -41,13 +41,14 @@ SHAPES: Dict[str, Shape] = _shapes(
     # the step API: T calls of one step each, the loop of a generation (BENCH.md "Also measured")
     Shape("step128", 100, 1, 128, 128, 1, "step API, per-step cost (generation), H=128"),
     Shape("step512", 100, 1, 512, 512, 1, "step API, per-step cost (generation), H=512"),
+    Shape("step512-b4", 100, 4, 512, 512, 1, "step API, a batch of 4 (a beam of 4), H=512"),
     Shape("step-tiny", 5, 1, 8, 16, 1, "step API smoke test (--step --quick)"),
 )
 
 CPU_GRID: Tuple[str, ...] = ("stream", "small", "medium", "fastrnns", "wide")
 GPU_GRID: Tuple[str, ...] = CPU_GRID + tuple(n for n in SHAPES if n.startswith("deepbench-")) + ("long-h768",)
 QUICK_GRID: Tuple[str, ...] = ("tiny",)
-STEP_GRID: Tuple[str, ...] = ("step128", "step512")
+STEP_GRID: Tuple[str, ...] = ("step128", "step512", "step512-b4")
 QUICK_STEP_GRID: Tuple[str, ...] = ("step-tiny",)
 
 

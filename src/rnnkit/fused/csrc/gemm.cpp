@@ -177,7 +177,7 @@ PackedRight<float>::PackedRight(const float* M, int64_t ldm, bool trans, int64_t
 
 // int8: qgemm's packed panels (faster at every batch size, one row included), unless M is used
 // for only one product of a few rows (`pack` false: a one-step call, the step API), where packing
-// would cost more than it saves and qgemv_rows multiplies M as it is, row by row.
+// would cost more than it saves and qgemm_unpacked multiplies M as it is.
 template <>
 PackedRight<float>::PackedRight(const QuantizedRows& M, int64_t rows, int64_t N, int64_t K, const Tensor& like,
                                 bool pack)
@@ -190,8 +190,8 @@ PackedRight<float>::PackedRight(const QuantizedRows& M, int64_t rows, int64_t N,
 template <>
 void PackedRight<float>::multiply(const float* X, int64_t ldx, float beta, float* C, int64_t ldc) const {
   if (rows_ == 0) return;
-  if (quantized_scale_ != nullptr && !storage_.defined()) {  // unpacked: row by row
-    for (int64_t r = 0; r < rows_; ++r) qgemv_rows(X + r * ldx, quantized_, N_, K_, beta, C + r * ldc);
+  if (quantized_scale_ != nullptr && !storage_.defined()) {  // unpacked: M read once per four rows
+    qgemm_unpacked(X, rows_, ldx, quantized_, N_, K_, beta, C, ldc);
     return;
   }
   if (quantized_scale_ != nullptr) {

@@ -264,6 +264,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return C;
       },
       "x · Mᵀ through the one-row int8 kernel (M unpacked)");
+  m.def(
+      "qgemm_unpacked",
+      [](const at::Tensor& X, const at::Tensor& M, const at::Tensor& scale) {  // X · Mᵀ, M unpacked (tests)
+        const rnnkit::QuantizedRows q = rnnkit::int8_operands("qgemm_unpacked", X, M, scale);
+        at::Tensor C = at::empty({X.size(0), M.size(0)}, X.options());
+        rnnkit::qgemm_unpacked(X.data_ptr<float>(), X.size(0), X.stride(0), q, M.size(0), X.size(1), 0,
+                               C.data_ptr<float>(), M.size(0));
+        return C;
+      },
+      "X · Mᵀ through the int8 kernel for a few rows done once (M unpacked)");
   m.def("int8_kernel", [] { return std::string(rnnkit::int8_kernel()); },
         "the int8 kernels in use: avx512-vnni, avx-vnni, avx2 or scalar");
   m.def("int8_kernels", &rnnkit::int8_kernels, "the int8 kernels this CPU can run");

@@ -121,7 +121,7 @@ InputSteps::InputSteps(const PassArgs& a, const Tensor& bias, bool training, Ten
     raw_ = new_buffer({n, a.GH}, a.x), mean_ = new_buffer({n, 1}, a.x), rstd_ = new_buffer({n, 1}, a.x);
     raw = raw_, mean = mean_, rstd = rstd_;
   }
-  if (a.quantized() && (a.T > 1 || a.B > kUnpackedRows)) {  // else a few rows, once: qgemv_rows on W as it is
+  if (a.quantized() && (a.T > 1 || a.B > kUnpackedRows)) {  // else a few rows, once: W as it is
     packed_W_ = cached_empty({qgemm_packed_bytes(a.GH, a.I)}, a.W);
     qgemm_pack(a.quantized_rows(kW, 0), a.GH, a.I, packed_W_.data_ptr<int8_t>());
   }
@@ -137,9 +137,8 @@ void InputSteps::compute_chunk(int64_t s) {
     const float* x2 = a_.x.data_ptr<float>() + first_ * B * a_.I;  // x is [T, B, I], contiguous
     float* out = out_.data_ptr<float>() + row0 * a_.GH;
     float* raw = ln && raw_.defined() ? raw_.data_ptr<float>() + row0 * a_.GH : out;  // inference normalizes in place
-    if (a_.quantized() && !packed_W_.defined()) {  // int8 W, a few rows once: row by row
-      for (int64_t r = 0; r < rows; ++r)
-        qgemv_rows(x2 + r * a_.I, a_.quantized_rows(kW, 0), a_.GH, a_.I, 0, raw + r * a_.GH);
+    if (a_.quantized() && !packed_W_.defined()) {  // int8 W, a few rows once: W as it is
+      qgemm_unpacked(x2, rows, a_.I, a_.quantized_rows(kW, 0), a_.GH, a_.I, 0, raw, a_.GH);
     } else if (a_.quantized()) {  // int8 W: x quantized per row
       qgemm_nt_packed(x2, rows, a_.I, packed_W_.data_ptr<int8_t>(), a_.W_scale.data_ptr<float>(), a_.GH, a_.I, 0, raw,
                       a_.GH);

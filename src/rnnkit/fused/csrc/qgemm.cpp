@@ -36,7 +36,8 @@ inline const int32_t* packed_sums(const int8_t* packed, int64_t N, int64_t K) {
 
 struct Int8Kernels {
   const char* name;
-  void (*gemv)(const float* x, const QuantizedRows& M, int64_t N, int64_t K, float beta, float* C);
+  void (*unpacked)(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M, int64_t N, int64_t K,
+                   float beta, float* C, int64_t ldc);
   void (*packed)(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N,
                  int64_t K, float beta, float* C, int64_t ldc);
   bool (*runs_here)();
@@ -236,11 +237,11 @@ bool always() { return true; }
 // In the order `auto` tries them; emulated-vnni only on request (tests).
 const Int8Kernels kKernels[] = {
 #ifdef RNNKIT_VNNI_KERNELS
-    {"avx512-vnni", avx512_vnni::gemv, avx512_vnni::packed, has_avx512_vnni, true},
-    {"avx-vnni", avx_vnni::gemv, avx_vnni::packed, has_avx_vnni, true},
+    {"avx512-vnni", avx512_vnni::unpacked, avx512_vnni::packed, has_avx512_vnni, true},
+    {"avx-vnni", avx_vnni::unpacked, avx_vnni::packed, has_avx_vnni, true},
 #endif
-    {"avx2", avx2::gemv, avx2::packed, always, true},
-    {"emulated-vnni", emulated_vnni::gemv, emulated_vnni::packed, always, false},
+    {"avx2", avx2::unpacked, avx2::packed, always, true},
+    {"emulated-vnni", emulated_vnni::unpacked, emulated_vnni::packed, always, false},
 };
 
 }  // namespace
@@ -278,15 +279,19 @@ void packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, con
   }
 }
 
-void gemv(const float* x, const QuantizedRows& M, int64_t N, int64_t K, float beta, float* C) {
+void unpacked(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M, int64_t N, int64_t K, float beta,
+              float* C, int64_t ldc) {
   std::vector<int8_t> q;
-  const float sx = quantize_row(x, K, q);
-  for (int64_t n = 0; n < N; ++n) {
-    const int8_t* m = M.data + n * M.ld;
-    int32_t acc = 0;
-    for (int64_t k = 0; k < K; ++k) acc += int32_t(q[k]) * int32_t(m[k]);
-    const float v = sx * M.scale[n] * float(acc);
-    C[n] = beta == 0 ? v : v + beta * C[n];
+  for (int64_t r = 0; r < rows; ++r) {
+    const float sx = quantize_row(X + r * ldx, K, q);
+    for (int64_t n = 0; n < N; ++n) {
+      const int8_t* m = M.data + n * M.ld;
+      int32_t acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += int32_t(q[k]) * int32_t(m[k]);
+      const float v = sx * M.scale[n] * float(acc);
+      float* c = C + r * ldc + n;
+      *c = beta == 0 ? v : v + beta * *c;
+    }
   }
 }
 
@@ -294,7 +299,7 @@ void gemv(const float* x, const QuantizedRows& M, int64_t N, int64_t K, float be
 
 bool always() { return true; }
 
-const Int8Kernels kKernels[] = {{"scalar", scalar::gemv, scalar::packed, always, true}};
+const Int8Kernels kKernels[] = {{"scalar", scalar::unpacked, scalar::packed, always, true}};
 
 }  // namespace
 
@@ -372,10 +377,15 @@ std::string set_int8_kernel(const std::string& name) {
   return previous != nullptr ? previous->name : "auto";
 }
 
+void qgemm_unpacked(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M, int64_t N, int64_t K,
+                    float beta, float* C, int64_t ldc) {
+  if (rows <= 0 || N <= 0) return;
+  if (K <= 0) return qgemm_nt_packed(X, rows, ldx, nullptr, M.scale, N, K, beta, C, ldc);
+  current().unpacked(X, rows, ldx, M, N, K, beta, C, ldc);
+}
+
 void qgemv_rows(const float* x, const QuantizedRows& M, int64_t N, int64_t K, float beta, float* C) {
-  if (N <= 0) return;
-  if (K <= 0) return qgemm_nt_packed(x, 1, K, nullptr, M.scale, N, K, beta, C, N);
-  current().gemv(x, M, N, K, beta, C);
+  qgemm_unpacked(x, 1, K, M, N, K, beta, C, N);
 }
 
 void qgemm_nt_packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N,

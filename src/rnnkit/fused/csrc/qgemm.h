@@ -31,9 +31,14 @@ int64_t qgemm_packed_bytes(int64_t N, int64_t K);
 // reads 8 outputs' worth of products per vector with no horizontal sums.
 void qgemm_pack(const QuantizedRows& M, int64_t N, int64_t K, int8_t* dest);
 
-// Up to this many rows multiplied once by M (a one-step call) go row by row through qgemv_rows on
-// M as it is: packing M reads and writes all of it, which costs more than the few products.
+// Up to this many rows multiplied once by M (a one-step call) go through qgemm_unpacked on M as
+// it is: packing M reads and writes all of it, which costs more than the few products.
 constexpr int64_t kUnpackedRows = 8;
+
+// qgemm_nt straight off row-major M (no packing), for a product of a few rows done once (a
+// one-step call): bit for bit the same results.
+void qgemm_unpacked(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M, int64_t N, int64_t K,
+                    float beta, float* C, int64_t ldc);
 
 // qgemm_nt of one row of X, straight off row-major M (no packing): for passes of a single row
 // (a one-step call of batch one), where packing M would cost more than the product. Bit for bit

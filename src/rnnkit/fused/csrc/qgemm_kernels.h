@@ -110,51 +110,72 @@ void packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, con
   });
 }
 
-// qgemv_rows for N, K > 0: four rows of M at a time against the one quantized row, 32 bytes per
-// product, then one horizontal sum per output; M's last partial 32 bytes go through a zeroed
-// copy (never read past K).
-void gemv(const float* x, const QuantizedRows& M, int64_t N, int64_t K, float beta, float* C) {
-  thread_local Scratch scratch;
-  RowsX qx;
-  quantize_rows<false>(x, 1, K, K, scratch, qx);
+// Horizontal sum of 8 int32 lanes.
+inline int32_t lane_sum(__m256i v) {
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+  return _mm_cvtsi128_si32(t);
+}
+
+// Rows [r0, r0 + XR) of the quantized X against row-major M (no packing), MR rows of M at a time:
+// each 32 bytes of M read once for the XR rows, one horizontal sum per output; M's last partial
+// 32 bytes go through a zeroed copy (never read past K).
+template <int MR, int XR>
+void unpacked_rows(const RowsX& qx, int64_t r0, const QuantizedRows& M, int64_t N, int64_t K, float beta, float* C,
+                   int64_t ldc) {
   const int64_t chunks = (K + 31) / 32, full = K / 32, tail = K - 32 * full;
-  const float sx = qx.sx[0];
-  // Σ_k q[k]·m_j[k] for the R ≤ 4 rows m_j = m + j·ld, into out[j].
-  const auto row_sums = [&](const int8_t* m, int R, int32_t* out) {
-    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(qx.q + 32 * c));
-      const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(qx.q + qx.abs_off + 32 * c));
-      for (int j = 0; j < R; ++j) {
-        const int8_t* row = m + j * M.ld + 32 * c;
-        __m256i w;
-        if (c < full) {
-          w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-        } else {
-          alignas(32) int8_t part[32] = {};
-          std::memcpy(part, row, tail);
-          w = _mm256_load_si256(reinterpret_cast<const __m256i*>(part));
+  at::parallel_for(0, (N + MR - 1) / MR, std::max<int64_t>(1, kGrain / (MR * XR * K)), [&](int64_t begin, int64_t end) {
+    for (int64_t n = MR * begin; n < std::min(N, MR * end); n += MR) {
+      const int rows_m = int(std::min<int64_t>(MR, N - n));
+      __m256i acc[MR][XR];
+      for (int j = 0; j < MR; ++j)
+        for (int r = 0; r < XR; ++r) acc[j][r] = _mm256_setzero_si256();
+      for (int64_t c = 0; c < chunks; ++c) {
+        __m256i w[MR];
+        for (int j = 0; j < MR; ++j) {
+          const int8_t* row = M.data + (n + std::min(j, rows_m - 1)) * M.ld + 32 * c;  // past N: a repeat, unused
+          if (c < full) {
+            w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+          } else {
+            alignas(32) int8_t part[32] = {};
+            std::memcpy(part, row, tail);
+            w[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(part));
+          }
         }
-        acc[j] = dot_sign(acc[j], a, q, w);
+        for (int r = 0; r < XR; ++r) {
+          const int8_t* xq = qx.q + (r0 + r) * qx.ld + 32 * c;
+          const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
+          const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + qx.abs_off));
+          for (int j = 0; j < MR; ++j) acc[j][r] = dot_sign(acc[j][r], a, q, w[j]);
+        }
       }
-    }
-    for (int j = 0; j < R; ++j) {
-      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(acc[j]), _mm256_extracti128_si256(acc[j], 1));
-      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-      out[j] = _mm_cvtsi128_si32(t);
-    }
-  };
-  at::parallel_for(0, (N + 3) / 4, std::max<int64_t>(1, kGrain / (4 * K)), [&](int64_t begin, int64_t end) {
-    for (int64_t n = 4 * begin; n < std::min(N, 4 * end); n += 4) {
-      const int R = int(std::min<int64_t>(4, N - n));
-      int32_t sums[4];
-      row_sums(M.data + n * M.ld, R, sums);
-      for (int j = 0; j < R; ++j) {
-        float v = sx * M.scale[n + j] * float(sums[j]);
-        asm("" : "+x"(v));  // v rounded before the add: no fused multiply-add
-        C[n + j] = beta == 0 ? v : v + beta * C[n + j];
+      for (int r = 0; r < XR; ++r) {
+        const float sx = qx.sx[r0 + r];
+        float* out = C + (r0 + r) * ldc;
+        for (int j = 0; j < rows_m; ++j) {
+          float v = sx * M.scale[n + j] * float(lane_sum(acc[j][r]));
+          asm("" : "+x"(v));  // v rounded before the add: no fused multiply-add
+          out[n + j] = beta == 0 ? v : v + beta * out[n + j];
+        }
       }
     }
   });
+}
+
+// qgemm_unpacked for rows, N, K > 0: one row four rows of M at a time; more, up to four rows of X
+// against two rows of M at a time (the accumulators fit the registers).
+void unpacked(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M, int64_t N, int64_t K, float beta,
+              float* C, int64_t ldc) {
+  thread_local Scratch scratch;
+  RowsX qx;
+  quantize_rows<false>(X, rows, ldx, K, scratch, qx);
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    switch (std::min<int64_t>(4, rows - r0)) {
+      case 1: unpacked_rows<4, 1>(qx, r0, M, N, K, beta, C, ldc); break;
+      case 2: unpacked_rows<2, 2>(qx, r0, M, N, K, beta, C, ldc); break;
+      case 3: unpacked_rows<2, 3>(qx, r0, M, N, K, beta, C, ldc); break;
+      default: unpacked_rows<2, 4>(qx, r0, M, N, K, beta, C, ldc); break;
+    }
+  }
 }
