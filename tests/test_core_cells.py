@@ -188,6 +188,10 @@ def test_one_step_calls_of_a_stack_equal_one_call_over_the_sequence(kind, dtype)
     batch_first = options.get("batch_first", False)
     x = torch.randn(B, T, I, dtype=dtype) if batch_first else torch.randn(T, B, I, dtype=dtype)
     step = (lambda t: x[:, t:t + 1]) if batch_first else (lambda t: x[t:t + 1])
+    def general_path(*args):
+        raise AssertionError("a one-step call left the plans for the general path")
+
+    fused._pass_weights = general_path  # the general path's first step: the plans must do every call
     with torch.no_grad():
         _, hx = reference(x)  # an initial state in the module's format
         y, hy = reference(x, hx)
@@ -195,7 +199,7 @@ def test_one_step_calls_of_a_stack_equal_one_call_over_the_sequence(kind, dtype)
         for t in range(T):
             out, state = fused(step(t), state)
             outputs.append(out)
-        assert fused.__dict__["_plan"][0] is not None and fused.last_backend == "fused"  # the plans ran
+        assert fused.last_backend == "fused"
         assert_close(fused(step(0)), reference(step(0)), "from no state")
     assert_close(torch.cat(outputs, 1 if batch_first else 0), y, "outputs")
     assert_close(state, hy, "final state")
@@ -240,3 +244,30 @@ def test_frozen_parameters_still_pass_gradients_to_the_input_and_state(stack):
         assert all(r.requires_grad for r in results)
         grads.append(torch.autograd.grad(results, inputs, [torch.ones_like(r) for r in results]))
     assert_close(grads[0], grads[1], "d(x, h, c)")
+
+
+def test_one_step_plans_follow_the_parameters_memory():
+    """The plans hold the parameters' memory: memory swapped under the same Parameter objects
+    (``vector_to_parameters``, ``.data =``, dtype round trips, ``flatten_parameters``) or a
+    non-contiguous parameter must not leave a no_grad one-step call on stale or wrong weights."""
+    fused, reference = _fused_and_reference(rnnkit.GRU, torch.float32, num_layers=2)
+    x = torch.randn(1, B, I)
+
+    def check(what):
+        reference.load_state_dict({k: v.contiguous() for k, v in fused.state_dict().items()})
+        with torch.no_grad():
+            assert_close(fused(x), reference(x), what)
+
+    check("first call")  # plans built
+    vector = torch.nn.utils.parameters_to_vector(fused.parameters())
+    torch.nn.utils.vector_to_parameters(vector * 0.5, fused.parameters())
+    check("after vector_to_parameters")
+    fused.half().float()
+    with torch.no_grad():
+        fused.weight_hh_l1.mul_(2)
+    check("after a dtype round trip")
+    fused.weight_ih_l0.data = torch.randn_like(fused.weight_ih_l0)
+    check("after .data =")
+    fused.weight_hh_l0 = torch.nn.Parameter(torch.randn(H, 3 * H).t())  # (3H, H), strided
+    assert not fused.weight_hh_l0.is_contiguous()
+    check("with a non-contiguous parameter")

@@ -12,6 +12,7 @@ from . import backend as backends_
 from . import functional
 from .masks import draw_pass
 from .params import TORCH_PIECES, Layout, PassWeights, initialize
+from .passes import _direct
 from .spec import RNNSpec
 
 
@@ -136,6 +137,7 @@ class _PackedModule(nn.Module):
     # ---- the packed buffer -------------------------------------------------------------------
 
     def _set_flat(self, flat: Optional[torch.Tensor]) -> None:
+        self.__dict__.pop("_plan", None)  # the one-step plans hold the old memory
         self._flat = flat
         self._warned_unpacked = False
         self._rebound = False  # a weight was assigned (module.weight_ih_l0 = ..., load_state_dict(assign=True))
@@ -185,10 +187,13 @@ class _PackedModule(nn.Module):
 
     def _step_plans(self, input, hx) -> Optional[list]:
         """The fused kernels' one-step plans, one per pass (weights and scalars fixed once, one C++
-        call a step), when this call can take them: eager, no gradient to record (of the
-        parameters, the input or the state), no autocast, no random masks, the parameters the plans
-        were built on; else None. Generation loops live on this path (README, "Speed": step API)."""
-        if (self.training and self.spec.uses_dropout_masks) or not _plain_eager():
+        call a step), when this call can take them: eager with plain tensors (no torch.func
+        transform, dispatch mode or tracing), no gradient to record (of the parameters, the input
+        or the state), no autocast, no random masks; else None. The plans hold the parameters'
+        memory: they are rebuilt when a parameter, or the memory behind one (``p.data = ...``,
+        ``flatten_parameters``, ``.to``), changes. Generation loops live on this path (README,
+        "Speed": step API)."""
+        if (self.training and self.spec.uses_dropout_masks) or not _direct(input):
             return None
         params = self._parameters
         tensors = tuple(params.get(name) for name in self._names)
@@ -196,25 +201,29 @@ class _PackedModule(nn.Module):
                 any(t is None or t.requires_grad for t in tensors) or input.requires_grad
                 or any(isinstance(t, torch.Tensor) and t.requires_grad for t in functional._leaves(hx))):
             return None
+        if any(t is None for t in tensors):  # a parametrized weight: computed each call
+            return None
+        memory = tuple(t.data_ptr() for t in tensors)
         cached = self.__dict__.get("_plan")
-        if cached is None or cached[1] != self.backend or any(a is not b for a, b in zip(cached[2], tensors)):
-            cached = (self._make_plans(tensors), self.backend, tensors)
+        if cached is None or cached[1] != self.backend or cached[3] != memory or \
+                any(a is not b for a, b in zip(cached[2], tensors)):
+            cached = (self._make_plans(tensors), self.backend, tensors, memory)
             self.__dict__["_plan"] = cached
         plans = cached[0]
         if plans is None or torch.is_autocast_enabled(tensors[0].device.type):
             return None
-        self.__dict__["last_backend"] = "fused"
         return plans
 
     def _make_plans(self, tensors) -> Optional[list]:
-        if any(t is None for t in tensors):  # a parametrized weight: computed each call
-            return None
         W = tensors[0]
+        if W.dtype not in (torch.float32, torch.float64) or any(
+                t.dtype != W.dtype or t.device != W.device or not t.is_contiguous() for t in tensors):
+            return None  # the general path makes them fit (or says why they cannot)
         try:
             chosen = backends_.select(self.backend, self.spec, W.device, W.dtype, steps=1)
         except backends_.BackendUnavailableError:
             return None  # the careful path says why
-        if chosen.name != "fused" or W.dtype not in (torch.float32, torch.float64):
+        if chosen.name != "fused":
             return None
         from .fused import build
         from .passes import pass_scalars, pass_values
@@ -466,6 +475,7 @@ class _Recurrent(_PackedModule):
         """
         out = one_step_call(self.spec, lambda: self._step_plans(input, hx), input, hx, lengths)
         if out is not None:
+            self.__dict__["last_backend"] = "fused"  # a plain attribute: skips Module.__setattr__
             return out
         weights = self._pass_weights()
         return sequence_call(lambda *args: self._run(weights, *args), input, hx, lengths, self.spec.batch_first)
@@ -673,6 +683,7 @@ class _Cell(_PackedModule):
         if plans is not None:
             out = plans[0](input, hx)
             if out is not None:
+                self.__dict__["last_backend"] = "fused"  # a plain attribute: skips Module.__setattr__
                 return out
         return self._step(input, hx)
 

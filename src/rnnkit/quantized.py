@@ -185,10 +185,12 @@ class _Quantized(nn.Module):
 
     def _plans(self) -> list:
         """The fused kernels' one-step plans on the int8 weights, one per pass (built once, rebuilt
-        when a buffer is replaced, as load_state_dict(assign=True) does)."""
+        when a buffer or the memory behind one is replaced, as load_state_dict(assign=True) does)."""
         buffers = tuple(self._buffers.values())
+        memory = tuple(b.data_ptr() for b in buffers)  # `buffer.data = ...` keeps the object, not the memory
         cached = self.__dict__.get("_plan_cache")
-        if cached is None or any(a is not b for a, b in zip(cached[1], buffers)) or len(cached[1]) != len(buffers):
+        if cached is None or cached[2] != memory or any(a is not b for a, b in zip(cached[1], buffers)) or \
+                len(cached[1]) != len(buffers):
             from .fused import build
             from .masks import draw_pass
 
@@ -200,7 +202,7 @@ class _Quantized(nn.Module):
                 plans.append(build.extension().step_plan(
                     *pass_values(pass_scalars(cell, False, masks), empty, empty, None, tuple(w.weights), (None,) * 4),
                     W_scale=w.W_scale, R_scale=w.R_scale, W_hr_scale=w.W_hr_scale))
-            cached = (plans, buffers)
+            cached = (plans, buffers, memory)
             self.__dict__["_plan_cache"] = cached
         return cached[0]
 
