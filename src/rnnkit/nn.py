@@ -225,18 +225,7 @@ class _PackedModule(nn.Module):
             return None  # the careful path says why
         if chosen.name != "fused":
             return None
-        from .fused import build
-        from .passes import pass_scalars, pass_values
-
-        grouped = self.layout.group(dict(zip(self._names, (t.detach() for t in tensors))))
-        empty = W.new_empty(0)
-        plans = []
-        for index, w in enumerate(grouped):
-            cell = self.spec.cell(index // self.spec.num_directions)
-            masks = draw_pass(self.spec, cell, 1, 1, W, False).masks  # evaluation: zoneout's expectation
-            plans.append(build.extension().step_plan(*pass_values(pass_scalars(cell, False, masks), empty, empty, None,
-                                                                  tuple(w), (None,) * 4)))
-        return plans
+        return step_plans(self.spec, self.layout.group(dict(zip(self._names, (t.detach() for t in tensors)))), W)
 
     def _pass_weights(self) -> list:
         """One PassWeights per layer-direction: views of the packed buffer through `_Pack`
@@ -385,6 +374,24 @@ def check_cell_input(spec: RNNSpec, input) -> None:
         raise ValueError(f"input: expected a 2-D tensor (B, input_size) or 1-D (input_size,), got shape {tuple(input.shape)}")
     if input.shape[-1] != spec.input_size:  # checked here so the message shows the caller's shape
         raise ValueError(f"input: expected feature size input_size={spec.input_size} in the last axis, got shape {tuple(input.shape)}")
+
+
+def step_plans(spec: RNNSpec, passes, like: torch.Tensor, scales=None) -> list:
+    """The fused kernels' one-step plans, one per pass (``passes``: PassWeights in layer-direction
+    order), in evaluation form (zoneout's expectation); ``scales``: each pass's (W_scale, R_scale,
+    W_hr_scale) for int8 weights, else None."""
+    from .fused import build
+    from .passes import pass_scalars, pass_values
+
+    empty = like.new_empty(0)
+    plans = []
+    for index, w in enumerate(passes):
+        cell = spec.cell(index // spec.num_directions)
+        masks = draw_pass(spec, cell, 1, 1, like, False).masks
+        int8 = {} if scales is None else dict(zip(("W_scale", "R_scale", "W_hr_scale"), scales[index]))
+        plans.append(build.extension().step_plan(*pass_values(pass_scalars(cell, False, masks), empty, empty, None,
+                                                              tuple(w), (None,) * 4), **int8))
+    return plans
 
 
 def one_step_call(spec: RNNSpec, plans_of, input, hx, lengths):

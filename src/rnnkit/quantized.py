@@ -32,7 +32,7 @@ from torch import nn
 
 from . import functional
 from . import nn as float_nn
-from .nn import _Cell, _PackedModule, _Recurrent, check_cell_input, one_step_call, sequence_call
+from .nn import _Cell, _PackedModule, _Recurrent, check_cell_input, one_step_call, sequence_call, step_plans
 from .params import Layout, PassWeights
 from .passes import PASS_ARGUMENTS, _direct, mask_tensors, named, output_shapes, pass_scalars, pass_values
 
@@ -189,19 +189,10 @@ class _Quantized(nn.Module):
         buffers = tuple(self._buffers.values())
         memory = tuple(b.data_ptr() for b in buffers)  # `buffer.data = ...` keeps the object, not the memory
         cached = self.__dict__.get("_plan_cache")
-        if cached is None or cached[2] != memory or any(a is not b for a, b in zip(cached[1], buffers)) or \
-                len(cached[1]) != len(buffers):
-            from .fused import build
-            from .masks import draw_pass
-
-            empty = self._like().new_empty(0)
-            plans = []
-            for index, w in enumerate(self._passes()):
-                cell = self.spec.cell(index // self.spec.num_directions)
-                masks = draw_pass(self.spec, cell, 1, 1, self._like(), False).masks
-                plans.append(build.extension().step_plan(
-                    *pass_values(pass_scalars(cell, False, masks), empty, empty, None, tuple(w.weights), (None,) * 4),
-                    W_scale=w.W_scale, R_scale=w.R_scale, W_hr_scale=w.W_hr_scale))
+        if cached is None or cached[2] != memory or any(a is not b for a, b in zip(cached[1], buffers)):
+            passes = self._passes()
+            plans = step_plans(self.spec, [p.weights for p in passes], self._like(),
+                               [(p.W_scale, p.R_scale, p.W_hr_scale) for p in passes])
             cached = (plans, buffers, memory)
             self.__dict__["_plan_cache"] = cached
         return cached[0]

@@ -20,7 +20,7 @@ class PackedRight {
   PackedRight(const scalar_t* M, int64_t ldm, bool trans, int64_t rows, int64_t N, int64_t K, const Tensor& like,
               bool pack = true);
   // C = X · Mᵀ with M [N, K] int8 per row; `like`: an int8 tensor (the packed buffer's type);
-  // `pack` false multiplies M as it is (one row only: a single product does not pay for packing).
+  // `pack` false multiplies M as it is (a single product of a few rows does not pay for packing).
   PackedRight(const QuantizedRows& M, int64_t rows, int64_t N, int64_t K, const Tensor& like, bool pack);
   void multiply(const scalar_t* X, int64_t ldx, scalar_t beta, scalar_t* C, int64_t ldc) const;
 
