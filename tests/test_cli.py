@@ -619,6 +619,24 @@ def test_doctor_names_the_int8_kernels_that_run(capsys):
     assert f"{expected} kernels (in use)" in line and rnnkit.quantized.INT8_KERNELS[expected] in line
 
 
+def test_doctor_names_the_bf16_kernels_that_run(capsys):
+    from rnnkit import fused
+
+    expected = fused.bf16_kernel()
+    status, out, _ = run(capsys, "doctor")
+    line = next(line for line in out.splitlines() if line.startswith("bf16"))
+    assert f"{expected} kernels (in use)" in line and fused.BF16_KERNELS[expected] in line
+
+
+def test_expected_bf16_kernel():
+    from rnnkit.app.machine import expected_bf16_kernel
+
+    assert expected_bf16_kernel(["avx2", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"], "AVX512") == "avx512-bf16"
+    assert expected_bf16_kernel(["avx2", "avx512f", "avx512bw", "avx512vl"], "AVX512") == "none"
+    assert expected_bf16_kernel(["avx2", "fma"], "AVX2") == "none"
+    assert expected_bf16_kernel(None, "AVX2") == "none"
+
+
 def test_expected_int8_kernel():
     from rnnkit.app.machine import expected_int8_kernel
 

@@ -216,7 +216,7 @@ class _PackedModule(nn.Module):
 
     def _make_plans(self, tensors) -> Optional[list]:
         W = tensors[0]
-        if W.dtype not in (torch.float32, torch.float64) or any(
+        if W.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16) or any(
                 t.dtype != W.dtype or t.device != W.device or not t.is_contiguous() for t in tensors):
             return None  # the general path makes them fit (or says why they cannot)
         try:

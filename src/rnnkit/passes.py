@@ -155,7 +155,7 @@ def _fake_backward(*values):
     dx = torch.empty_like(x) if args["need_dx"] else x.new_empty(0)
     dc0 = torch.empty_like(c0) if c0 is not None else x.new_empty(0)
     numel = sum(args[slot].numel() for slot in SLOTS if args[slot] is not None)
-    return dx, torch.empty_like(h0), dc0, args["W"].new_empty(numel)
+    return dx, torch.empty_like(h0), dc0, x.new_empty(numel)  # in x's dtype (half-precision matrices: float32)
 
 
 def _vmap_by_loop(op) -> Callable:
@@ -367,6 +367,8 @@ def _reference_backward(scalars: PassScalars, x, h0, c0, weights, mask_args, dy,
     )
     inputs = [x, h0, c0, *weights]
     with torch.enable_grad():
+        # half-precision matrices (fused, bfloat16 / float16 modules) widened to x's dtype: a graph back to them
+        w = PassWeights(*(t if t is None or t.dtype == x.dtype else t.to(x.dtype) for t in weights))
         y, h_n, c_n = PASSES[scalars.mode](cell, x, h0, c0, w, step_mask, scalars.reverse, masks)
         outputs, upstream = [y, h_n], [dy, dh_n]
         if c_n is not None:

@@ -449,6 +449,28 @@ def _eval(args) -> int:
 
 # ---- doctor ------------------------------------------------------------------------------
 
+def _bf16_kernel_line() -> str:
+    """Which bfloat16 GEMM kernels a bfloat16 module's batched passes run on (as _int8_kernel_line)."""
+    from rnnkit import fused
+    from rnnkit.fused import build
+
+    state = build.status()
+    if state == "loaded" or state.startswith("built"):
+        try:
+            name, how = fused.bf16_kernel(), "in use"
+        except (RuntimeError, ValueError) as error:
+            return f"unavailable ({error})"
+    elif not state.startswith("not built"):
+        return f"unavailable (the fused backend's: {state})"
+    else:
+        name = machine.expected_bf16_kernel(machine.cpu_flags(), torch.backends.cpu.get_cpu_capability())
+        how = "expected; the fused kernels are not built yet"
+        if os.environ.get("RNNKIT_BF16_KERNEL"):
+            how += f"; $RNNKIT_BF16_KERNEL={os.environ['RNNKIT_BF16_KERNEL']} will override it"
+    return (f"{name} kernels ({how}): {fused.BF16_KERNELS[name]}; "
+            + ("this CPU has bf16 instructions" if machine.has_bf16() else "no bf16 instructions on this CPU"))
+
+
 def _int8_kernel_line() -> str:
     """Which int8 kernels run: asked of the fused kernels where they are built (loading them), else
     foretold from the CPU's features (the doctor builds nothing)."""
@@ -489,8 +511,7 @@ def _doctor(args) -> int:
     print(f"cpu      {machine.cpu_model()} ({', '.join(machine.cpu_flags() or []) or 'no AVX2'}); torch dispatches to {torch.backends.cpu.get_cpu_capability()}; "
           f"oneDNN bf16 {'yes' if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 'no'}")
     print(f"int8     rnnkit.quantize: {_int8_kernel_line()}")
-    print("bf16     fused CPU backend: bfloat16 weights and inputs computed in float32 (no bf16 GEMM kernels yet); "
-          f"{'this CPU has' if machine.has_bf16() else 'no'} bf16 instructions")
+    print(f"bf16     fused CPU backend: {_bf16_kernel_line()}")
     print("backends (auto takes, in this order, the first that can run the configuration; one-step calls on "
           "the CPU try fused first):")
     for name, report in rnnkit.backends().items():

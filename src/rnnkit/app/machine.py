@@ -39,6 +39,13 @@ def has_bf16() -> Optional[bool]:
     return None if flags is None else ("avx512_bf16" in flags or "amx_bf16" in flags)
 
 
+def expected_bf16_kernel(flags: Optional[List[str]], torch_capability: str) -> str:
+    """The bfloat16 GEMM kernels `rnnkit.fused.bf16_kernel()` will report once the fused kernels are
+    built, without building them."""
+    del torch_capability  # compiled for their instruction set whatever torch dispatches to (bgemm.cpp)
+    return "avx512-bf16" if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags or ()) else "none"
+
+
 def expected_int8_kernel(flags: Optional[List[str]], torch_capability: str) -> str:
     """The int8 kernels `rnnkit.quantized.int8_kernel()` will report once the fused kernels are
     built (they follow torch's CPU capability, then pick by the CPU's features), without building them."""

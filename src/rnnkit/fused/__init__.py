@@ -9,7 +9,13 @@ use by build.py).
 
 float32 and float64 compute natively; bfloat16 and float16 tensors are computed in float32 (the
 weights and inputs as given, accumulation, pointwise math and the carried state in float32) and
-the outputs rounded back.
+the outputs rounded back. The kernels read a half-precision module's matrices (W, R, W_hr) as
+they are: in inference a batch of one (and a step of a few rows) widens each value as it is
+loaded, reading half of float32's bytes a step. The GEMMs of batches, and of training's forward
+and backward, run on the CPU's bfloat16 dot products where it has them (AVX512_BF16,
+`bf16_kernel`: both operands in bfloat16, so h, and in the backward the gradients entering a
+product with a weight matrix, are rounded to bfloat16 as operands, while sums, the carried state
+and the weight gradients stay float32); otherwise each matrix is widened to float32 once per pass.
 
     >>> lstm = rnnkit.LSTM(8, 16, peephole=True, layer_norm=True, backend="fused")
     >>> y, (h_n, c_n) = lstm(torch.randn(5, 3, 8))
@@ -57,8 +63,28 @@ def release_cached_buffers() -> None:
         extension.release_cached_buffers()
 
 
+BF16_KERNELS = {
+    "avx512-bf16": "AVX512_BF16: vdpbf16ps on bfloat16 weights and inputs (h rounded to bfloat16 as R's operand), "
+                   "float32 sums, for the GEMMs of batches; a batch of one reads the bfloat16 weights as they are",
+    "emulated-bf16": "vdpbf16ps's arithmetic in AVX-512F instructions (for tests on CPUs without AVX512_BF16)",
+    "none": "bfloat16 weights read as they are for a batch of one and for one step of up to 8 rows, widened to "
+            "float32 once per pass for larger batches (float32's GEMMs)",
+}
+
+
+def bf16_kernel() -> str:
+    """The GEMM kernels a bfloat16 module's batched passes run on (a key of `BF16_KERNELS`): the
+    CPU's bfloat16 dot products where it has them (AVX512_BF16), else "none"; or the one
+    $RNNKIT_BF16_KERNEL names (read at the first use; a ValueError if this CPU cannot run it).
+    Loads the fused kernels, building them on first use."""
+    return build.extension().bf16_kernel()
+
+
 def _float32(t):
     return None if t is None else t.float()
+
+
+_MATRICES = ("W", "R", "W_hr")  # the slots the kernels read in half precision
 
 
 class FusedCPUBackend:
@@ -90,9 +116,10 @@ class FusedCPUBackend:
         dtype = x.dtype
         masks = masks._replace(**{k: _float32(v) if isinstance(v, torch.Tensor) else v
                                   for k, v in masks._asdict().items()})
-        out = run_pass(OPS, cell, x.float(), h0.float(), _float32(c0), type(weights)(*map(_float32, weights)),
-                       lengths, reverse, masks)
+        # the matrices as they are (the kernels read them in half precision), the vectors in float32
+        weights = weights._replace(**{k: (v if k in _MATRICES else _float32(v)) for k, v in weights._asdict().items()})
+        out = run_pass(OPS, cell, x.float(), h0.float(), _float32(c0), weights, lengths, reverse, masks)
         return tuple(None if t is None else t.to(dtype) for t in out)
 
 
-__all__ = ["FusedCPUBackend", "cached_buffer_bytes", "release_cached_buffers"]
+__all__ = ["FusedCPUBackend", "BF16_KERNELS", "bf16_kernel", "cached_buffer_bytes", "release_cached_buffers"]

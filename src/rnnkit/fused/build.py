@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-_SOURCES = ("buffers.cpp", "gemm.cpp", "qgemm.cpp", "pass.cpp", "lstm.cpp", "gru.cpp", "rnn.cpp", "ops.cpp")
+_SOURCES = ("buffers.cpp", "gemm.cpp", "qgemm.cpp", "bgemm.cpp", "pass.cpp", "lstm.cpp", "gru.cpp", "rnn.cpp", "ops.cpp")
 _NAME = "rnnkit_fused_cpu"
 _lock = threading.Lock()
 _extension = None
@@ -123,7 +123,7 @@ def _flags() -> list:
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
         flags += ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
     elif capability == "AVX2":
-        flags += ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
     return flags
 
 

@@ -100,6 +100,27 @@ class Case:
             self._expected[key] = {name: [rel_rms(a, t)] for name, a, t in _results(([y] + leaves(hy), None), truth)}
         return self._expected[key]
 
+    def rounded_reference_errors(self, variant_name: str, mode: str, dtype: torch.dtype) -> Dict[str, List[float]]:
+        """The error of a ``dtype`` computation at its best on the case: the reference module in
+        float32 on the weights and input rounded to ``dtype`` (the roundings no such computation
+        avoids) against the float64 truth, per result -> {result name: [error]}.
+
+        The bfloat16 runners' counterpart of `int8_reference_errors`: where the float network
+        amplifies the weights' rounding beyond the dtype's tolerance (the grid's layer-norm LSTM on
+        long sequences), the check allows twice this instead (`check`).
+        """
+        key = (variant_name, mode, str(dtype))
+        if key not in self._expected:
+            module = copy.deepcopy(self.reference(variant_name))
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.copy_(p.to(dtype).to(p.dtype))
+            model = Model(variant_name, [module], feed=self.variant.lengths or "lengths")
+            expected = self.expected(variant_name, mode)
+            result = self.run(model, mode, expected["upstream"], x=self.x.to(dtype).to(self.x.dtype))
+            self._expected[key] = {name: [rel_rms(a, t)] for name, a, t in _results(result, expected["truth"])}
+        return self._expected[key]
+
     def _samples(self, model: Model, mode: str, upstream, errors: Dict[str, List[float]], truth, samples: int = 7) -> list:
         """Where the reference's error in the case's dtype is above the dtype's tolerance (long
         float32 sequences through layer norm: the recurrence amplifies rounding to ~1e-4 and
@@ -169,7 +190,8 @@ def check(case: Case, model: Model, mode: str, tolerance: Optional[float] = None
     A runner passes when its error against the float64 ground truth is within ``tolerance``
     (default the dtype's; a low-precision runner's own, see `runner_tolerance`), or within twice the error
     of the rnnkit reference run in the same dtype — for ``precision`` "int8" (the int8 runners),
-    of `rnnkit.testing.int8_reference` (`Case.int8_reference_errors`), one run each. Where
+    of `rnnkit.testing.int8_reference` (`Case.int8_reference_errors`), for "bfloat16" of the
+    reference on bfloat16-rounded weights and input (`Case.rounded_reference_errors`), one run each. Where
     the reference itself is beyond the tolerance (long float32 sequences through layer norm:
     no float32 computation reaches 1e-5, and where one run lands is luck), the runner's median
     error over the input and its 7 one-ulp neighbours (`Case._samples`) must be within 3x the
@@ -189,8 +211,13 @@ def check(case: Case, model: Model, mode: str, tolerance: Optional[float] = None
     for name, actual, truth in _results((outputs, grads), expected["truth"]):
         if tuple(actual.shape) != tuple(truth.shape):
             raise CheckFailed(f"{name}: shape {tuple(actual.shape)}, the reference's is {tuple(truth.shape)}")
-    reference = expected["reference_errors"] if precision is None else case.int8_reference_errors(model.timed_variant)
-    samples = expected["samples"] if precision is None else []  # int8's error is the quantization's, not float32 luck
+    if precision == "int8":
+        reference = case.int8_reference_errors(model.timed_variant)
+    elif precision is not None:  # a floating-point dtype's name: "bfloat16"
+        reference = case.rounded_reference_errors(model.timed_variant, mode, getattr(torch, precision))
+    else:
+        reference = expected["reference_errors"]
+    samples = expected["samples"] if precision is None else []  # low precision's error is its rounding's, not float32 luck
     runner = {name: [rel_rms(a, t)] for name, a, t in _results((outputs, grads), expected["truth"])}
     for x, truth in samples:
         for name, a, t in _results(case.run(model, mode, expected["upstream"], x=x), truth):

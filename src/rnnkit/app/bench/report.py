@@ -175,7 +175,7 @@ def _low_precision_note(records: List[dict]) -> List[str]:
     if not checked:
         return []
     kernels = {r["runner"]: r["int8_kernel"] for r in records if r.get("int8_kernel")}
-    return ["", "Low precision (inference; speedups against torch.nn in float32): "
+    return ["", "Low precision (speedups against torch.nn in float32): "
             + ", ".join(f"{name} ({precision}" + (f", {kernels[name]} kernels" if name in kernels else "") + ")"
                         for name, (precision, _) in checked.items())
             + ", checked against the float64 reference within relative RMS "

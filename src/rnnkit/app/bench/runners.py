@@ -1,5 +1,5 @@
-"""Who is measured: torch.nn, rnnkit's backends, onnxruntime, and int8 (rnnkit.quantize, torch.ao,
-onnxruntime.quantization) — a registry of runners.
+"""Who is measured: torch.nn, rnnkit's backends, onnxruntime, int8 (rnnkit.quantize, torch.ao,
+onnxruntime.quantization) and bfloat16 (rnnkit's and torch.nn's modules) — a registry of runners.
 
 A runner builds a `Model` on the case's shared weights (the rnnkit reference
 module's state_dict). Every model answers the same calls, so the protocol (measure.py)
@@ -23,6 +23,7 @@ import torch
 
 import rnnkit
 from rnnkit.testing import INT8_TOLERANCE as TESTING_INT8_TOLERANCE
+from rnnkit.testing import TOLERANCE
 
 from ..machine import cpu_flags
 from .registry import VARIANTS, Variant
@@ -155,7 +156,7 @@ def load_reference_weights(module: torch.nn.Module, case, variant: Variant) -> N
 
 class Runner:
     """A registry entry: ``name`` (the --runners key), ``title`` (for tables), the modes it runs;
-    for a low-precision runner, the ``precision`` it computes in ("int8") and the relative RMS error
+    for a low-precision runner, the ``precision`` it computes in ("int8", "bfloat16") and the relative RMS error
     its check allows against the float reference (``tolerance``; None: the case dtype's,
     rnnkit.testing.TOLERANCE)."""
 
@@ -468,12 +469,75 @@ class OnnxRuntimeInt8(OnnxRuntime, Int8Runner):
         return out
 
 
+# ---- bfloat16: the module in bfloat16, fed and read in float32 (BENCH.md "Also measured: Low precision") --
+
+
+class LowPrecisionModel(Model):
+    """A runner's model with its parameters in ``dtype``: the case's float32 input cast to it per
+    call and the results read back in float32 (the casts are part of the timed call, as they are
+    of a float32 pipeline calling a bfloat16 layer)."""
+
+    def __init__(self, model: Model, dtype: torch.dtype):
+        super().__init__(model.timed_variant, model.modules, dict(model.info), model.feed)
+        self.inner, self.dtype = model, dtype
+        for m in self.modules:
+            m.to(dtype)
+        self.info["weights"] = str(dtype).replace("torch.", "")
+
+    def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+        return [o.float() for o in self.inner.forward(x.to(self.dtype), lengths)]
+
+    def named_grads(self, grads) -> Dict[str, torch.Tensor]:
+        return self.inner.named_grads(grads)
+
+
+class Bf16Runner(Runner):
+    """A bfloat16 runner: checked against the float64 reference within bfloat16's tolerance (or twice
+    the error of the reference on bfloat16-rounded weights and input, `Case.rounded_reference_errors`)."""
+
+    precision = "bfloat16"
+    tolerance = TOLERANCE[torch.bfloat16]
+
+    def _build(self, case) -> Model:
+        raise NotImplementedError
+
+    def build(self, case) -> Model:
+        if case.dtype != torch.float32:
+            raise Unsupported(f"{self.name} casts a float32 case's weights to bfloat16; the case is "
+                              f"{str(case.dtype).replace('torch.', '')}")
+        return LowPrecisionModel(self._build(case), torch.bfloat16)
+
+
+class RnnkitBf16(Bf16Runner):
+    """rnnkit's module for the case (backend "auto") in bfloat16 (``.to(torch.bfloat16)``): the fused
+    kernels read its matrices in bfloat16 in inference, widen them for training, compute in float32."""
+
+    name = "bf16"
+    title = "rnnkit bfloat16"
+
+    def _build(self, case) -> Model:
+        return RnnkitBackend("auto").build(case)
+
+
+class TorchNNBf16(Bf16Runner):
+    """torch.nn's model for the case (as the torch.nn runner builds it) in bfloat16: oneDNN's bf16
+    kernels where the CPU has them, torch's generic CPU path otherwise."""
+
+    name = "torch.nn-bf16"
+    title = "torch.nn bfloat16"
+
+    def _build(self, case) -> Model:
+        return TorchNN().build(case)
+
+
 RUNNERS: Dict[str, Callable[[], Runner]] = {
     "torch.nn": TorchNN,
     "onnxruntime": OnnxRuntime,
     "int8": RnnkitInt8,
     "torch.ao-int8": TorchAOInt8,
     "onnxruntime-int8": OnnxRuntimeInt8,
+    "bf16": RnnkitBf16,
+    "torch.nn-bf16": TorchNNBf16,
 }
 
 

@@ -1,10 +1,14 @@
 // The per-step GEMMs of the fused passes: MKL's packed sgemm for the right operand packed once
-// per pass, dgemm for float64, and the kernels' own matrix-vector loops for one batch row.
+// per pass, dgemm for float64, and the kernels' own matrix-vector loops for one batch row (and
+// for a few rows once), on float32 or half-precision (bfloat16 / float16) weights.
 #include "gemm.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 
+#include <cstring>
+
+#include "bgemm.h"
 #include "buffers.h"
 #include "simd.h"
 
@@ -76,20 +80,20 @@ void gemv_rows(const float* M, int64_t ldm, int64_t N, int64_t K, const float* x
 namespace {
 
 // C[r, n] = Σ_k X[r, k]·M[n, k] + beta·C[r, n] for the R ≤ 4 rows of X: two rows of M at a time,
-// each read once for all R rows (R·2 accumulators).
-template <int R>
-void gemv_rows_block(const float* M, int64_t ldm, int64_t N, int64_t K, const float* X, int64_t ldx, float beta,
+// each read once for all R rows (R·2 accumulators). M float32, or bfloat16 / float16 widened as read.
+template <int R, typename m_t>
+void gemv_rows_block(const m_t* M, int64_t ldm, int64_t N, int64_t K, const float* X, int64_t ldx, float beta,
                      float* C, int64_t ldc) {
   at::parallel_for(0, (N + 1) / 2, std::max<int64_t>(1, kGemvGrain / (2 * K)), [&](int64_t begin, int64_t end) {
     const int64_t stop = std::min(N, 2 * end);
     for (int64_t n = 2 * begin; n < stop; n += 2) {
       const bool pair = n + 1 < stop;
-      const float* m0 = M + n * ldm;
-      const float* m1 = pair ? m0 + ldm : m0;  // the last odd row: computed twice, stored once
+      const m_t* m0 = M + n * ldm;
+      const m_t* m1 = pair ? m0 + ldm : m0;  // the last odd row: computed twice, stored once
       FVec a0[R], a1[R];
       for (int r = 0; r < R; ++r) a0[r] = FVec(0), a1[r] = FVec(0);
       vec_loop<float>(K, [&](int64_t k, int64_t count) {
-        const FVec w0 = FVec::loadu(m0 + k, count), w1 = FVec::loadu(m1 + k, count);
+        const FVec w0 = load_float(m0 + k, count), w1 = load_float(m1 + k, count);
         for (int r = 0; r < R; ++r) {
           const FVec xv = FVec::loadu(X + r * ldx + k, count);
           a0[r] = at::vec::fmadd(w0, xv, a0[r]);
@@ -104,11 +108,10 @@ void gemv_rows_block(const float* M, int64_t ldm, int64_t N, int64_t K, const fl
   });
 }
 
-}  // namespace
-
 // gemv_rows_block over `rows` rows of X, four at a time.
-void gemv_small_batch(const float* M, int64_t ldm, int64_t N, int64_t K, const float* X, int64_t ldx, int64_t rows,
-                      float beta, float* C, int64_t ldc) {
+template <typename m_t>
+void small_batch(const m_t* M, int64_t ldm, int64_t N, int64_t K, const float* X, int64_t ldx, int64_t rows,
+                 float beta, float* C, int64_t ldc) {
   for (int64_t r0 = 0; r0 < rows; r0 += 4) {
     const float* x = X + r0 * ldx;
     float* c = C + r0 * ldc;
@@ -118,6 +121,78 @@ void gemv_small_batch(const float* M, int64_t ldm, int64_t N, int64_t K, const f
       case 3: gemv_rows_block<3>(M, ldm, N, K, x, ldx, beta, c, ldc); break;
       default: gemv_rows_block<4>(M, ldm, N, K, x, ldx, beta, c, ldc); break;
     }
+  }
+}
+
+// C[n] = Σ_k x[k]·M[n, k] + beta·C[n] for one row x and half-precision M: four rows of M at a
+// time, each with two accumulators (eight independent chains: the widening loads leave the FMAs
+// latency-bound with fewer; the float loop above, with four, is bound by reading twice the bytes).
+template <typename m_t>
+void gemv_rows_widened(const m_t* M, int64_t ldm, int64_t N, int64_t K, const float* x, float beta, float* C) {
+  constexpr int64_t w = FVec::size();
+  at::parallel_for(0, (N + 3) / 4, std::max<int64_t>(1, kGemvGrain / (4 * K)), [&](int64_t begin, int64_t end) {
+    const int64_t stop = std::min(N, 4 * end);
+    for (int64_t n = 4 * begin; n < stop; n += 4) {
+      const int64_t count_rows = std::min<int64_t>(4, stop - n);
+      const m_t* m[4];
+      for (int r = 0; r < 4; ++r) m[r] = M + (n + std::min<int64_t>(r, count_rows - 1)) * ldm;  // past the end: repeat
+      FVec a[4] = {FVec(0), FVec(0), FVec(0), FVec(0)}, b[4] = {FVec(0), FVec(0), FVec(0), FVec(0)};
+      int64_t k = 0;
+      for (; k + 2 * w <= K; k += 2 * w) {
+        const FVec x0 = FVec::loadu(x + k), x1 = FVec::loadu(x + k + w);
+        for (int r = 0; r < 4; ++r) {
+          a[r] = at::vec::fmadd(load_float(m[r] + k, w), x0, a[r]);
+          b[r] = at::vec::fmadd(load_float(m[r] + k + w, w), x1, b[r]);
+        }
+      }
+      for (; k < K; k += w) {
+        const int64_t count = std::min(w, K - k);
+        const FVec x0 = FVec::loadu(x + k, count);
+        for (int r = 0; r < 4; ++r) a[r] = at::vec::fmadd(load_float(m[r] + k, count), x0, a[r]);
+      }
+      for (int r = 0; r < count_rows; ++r) put(C + n + r, hsum(a[r] + b[r]), beta);
+    }
+  });
+}
+
+}  // namespace
+
+void gemv_small_batch(const float* M, int64_t ldm, int64_t N, int64_t K, const float* X, int64_t ldx, int64_t rows,
+                      float beta, float* C, int64_t ldc) {
+  small_batch(M, ldm, N, K, X, ldx, rows, beta, C, ldc);
+}
+
+void gemv_small_batch(const HalfRows& M, int64_t N, int64_t K, const float* X, int64_t ldx, int64_t rows, float beta,
+                      float* C, int64_t ldc) {
+  if (M.bf16) {
+    const auto* m = static_cast<const c10::BFloat16*>(M.data);
+    rows == 1 ? gemv_rows_widened(m, M.ld, N, K, X, beta, C) : small_batch(m, M.ld, N, K, X, ldx, rows, beta, C, ldc);
+  } else {
+    const auto* m = static_cast<const c10::Half*>(M.data);
+    rows == 1 ? gemv_rows_widened(m, M.ld, N, K, X, beta, C) : small_batch(m, M.ld, N, K, X, ldx, rows, beta, C, ldc);
+  }
+}
+
+HalfRows HalfRows::rows_from(int64_t first) const {
+  HalfRows out = *this;
+  out.data = static_cast<const char*>(data) + first * ld * int64_t(sizeof(uint16_t));
+  return out;
+}
+
+void widen_rows(const HalfRows& M, int64_t N, int64_t K, float* out) {
+  const auto widen = [&](const auto* m) {
+    at::parallel_for(0, N, std::max<int64_t>(1, kGemvGrain / std::max<int64_t>(1, K)), [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        vec_loop<float>(K, [&](int64_t k, int64_t count) {
+          vstore(load_float(m + n * M.ld + k, count), out + n * K + k, count);
+        });
+      }
+    });
+  };
+  if (M.bf16) {
+    widen(static_cast<const c10::BFloat16*>(M.data));
+  } else {
+    widen(static_cast<const c10::Half*>(M.data));
   }
 }
 
@@ -158,6 +233,21 @@ void gemv_columns(const float* M, int64_t ldm, int64_t N, int64_t K, const float
 }
 }  // namespace
 
+// matrix_ into storage_ by MKL's packing, unless it multiplies once or one row (gemv loops).
+template <>
+void PackedRight<float>::pack_float(const Tensor& like, bool pack) {
+  if (rows_ <= 1 || !pack) return;  // an empty batch multiplies nothing
+  const char id = 'A', ta = trans_ ? 'T' : 'N';
+  const int m = int(N_), n = int(rows_), k = int(K_), ld = int(ldm_);
+  const float one = 1;
+  const size_t bytes = sgemm_pack_get_size_(&id, &m, &n, &k);
+  storage_ = cached_empty({int64_t(bytes / sizeof(float) + 1)}, like);
+  sgemm_pack_(&id, &ta, &m, &n, &k, &one, matrix_, &ld, storage_.data_ptr<float>());
+}
+
+template <>
+void PackedRight<double>::pack_float(const Tensor&, bool) {}
+
 // In column-major terms Cᵀ[N, rows] = op(M)ᵀ[N, K] · Xᵀ[K, rows]: op(M)ᵀ is BLAS's packed "A".
 // One row needs no packing: multiply() runs the matrix-vector loops above on M itself; nor does
 // a single product (`pack` false: a one-step call), which calls sgemm on M as it is (packing
@@ -166,14 +256,9 @@ template <>
 PackedRight<float>::PackedRight(const float* M, int64_t ldm, bool trans, int64_t rows, int64_t N, int64_t K,
                                 const Tensor& like, bool pack)
     : rows_(rows), N_(N), K_(K), ldm_(ldm), matrix_(M), trans_(trans) {
-  if (rows <= 1 || !pack) return;  // an empty batch multiplies nothing
-  const char id = 'A', ta = trans ? 'T' : 'N';
-  const int m = int(N), n = int(rows), k = int(K), ld = int(ldm);
-  const float one = 1;
-  const size_t bytes = sgemm_pack_get_size_(&id, &m, &n, &k);
-  storage_ = cached_empty({int64_t(bytes / sizeof(float) + 1)}, like);
-  sgemm_pack_(&id, &ta, &m, &n, &k, &one, M, &ld, storage_.data_ptr<float>());
+  pack_float(like, pack);
 }
+
 
 // int8: qgemm's packed panels (faster at every batch size, one row included), unless M is used
 // for only one product of a few rows (`pack` false: a one-step call, the step API), where packing
@@ -187,11 +272,51 @@ PackedRight<float>::PackedRight(const QuantizedRows& M, int64_t rows, int64_t N,
   qgemm_pack(M, N, K, storage_.data_ptr<int8_t>());
 }
 
+// bfloat16 / float16: one row (every step of a batch of one streams M from cache or memory, so
+// half the bytes is the gain) or a few rows once are read as they are. Otherwise a bfloat16 M is
+// packed for the CPU's bfloat16 dot products where it has them (bgemm.h: X is then rounded to
+// bfloat16 as the GEMM's operand), and any other M widened to float32 once and taken as a float M
+// (packed when it multiplies more than once), so the GEMM of a batch runs at float32's speed and
+// the pass pays one read of M for the widening.
+template <>
+PackedRight<float>::PackedRight(const HalfRows& M, int64_t rows, int64_t N, int64_t K, const Tensor& like, bool pack,
+                                bool transposed)
+    : rows_(rows), N_(N), K_(K), ldm_(transposed ? N : K), trans_(!transposed) {
+  if (rows == 0) return;
+  if (!transposed && (rows == 1 || (!pack && rows <= kSmallBatch))) {
+    half_ = M;
+    return;
+  }
+  if (M.bf16 && std::strcmp(bf16_kernel(), "none") != 0) {  // the CPU's bfloat16 products (bgemm.h)
+    storage_ = cached_empty({bf16_packed_bytes(N, K) / int64_t(sizeof(float))}, like);
+    bf16_packed_ = reinterpret_cast<const uint16_t*>(storage_.data_ptr<float>());
+    (transposed ? bf16_pack_transposed : bf16_pack)(M, N, K, const_cast<uint16_t*>(bf16_packed_));
+    return;
+  }
+  widened_ = cached_empty({N * K}, like);
+  if (transposed) {
+    widen_rows(M, K, N, widened_.data_ptr<float>());  // M [K, N]
+  } else {
+    widen_rows(M, N, K, widened_.data_ptr<float>());
+  }
+  matrix_ = widened_.data_ptr<float>();
+  pack_float(like, pack);
+  if (storage_.defined()) widened_ = Tensor(), matrix_ = nullptr;  // the packed copy is what multiplies
+}
+
 template <>
 void PackedRight<float>::multiply(const float* X, int64_t ldx, float beta, float* C, int64_t ldc) const {
   if (rows_ == 0) return;
   if (quantized_scale_ != nullptr && !storage_.defined()) {  // unpacked: M read once per four rows
     qgemm_unpacked(X, rows_, ldx, quantized_, N_, K_, beta, C, ldc);
+    return;
+  }
+  if (bf16_packed_ != nullptr) {  // bfloat16 M packed for the CPU's bfloat16 products; X rounded to bfloat16
+    bf16_gemm_packed(X, rows_, ldx, bf16_packed_, N_, K_, beta, C, ldc);
+    return;
+  }
+  if (half_.data != nullptr) {  // bfloat16 / float16 M as it is: one row, or a few rows once
+    gemv_small_batch(half_, N_, K_, X, ldx, rows_, beta, C, ldc);
     return;
   }
   if (quantized_scale_ != nullptr) {
@@ -228,6 +353,11 @@ PackedRight<double>::PackedRight(const double* M, int64_t ldm, bool trans, int64
 template <>
 PackedRight<double>::PackedRight(const QuantizedRows&, int64_t, int64_t, int64_t, const Tensor&, bool) {
   TORCH_CHECK(false, "rnnkit fused: int8 weights compute in float32, not float64");
+}
+
+template <>
+PackedRight<double>::PackedRight(const HalfRows&, int64_t, int64_t, int64_t, const Tensor&, bool, bool) {
+  TORCH_CHECK(false, "rnnkit fused: bfloat16 / float16 weights compute in float32, not float64");
 }
 
 template <>

@@ -13,7 +13,7 @@ struct Gru {
   const PassArgs& a;
   int64_t T, B, H, GH;
   bool ln, after;
-  const scalar_t *R, *rm, *b_Rn, *ln_h_gain, *ln_h_shift;
+  const scalar_t *rm, *b_Rn, *ln_h_gain, *ln_h_shift;
   const bool* mask;
   Zoneout<scalar_t> zh;
   // Saved gate row: r z n, and with reset_after the recurrent n term hn = LN_h(R h)_n + b_Rn.
@@ -22,7 +22,6 @@ struct Gru {
   explicit Gru(const PassArgs& args) : a(args) {
     T = a.T, B = a.B, H = a.H, GH = a.GH;
     ln = a.layer_norm(), after = a.reset_after;
-    R = a.quantized() ? nullptr : a.R.data_ptr<scalar_t>();  // int8: right_operand
     rm = a.recurrent_mask.defined() ? a.recurrent_mask.data_ptr<scalar_t>() : nullptr;
     b_Rn = (after && a.b_R.defined()) ? a.b_R.data_ptr<scalar_t>() + 2 * H : nullptr;
     ln_h_gain = ln ? a.ln_h_gain.data_ptr<scalar_t>() : nullptr;
@@ -226,9 +225,9 @@ struct Gru {
     };
 
     // · R with reset_after; otherwise · R_n and · R_rz
-    const PackedRight<scalar_t> R_right(R, H, false, B, H, after ? GH : 2 * H, like, T > 1);
+    const PackedRight<scalar_t> R_right = backward_operand<scalar_t>(a, kR, 0, B, H, after ? GH : 2 * H, like);
     const std::optional<PackedRight<scalar_t>> R_n_right =
-        after ? std::nullopt : std::make_optional<PackedRight<scalar_t>>(R + 2 * H * H, H, false, B, H, H, like, T > 1);
+        after ? std::nullopt : std::make_optional(backward_operand<scalar_t>(a, kR, 2 * H, B, H, H, like));
     for (int64_t s = T - 1; s >= 0; --s) {
       const int64_t t = step_time(s);
       if (after) {

@@ -18,7 +18,7 @@ struct Lstm {
   int64_t gi, gf, gg, go;  // gate offsets in a G·H row (gf < 0 with coupled gates)
   bool proj, ln, peep;
   scalar_t cell_clip, proj_clip;
-  const scalar_t *R, *W_hr, *p_i, *p_f, *p_o, *rm;
+  const scalar_t *p_i, *p_f, *p_o, *rm;
   const scalar_t *ln_h_gain, *ln_h_shift, *ln_c_gain, *ln_c_shift;
   const bool* mask;
   Zoneout<scalar_t> zh, zc;
@@ -28,8 +28,6 @@ struct Lstm {
     gi = 0, gf = a.coupled ? -1 : H, gg = a.coupled ? H : 2 * H, go = a.coupled ? 2 * H : 3 * H;
     proj = a.W_hr.defined(), ln = a.layer_norm(), peep = a.peephole.defined();
     cell_clip = scalar_t(a.cell_clip), proj_clip = scalar_t(a.proj_clip);
-    R = a.quantized() ? nullptr : a.R.data_ptr<scalar_t>();  // int8: right_operand
-    W_hr = proj && !a.quantized() ? a.W_hr.data_ptr<scalar_t>() : nullptr;
     p_i = peep ? a.peephole.data_ptr<scalar_t>() : nullptr;
     p_f = peep && !a.coupled ? p_i + H : nullptr;
     p_o = peep ? p_i + (a.peephole.size(0) - 1) * H : nullptr;
@@ -357,9 +355,9 @@ struct Lstm {
       }
     };
 
-    const PackedRight<scalar_t> R_right(R, Hr, false, B, Hr, GH, like, T > 1);  // · R
+    const PackedRight<scalar_t> R_right = backward_operand<scalar_t>(a, kR, 0, B, Hr, GH, like);  // · R
     const std::optional<PackedRight<scalar_t>> W_hr_right =
-        proj ? std::make_optional<PackedRight<scalar_t>>(W_hr, H, false, B, H, P, like, T > 1) : std::nullopt;  // · W_hr
+        proj ? std::make_optional(backward_operand<scalar_t>(a, kWhr, 0, B, H, P, like)) : std::nullopt;  // · W_hr
     for (int64_t s = T - 1; s >= 0; --s) {
       const int64_t t = step_time(s);
       if (proj) {

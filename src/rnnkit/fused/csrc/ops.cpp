@@ -138,7 +138,11 @@ class StepPlan {
   py::object call(const Tensor& input, const py::object& hx) const {
     const at::NoGradGuard no_grad;
     const Tensor& W = base_.W;
-    const at::ScalarType dtype = base_.quantized() ? at::kFloat : W.scalar_type();  // int8 weights: float32 states
+    // the input's and states' dtype: int8 weights take float32; a half-precision module's plan
+    // takes its dtype and computes in float32 (its matrices read as they are)
+    const at::ScalarType dtype = base_.quantized() ? at::kFloat : W.scalar_type();
+    const bool half = base_.half_weights();
+    const auto compute = [&](const Tensor& t) { return half ? t.to(at::kFloat) : t; };
     if (input.dim() < 1 || input.dim() > 2 || input.size(-1) != W.size(1) || input.scalar_type() != dtype ||
         input.device() != W.device()) {
       return py::none();
@@ -148,10 +152,10 @@ class StepPlan {
     const int64_t Hr = base_.R.size(1);
     const int64_t H = base_.W_hr.defined() ? base_.W_hr.size(1) : (lstm ? W.size(0) / (base_.coupled ? 3 : 4) : Hr);
     PassArgs a = base_;
-    a.x = input.reshape({1, B, input.size(-1)}).contiguous();
+    a.x = compute(input.reshape({1, B, input.size(-1)})).contiguous();
     if (hx.is_none()) {
-      a.h0 = at::zeros({B, Hr}, input.options());
-      if (lstm) a.c0 = at::zeros({B, H}, input.options());
+      a.h0 = at::zeros({B, Hr}, a.x.options());
+      if (lstm) a.c0 = at::zeros({B, H}, a.x.options());
     } else {
       Tensor h, c;
       if (lstm) {
@@ -171,8 +175,8 @@ class StepPlan {
       const auto as_rows = [&](const Tensor& t, int64_t n) {  // [B, n] contiguous (no new view when it is)
         return t.dim() == 2 && t.is_contiguous() ? t : t.reshape({B, n}).contiguous();
       };
-      a.h0 = as_rows(h, Hr);
-      if (lstm) a.c0 = as_rows(c, H);
+      a.h0 = compute(as_rows(h, Hr)).contiguous();
+      if (lstm) a.c0 = compute(as_rows(c, H)).contiguous();
     }
     a.finish();
     ForwardResult out;
@@ -180,9 +184,9 @@ class StepPlan {
       py::gil_scoped_release no_gil;
       out = forward(a, false);
     }
-    Tensor h = unbatched ? out[1][0] : out[1];
-    if (!lstm) return py::cast(h);
-    return py::make_tuple(h, unbatched ? out[2][0] : out[2]);
+    const auto result = [&](const Tensor& t) { return (unbatched ? t[0] : t).to(dtype); };  // half: rounded back
+    if (!lstm) return py::cast(result(out[1]));
+    return py::make_tuple(result(out[1]), result(out[2]));
   }
 
  private:
@@ -204,6 +208,12 @@ StepPlan make_step_plan(RNNKIT_PASS_PARAMETERS, const OptTensor& W_scale, const 
   for (const Tensor* t : {&a.W, &a.R, &a.b_W, &a.b_R, &a.W_hr, &a.peephole, &a.ln_x_gain, &a.ln_x_shift, &a.ln_h_gain,
                           &a.ln_h_shift, &a.ln_c_gain, &a.ln_c_shift}) {
     TORCH_CHECK(!t->defined() || t->is_contiguous(), "rnnkit fused: a step plan needs contiguous weights");
+  }
+  if (a.half_weights()) {  // a bfloat16 / float16 module: its vectors widened once, here; the matrices as they are
+    for (Tensor* t : {&a.b_W, &a.b_R, &a.peephole, &a.ln_x_gain, &a.ln_x_shift, &a.ln_h_gain, &a.ln_h_shift,
+                      &a.ln_c_gain, &a.ln_c_shift}) {
+      if (t->defined()) *t = t->to(at::kFloat);
+    }
   }
   TORCH_CHECK(!lengths.has_value() && !recurrent_mask.has_value() && !zoneout_h_mask.has_value() &&
                   !zoneout_c_mask.has_value(),
@@ -274,6 +284,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return C;
       },
       "X · Mᵀ through the int8 kernel for a few rows done once (M unpacked)");
+  m.def(
+      "half_gemm",
+      [](const at::Tensor& X, const at::Tensor& M, bool pack) {  // X · Mᵀ, bfloat16 / float16 M (tests)
+        TORCH_CHECK(X.dim() == 2 && X.scalar_type() == at::kFloat && X.is_contiguous(),
+                    "half_gemm: X: expected contiguous float32 [rows, K], got ", X.scalar_type(), " ", X.sizes());
+        TORCH_CHECK(M.dim() == 2 && (M.scalar_type() == at::kBFloat16 || M.scalar_type() == at::kHalf) &&
+                        M.stride(1) == 1 && M.size(1) == X.size(1),
+                    "half_gemm: M: expected bfloat16 or float16 [N, ", X.size(1), "] with unit stride, got ",
+                    M.scalar_type(), " ", M.sizes());
+        rnnkit::HalfRows rows;
+        rows.data = M.data_ptr(), rows.ld = M.stride(0), rows.bf16 = M.scalar_type() == at::kBFloat16;
+        at::Tensor C = at::empty({X.size(0), M.size(0)}, X.options());
+        const rnnkit::PackedRight<float> right(rows, X.size(0), M.size(0), X.size(1), X, pack);
+        right.multiply(X.data_ptr<float>(), X.size(1), 0, C.data_ptr<float>(), M.size(0));
+        return C;
+      },
+      py::arg("X"), py::arg("M"), py::arg("pack"),
+      "X · Mᵀ as a pass multiplies by half-precision weights (pack: M multiplies more than once)");
+  m.def("bf16_kernel", [] { return std::string(rnnkit::bf16_kernel()); },
+        "the bfloat16 GEMM kernels in use: avx512-bf16, emulated-bf16 or none (bfloat16 weights widened)");
+  m.def("bf16_kernels", &rnnkit::bf16_kernels, "the bfloat16 GEMM kernels this CPU can run");
+  m.def("set_bf16_kernel", &rnnkit::set_bf16_kernel, py::arg("name"),
+        "use these bfloat16 GEMM kernels from now on ('auto': the CPU's choice); returns the previous name");
   m.def("int8_kernel", [] { return std::string(rnnkit::int8_kernel()); },
         "the int8 kernels in use: avx512-vnni, avx-vnni, avx2 or scalar");
   m.def("int8_kernels", &rnnkit::int8_kernels, "the int8 kernels this CPU can run");

@@ -1,6 +1,8 @@
 // The shared pieces of a pass (pass.h): argument checks, the gradient block, the input projection.
 #include "pass.h"
 
+#include <cstring>
+
 namespace rnnkit {
 
 void PassArgs::finish() {
@@ -37,6 +39,26 @@ void PassArgs::finish() {
     };
     check("W", W, W_scale), check("R", R, R_scale), check("W_hr", W_hr, W_hr_scale);
   }
+  if (half_weights()) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "rnnkit fused: ", W.scalar_type(),
+                " weights take float32 inputs and states, got x ", x.scalar_type());
+    for (const auto& [name, w] : {std::pair<const char*, const Tensor*>{"R", &R}, {"W_hr", &W_hr}}) {
+      TORCH_CHECK(!w->defined() || w->scalar_type() == W.scalar_type(), "rnnkit fused: ", name, ": expected ",
+                  W.scalar_type(), " like W, got ", w->scalar_type());
+    }
+    for (const Tensor* t : {&b_W, &b_R, &peephole, &ln_x_gain, &ln_x_shift, &ln_h_gain, &ln_h_shift, &ln_c_gain,
+                            &ln_c_shift, &h0, &c0, &recurrent_mask, &zoneout_h, &zoneout_c}) {
+      TORCH_CHECK(!t->defined() || t->scalar_type() == at::kFloat, "rnnkit fused: with ", W.scalar_type(),
+                  " matrices, the biases, gains, states and masks are float32, got ", t->scalar_type());
+    }
+  }
+}
+
+HalfRows PassArgs::half_rows(WeightSlot slot, int64_t first_row) const {
+  const Tensor& w = weight(slot);
+  HalfRows rows;
+  rows.data = w.data_ptr(), rows.ld = w.size(1), rows.bf16 = w.scalar_type() == at::kBFloat16;
+  return rows.rows_from(first_row);
 }
 
 QuantizedRows PassArgs::quantized_rows(WeightSlot slot, int64_t first_row) const {
@@ -121,6 +143,16 @@ InputSteps::InputSteps(const PassArgs& a, const Tensor& bias, bool training, Ten
     raw_ = new_buffer({n, a.GH}, a.x), mean_ = new_buffer({n, 1}, a.x), rstd_ = new_buffer({n, 1}, a.x);
     raw = raw_, mean = mean_, rstd = rstd_;
   }
+  if (a.half_weights() && chunk_steps_ * a.B > kSmallBatch) {  // else every chunk a few rows: W as it is
+    const HalfRows W = a.half_rows(kW, 0);
+    if (W.bf16 && std::strcmp(bf16_kernel(), "none") != 0) {  // x is the layer's bfloat16 input: exact
+      bf16_W_ = cached_empty({bf16_packed_bytes(a.GH, a.I) / int64_t(sizeof(float))}, a.x);
+      bf16_pack(W, a.GH, a.I, reinterpret_cast<uint16_t*>(bf16_W_.data_ptr<float>()));
+    } else {
+      float_W_ = cached_empty({a.GH, a.I}, a.x);
+      widen_rows(W, a.GH, a.I, float_W_.data_ptr<float>());
+    }
+  }
   if (a.quantized() && (a.T > 1 || a.B > kUnpackedRows)) {  // else a few rows, once: W as it is
     packed_W_ = cached_empty({qgemm_packed_bytes(a.GH, a.I)}, a.W);
     qgemm_pack(a.quantized_rows(kW, 0), a.GH, a.I, packed_W_.data_ptr<int8_t>());
@@ -132,7 +164,10 @@ void InputSteps::compute_chunk(int64_t s) {
   first_ = a_.reverse ? a_.T - s - count : s;
   const int64_t row0 = training_ ? first_ * B : 0;
   const bool ln = a_.ln_x_gain.defined();
-  const bool own_loops = a_.quantized() || (rows <= kSmallBatch && out_.scalar_type() == at::kFloat);
+  const bool half = a_.half_weights() && !float_W_.defined() && !bf16_W_.defined();  // half W read as it is
+  const Tensor& W = float_W_.defined() ? float_W_ : a_.W;
+  const bool own_loops = a_.quantized() || half || bf16_W_.defined() ||
+                         (rows <= kSmallBatch && out_.scalar_type() == at::kFloat);
   if (own_loops) {  // float32 rows (int8 weights take float32 x): plain pointers, no ATen views a step
     const float* x2 = a_.x.data_ptr<float>() + first_ * B * a_.I;  // x is [T, B, I], contiguous
     float* out = out_.data_ptr<float>() + row0 * a_.GH;
@@ -142,10 +177,15 @@ void InputSteps::compute_chunk(int64_t s) {
     } else if (a_.quantized()) {  // int8 W: x quantized per row
       qgemm_nt_packed(x2, rows, a_.I, packed_W_.data_ptr<int8_t>(), a_.W_scale.data_ptr<float>(), a_.GH, a_.I, 0, raw,
                       a_.GH);
+    } else if (bf16_W_.defined()) {  // bfloat16 W packed: the CPU's bfloat16 dot products
+      bf16_gemm_packed(x2, rows, a_.I, reinterpret_cast<const uint16_t*>(bf16_W_.data_ptr<float>()), a_.GH, a_.I, 0,
+                       raw, a_.GH);
+    } else if (half) {  // bfloat16 / float16 W, a few rows: read once for four rows at a time
+      gemv_small_batch(a_.half_rows(kW, 0), a_.GH, a_.I, x2, a_.I, rows, 0, raw, a_.GH);
     } else if (rows == 1) {  // a batch of one: the matrix-vector loop reads W once, without BLAS's packing
-      gemv_rows(a_.W.data_ptr<float>(), a_.I, a_.GH, a_.I, x2, 0, raw);
+      gemv_rows(W.data_ptr<float>(), a_.I, a_.GH, a_.I, x2, 0, raw);
     } else {  // a few rows (one step of a small batch): W read once for four rows at a time
-      gemv_small_batch(a_.W.data_ptr<float>(), a_.I, a_.GH, a_.I, x2, a_.I, rows, 0, raw, a_.GH);
+      gemv_small_batch(W.data_ptr<float>(), a_.I, a_.GH, a_.I, x2, a_.I, rows, 0, raw, a_.GH);
     }
     if (!ln && bias_.defined()) {
       const float* bias = bias_.data_ptr<float>();
@@ -157,9 +197,9 @@ void InputSteps::compute_chunk(int64_t s) {
     Tensor out = out_.narrow(0, row0, rows);
     Tensor raw = ln ? (raw_.defined() ? raw_.narrow(0, row0, rows) : out) : out;  // inference normalizes in place
     if (!ln && bias_.defined()) {
-      at::addmm_out(out, bias_, x2, a_.W.t());
+      at::addmm_out(out, bias_, x2, W.t());
     } else {
-      at::mm_out(raw, x2, a_.W.t());
+      at::mm_out(raw, x2, W.t());
     }
   }
   if (!ln) return;
@@ -201,7 +241,13 @@ Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tens
   } else {
     grads.slot[kW].zero_();
   }
-  return needs.dx ? mm_cached(dA, a.W).view({a.T, a.B, a.I}) : Tensor();
+  if (!needs.dx) return Tensor();
+  if (!a.half_weights()) return mm_cached(dA, a.W).view({a.T, a.B, a.I});
+  // dA · W with W [G·H, I] in half precision: packed for the CPU's bfloat16 products, or widened
+  Tensor dx = cached_empty({a.T * a.B, a.I}, dA);
+  const PackedRight<float> W = backward_operand<float>(a, kW, 0, a.T * a.B, a.I, a.GH, dA);
+  W.multiply(dA.data_ptr<float>(), a.GH, 0, dx.data_ptr<float>(), a.I);
+  return dx.view({a.T, a.B, a.I});
 }
 
 }  // namespace rnnkit

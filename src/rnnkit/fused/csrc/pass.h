@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "bgemm.h"
 #include "buffers.h"
 #include "gemm.h"
 #include "layer_norm.h"
@@ -81,6 +82,14 @@ struct PassArgs {
   const Tensor& weight(WeightSlot slot) const;
   bool layer_norm() const { return ln_h_gain.defined(); }
   bool quantized() const { return W.scalar_type() == at::kChar; }
+  // Inference of a bfloat16 / float16 module: W, R (and W_hr) in that dtype, read as float32 by
+  // the GEMMs; x, the states and every other weight float32.
+  bool half_weights() const { return W.scalar_type() == at::kBFloat16 || W.scalar_type() == at::kHalf; }
+  // W, R and W_hr are not x's dtype (int8 or half): the kernels reach them through right_operand
+  // and InputSteps only.
+  bool narrow_weights() const { return quantized() || half_weights(); }
+  // Rows [first_row, ...) of a half-precision weight (W, R or W_hr).
+  HalfRows half_rows(WeightSlot slot, int64_t first_row) const;
   // Rows [first_row, ...) of an int8 weight (W, R or W_hr) and their scales.
   QuantizedRows quantized_rows(WeightSlot slot, int64_t first_row) const;
   // Step t of row b runs (not past the sequence's length).
@@ -107,7 +116,8 @@ struct PassArgs {
 };
 
 // The right operand X · op(M) of a per-step GEMM, M = rows [first_row, first_row + N) of weight
-// `slot` (float / double, or int8 under quantized inference, where op(M) = Mᵀ).
+// `slot` (float / double; int8 under quantized inference, or bfloat16 / float16 in a half-precision
+// module's inference, where op(M) = Mᵀ).
 template <typename scalar_t>
 PackedRight<scalar_t> right_operand(const PassArgs& a, WeightSlot slot, int64_t first_row, bool trans, int64_t rows,
                                     int64_t N, int64_t K, const Tensor& like) {
@@ -116,10 +126,26 @@ PackedRight<scalar_t> right_operand(const PassArgs& a, WeightSlot slot, int64_t 
     const bool once = a.T == 1 && rows <= kUnpackedRows;  // a few rows, once (one step): not worth packing
     return PackedRight<scalar_t>(a.quantized_rows(slot, first_row), rows, N, K, a.weight(slot), !once);
   }
+  if (a.half_weights()) {
+    TORCH_CHECK(trans, "rnnkit fused: a backward's products take backward_operand");
+    return PackedRight<scalar_t>(a.half_rows(slot, first_row), rows, N, K, like, a.T > 1);
+  }
   const Tensor& M = a.weight(slot);
   const int64_t ld = M.size(1);
   // one step: M multiplies once (forward) or twice at most (backward), not worth packing
   return PackedRight<scalar_t>(M.data_ptr<scalar_t>() + first_row * ld, ld, trans, rows, N, K, like, a.T > 1);
+}
+
+// The right operand X · M of a backward's per-step GEMM, M = rows [first_row, first_row + K) of
+// weight `slot` as [K, N] (float / double, or a half-precision module's matrices: widened to
+// float32 once, or packed for the CPU's bfloat16 products, bgemm.h).
+template <typename scalar_t>
+PackedRight<scalar_t> backward_operand(const PassArgs& a, WeightSlot slot, int64_t first_row, int64_t rows, int64_t N,
+                                       int64_t K, const Tensor& like) {
+  if (a.half_weights()) return PackedRight<scalar_t>(a.half_rows(slot, first_row), rows, N, K, like, a.T > 1, true);
+  const Tensor& M = a.weight(slot);
+  const int64_t ld = M.size(1);
+  return PackedRight<scalar_t>(M.data_ptr<scalar_t>() + first_row * ld, ld, false, rows, N, K, like, a.T > 1);
 }
 
 // Which gradients a backward computes; the others' work is skipped (their block slices are zero).
@@ -186,6 +212,8 @@ class InputSteps {
   bool training_;
   Tensor bias_, out_, raw_, mean_, rstd_;
   Tensor packed_W_;  // int8 W packed by qgemm_pack, once per pass
+  Tensor float_W_;   // half-precision W widened to float32 once per pass, when a chunk has many rows
+  Tensor bf16_W_;    // or bfloat16 W packed by bf16_pack, where the CPU has bfloat16 dot products
   int64_t chunk_steps_ = 1, first_ = 0;
 };
 

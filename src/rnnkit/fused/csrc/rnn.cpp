@@ -10,14 +10,13 @@ struct Rnn {
   const PassArgs& a;
   int64_t T, B, H;
   bool ln, relu;
-  const scalar_t *R, *rm, *ln_h_gain, *ln_h_shift;
+  const scalar_t *rm, *ln_h_gain, *ln_h_shift;
   const bool* mask;
   Zoneout<scalar_t> zh;
 
   explicit Rnn(const PassArgs& args) : a(args) {
     T = a.T, B = a.B, H = a.H;
     ln = a.layer_norm(), relu = a.relu;
-    R = a.quantized() ? nullptr : a.R.data_ptr<scalar_t>();  // int8: right_operand
     rm = a.recurrent_mask.defined() ? a.recurrent_mask.data_ptr<scalar_t>() : nullptr;
     ln_h_gain = ln ? a.ln_h_gain.data_ptr<scalar_t>() : nullptr;
     ln_h_shift = ln ? a.ln_h_shift.data_ptr<scalar_t>() : nullptr;
@@ -127,7 +126,7 @@ struct Rnn {
     scalar_t *dA_p = dA.data_ptr<scalar_t>(), *dgh_p = dgh.data_ptr<scalar_t>();
     scalar_t* alh_p = ln ? acc_ln_h.data_ptr<scalar_t>() : nullptr;
 
-    const PackedRight<scalar_t> R_right(R, H, false, B, H, H, like, T > 1);  // · R
+    const PackedRight<scalar_t> R_right = backward_operand<scalar_t>(a, kR, 0, B, H, H, like);  // · R
     for (int64_t s = T - 1; s >= 0; --s) {
       const int64_t t = step_time(s);
       for_rows(B, H * 4, [&](int64_t b0, int64_t b1) {

@@ -4,11 +4,14 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace rnnkit {
 
@@ -46,6 +49,42 @@ inline void vstore(const at::vec::Vectorized<scalar_t>& v, scalar_t* p, int64_t 
   } else {
     v.store(p, int(count));
   }
+}
+
+// `count` weights at p as float32 lanes (the others zero): float32 as they are, bfloat16 and
+// float16 widened exactly (every such value is a float). How the kernels read the half-precision
+// weights of a bfloat16 / float16 module: half the bytes of float32 from memory, float32 math.
+inline at::vec::Vectorized<float> load_float(const float* p, int64_t count) { return vload(p, count); }
+
+namespace detail {
+template <typename half_t>
+inline at::vec::Vectorized<float> widen_full(const half_t* p) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr bool bf16 = std::is_same<half_t, c10::BFloat16>::value;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (bf16) return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+  else return Vec(_mm512_cvtph_ps(raw));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (bf16) return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+  else return Vec(_mm256_cvtph_ps(raw));  // F16C: every AVX2 CPU has it (build.py: -mf16c)
+#else
+  (void)bf16;
+  float wide[Vec::size()];
+  for (int64_t j = 0; j < Vec::size(); ++j) wide[j] = float(p[j]);
+  return Vec::loadu(wide);
+#endif
+}
+}  // namespace detail
+
+template <typename half_t>
+inline at::vec::Vectorized<float> load_float(const half_t* p, int64_t count) {
+  constexpr int64_t width = at::vec::Vectorized<float>::size();
+  if (count == width) return detail::widen_full(p);
+  half_t tail[width] = {};  // zeros: widen to +0
+  std::copy(p, p + count, tail);
+  return detail::widen_full(tail);
 }
 
 template <typename scalar_t>

@@ -1,0 +1,333 @@
+// bfloat16 GEMMs (bgemm.h): M packed into panels of 16 rows × 2 k per 512-bit vector, so each
+// vdpbf16ps adds two products into each of 16 float32 outputs with no horizontal sums; a block of
+// 4 panels × 6 rows of X keeps 24 accumulators in registers. The emulated kernels compute the
+// instruction's two fused multiply-adds per lane (odd k first, as its definition orders them) in
+// AVX-512F, for testing on CPUs without AVX512_BF16.
+#include "bgemm.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "gemm.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
+#define RNNKIT_BF16_KERNELS 1
+#include <immintrin.h>
+#endif
+
+namespace rnnkit {
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // rows of M per panel: one float32 vector of outputs
+
+inline int64_t pairs_of(int64_t K) { return (K + 1) / 2; }
+inline int64_t panels_of(int64_t N) { return (N + kPanel - 1) / kPanel; }
+
+struct Bf16Kernels {
+  const char* name;
+  void (*packed)(const float* X, int64_t rows, int64_t ldx, const uint16_t* packed, int64_t N, int64_t K, float beta,
+                 float* C, int64_t ldc);
+  bool (*runs_here)();
+  bool automatic;  // chosen by "auto" when it runs here (the first such in kKernels' order)
+};
+
+}  // namespace
+
+int64_t bf16_packed_bytes(int64_t N, int64_t K) { return panels_of(N) * pairs_of(K) * 2 * kPanel * 2; }
+
+// dest[p][g][j][b] = M[16p + j, 2g + b], zero outside [N, K].
+void bf16_pack(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest) {
+  TORCH_CHECK(M.bf16, "rnnkit fused: bf16_pack takes bfloat16 rows");
+  const int64_t groups = pairs_of(K), panels = panels_of(N);
+  const uint16_t* data = static_cast<const uint16_t*>(M.data);
+  at::parallel_for(0, panels, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1))),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      uint16_t* panel = dest + p * groups * 2 * kPanel;
+      std::memset(panel, 0, groups * 2 * kPanel * sizeof(uint16_t));
+      for (int64_t j = 0; j < kPanel && kPanel * p + j < N; ++j) {
+        const uint16_t* m = data + (kPanel * p + j) * M.ld;
+        for (int64_t k = 0; k < K; ++k) panel[(k / 2) * 2 * kPanel + 2 * j + (k % 2)] = m[k];
+      }
+    }
+  });
+}
+
+// dest[p][g][j][b] = M[2g + b, 16p + j], zero outside [K, N].
+void bf16_pack_transposed(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest) {
+  TORCH_CHECK(M.bf16, "rnnkit fused: bf16_pack_transposed takes bfloat16 rows");
+  const int64_t groups = pairs_of(K), panels = panels_of(N);
+  const uint16_t* data = static_cast<const uint16_t*>(M.data);
+  at::parallel_for(0, panels, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1))),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      uint16_t* panel = dest + p * groups * 2 * kPanel;
+      std::memset(panel, 0, groups * 2 * kPanel * sizeof(uint16_t));
+      const int64_t width = std::min(kPanel, N - kPanel * p);
+      for (int64_t k = 0; k < K; ++k) {
+        const uint16_t* m = data + k * M.ld + kPanel * p;
+        uint16_t* out = panel + (k / 2) * 2 * kPanel + (k % 2);
+        for (int64_t j = 0; j < width; ++j) out[2 * j] = m[j];
+      }
+    }
+  });
+}
+
+#if defined(RNNKIT_BF16_KERNELS)
+
+namespace {
+
+constexpr int64_t kGrain = 1 << 16;      // multiply-adds per thread, at least
+constexpr int64_t kTileBytes = 1 << 18;  // bytes of packed M per N tile: stays in L2 while every X row passes over it
+constexpr int kNR = 4, kXR = 6;          // a block: 4 panels (64 columns) times 6 rows of X, 24 accumulators
+
+}  // namespace
+
+// The kernels, once per instruction set: `dot(acc, w, x)` adds w's and x's two bfloat16 products
+// per 32-bit lane into acc's float32 lanes.
+#define RNNKIT_BF16_KERNEL_BODY                                                                                  \
+  /* 16 floats as bfloat16, rounded to nearest even (NaN stays a quiet NaN), in memory order. */                 \
+  inline __m256i round16(__m512 v) {                                                                           \
+    const __m512i bits = _mm512_castps_si512(v);                                                               \
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));                   \
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16); \
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                              \
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));                    \
+    return _mm512_cvtepi32_epi16(r);                                                                           \
+  }                                                                                                            \
+                                                                                                               \
+  /* X's rows as bfloat16, K zero-padded to whole pairs: one row per `ld` values. */                           \
+  const uint16_t* round_rows(const float* X, int64_t rows, int64_t ldx, int64_t K, int64_t ld,                  \
+                             std::vector<uint16_t>& out) {                                                     \
+    out.assign(rows * ld, 0);                                                                                  \
+    for (int64_t r = 0; r < rows; ++r) {                                                                       \
+      const float* x = X + r * ldx;                                                                            \
+      uint16_t* o = out.data() + r * ld;                                                                       \
+      int64_t k = 0;                                                                                           \
+      for (; k + 16 <= K; k += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), round16(_mm512_loadu_ps(x + k))); \
+      if (k < K) {                                                                                             \
+        const __mmask16 m = __mmask16((1u << (K - k)) - 1);                                                   \
+        const __m256i part = round16(_mm512_maskz_loadu_ps(m, x + k));                                         \
+        alignas(32) uint16_t tail[16];                                                                         \
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tail), part);                                            \
+        std::memcpy(o + k, tail, (K - k) * sizeof(uint16_t));                                                  \
+      }                                                                                                        \
+    }                                                                                                          \
+    return out.data();                                                                                         \
+  }                                                                                                            \
+                                                                                                               \
+  /* C[XR rows, NR panels of 16 columns (the last cut at `width`)]. */                                         \
+  template <int NR, int XR>                                                                                    \
+  void block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_elems, int64_t groups,           \
+             int64_t width, float beta, float* C, int64_t ldc) {                                               \
+    __m512 acc[XR][NR];                                                                                        \
+    for (int r = 0; r < XR; ++r)                                                                               \
+      for (int i = 0; i < NR; ++i) acc[r][i] = _mm512_setzero_ps();                                            \
+    for (int64_t g = 0; g < groups; ++g) {                                                                     \
+      __m512i wv[NR];                                                                                          \
+      for (int i = 0; i < NR; ++i)                                                                             \
+        wv[i] = _mm512_loadu_si512(reinterpret_cast<const void*>(w + i * panel_elems + 2 * kPanel * g));       \
+      for (int r = 0; r < XR; ++r) {                                                                           \
+        int32_t pair;                                                                                          \
+        std::memcpy(&pair, x + r * ldx + 2 * g, sizeof(pair));                                                 \
+        const __m512i xb = _mm512_set1_epi32(pair);                                                            \
+        for (int i = 0; i < NR; ++i) acc[r][i] = dot(acc[r][i], wv[i], xb);                                    \
+      }                                                                                                        \
+    }                                                                                                          \
+    for (int r = 0; r < XR; ++r) {                                                                             \
+      float* c = C + r * ldc;                                                                                  \
+      for (int i = 0; i < NR; ++i) {                                                                           \
+        const int64_t n = kPanel * i;                                                                          \
+        if (n >= width) break;                                                                                 \
+        const __mmask16 m = n + kPanel <= width ? __mmask16(0xffff) : __mmask16((1u << (width - n)) - 1);      \
+        __m512 v = acc[r][i];                                                                                  \
+        if (beta != 0) v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(beta), _mm512_maskz_loadu_ps(m, c + n))); \
+        _mm512_mask_storeu_ps(c + n, m, v);                                                                    \
+      }                                                                                                        \
+    }                                                                                                          \
+  }                                                                                                            \
+                                                                                                               \
+  template <int NR>                                                                                            \
+  void rows_of(int xr, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_elems, int64_t groups, \
+               int64_t width, float beta, float* C, int64_t ldc) {                                             \
+    switch (xr) {                                                                                              \
+      case 1: return block<NR, 1>(x, ldx, w, panel_elems, groups, width, beta, C, ldc);                        \
+      case 2: return block<NR, 2>(x, ldx, w, panel_elems, groups, width, beta, C, ldc);                        \
+      case 3: return block<NR, 3>(x, ldx, w, panel_elems, groups, width, beta, C, ldc);                        \
+      case 4: return block<NR, 4>(x, ldx, w, panel_elems, groups, width, beta, C, ldc);                        \
+      case 5: return block<NR, 5>(x, ldx, w, panel_elems, groups, width, beta, C, ldc);                        \
+      default: return block<NR, 6>(x, ldx, w, panel_elems, groups, width, beta, C, ldc);                       \
+    }                                                                                                          \
+  }                                                                                                            \
+                                                                                                               \
+  void packed(const float* X, int64_t rows, int64_t ldx, const uint16_t* w, int64_t N, int64_t K, float beta,   \
+              float* C, int64_t ldc) {                                                                         \
+    thread_local std::vector<uint16_t> scratch;                                                                \
+    const int64_t groups = pairs_of(K), ld = 2 * groups, panel_elems = groups * 2 * kPanel;                    \
+    const uint16_t* x = round_rows(X, rows, ldx, K, ld, scratch);                                              \
+    const int64_t panels = panels_of(N);                                                                       \
+    const int64_t tile = std::max<int64_t>(kNR, kTileBytes / (2 * panel_elems));                               \
+    const int64_t grain = std::max<int64_t>(1, kGrain / (kPanel * K * rows));                                  \
+    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {                                       \
+      for (int64_t t0 = begin; t0 < end; t0 += tile) {                                                         \
+        const int64_t t1 = std::min(end, t0 + tile);                                                           \
+        for (int64_t r0 = 0; r0 < rows; r0 += kXR) {                                                           \
+          const int xr = int(std::min<int64_t>(kXR, rows - r0));                                               \
+          for (int64_t p = t0; p < t1; p += kNR) {                                                             \
+            const int np = int(std::min<int64_t>(kNR, t1 - p));                                               \
+            const int64_t n = kPanel * p, width = std::min(kPanel * np, N - n);                                \
+            const uint16_t* xr0 = x + r0 * ld;                                                                 \
+            const uint16_t* wp = w + p * panel_elems;                                                          \
+            float* c = C + r0 * ldc + n;                                                                       \
+            switch (np) {                                                                                      \
+              case 1: rows_of<1>(xr, xr0, ld, wp, panel_elems, groups, width, beta, c, ldc); break;            \
+              case 2: rows_of<2>(xr, xr0, ld, wp, panel_elems, groups, width, beta, c, ldc); break;            \
+              case 3: rows_of<3>(xr, xr0, ld, wp, panel_elems, groups, width, beta, c, ldc); break;            \
+              default: rows_of<4>(xr, xr0, ld, wp, panel_elems, groups, width, beta, c, ldc); break;           \
+            }                                                                                                  \
+          }                                                                                                    \
+        }                                                                                                      \
+      }                                                                                                        \
+    });                                                                                                        \
+  }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+namespace avx512_bf16 {  // vdpbf16ps: Cooper Lake, Sapphire Rapids and later Xeons, Zen 4 and later
+inline __m512 dot(__m512 acc, __m512i w, __m512i x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+RNNKIT_BF16_KERNEL_BODY
+}  // namespace avx512_bf16
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl")
+namespace emulated_bf16 {  // vdpbf16ps's definition: acc += w_odd·x_odd, then += w_even·x_even, each rounded
+inline __m512 dot(__m512 acc, __m512i w, __m512i x) {
+  const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high)), _mm512_castsi512_ps(_mm512_and_si512(x, high)),
+                        acc);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
+                         acc);
+}
+RNNKIT_BF16_KERNEL_BODY
+}  // namespace emulated_bf16
+#pragma GCC pop_options
+
+#undef RNNKIT_BF16_KERNEL_BODY
+
+namespace {
+
+bool has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
+bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+bool always() { return true; }
+
+const Bf16Kernels kKernels[] = {
+    {"avx512-bf16", avx512_bf16::packed, has_avx512_bf16, true},
+    {"emulated-bf16", emulated_bf16::packed, has_avx512, false},
+    {"none", nullptr, always, true},
+};
+
+}  // namespace
+
+#else
+
+namespace {
+bool always() { return true; }
+const Bf16Kernels kKernels[] = {{"none", nullptr, always, true}};
+}  // namespace
+
+#endif
+
+namespace {
+
+const Bf16Kernels* automatic_kernels() {
+  for (const Bf16Kernels& k : kKernels)
+    if (k.automatic && k.runs_here()) return &k;
+  return &kKernels[0];  // not reached: "none" runs everywhere
+}
+
+std::string runnable_names() {
+  std::string names;
+  for (const Bf16Kernels& k : kKernels)
+    if (k.runs_here()) names += std::string(names.empty() ? "" : ", ") + k.name;
+  return names;
+}
+
+const Bf16Kernels* find_kernels(const std::string& name, const char* who) {
+  if (name == "auto") return automatic_kernels();
+  for (const Bf16Kernels& k : kKernels) {
+    if (name != k.name) continue;
+    TORCH_CHECK_VALUE(k.runs_here(), who, ": bfloat16 kernel '", name,
+                      "' needs instructions this CPU does not have; it runs 'auto', ", runnable_names());
+    return &k;
+  }
+  TORCH_CHECK_VALUE(false, who, ": expected 'auto' or one of ", runnable_names(), " (this build and CPU); got '",
+                    name, "'");
+  return nullptr;
+}
+
+// The CPU's choice, or $RNNKIT_BF16_KERNEL's (read at the first use); a bad value raises at every
+// use until set_bf16_kernel makes a choice.
+struct Choice {
+  std::atomic<const Bf16Kernels*> kernels{nullptr};
+  std::string error;
+  Choice() {
+    const char* env = std::getenv("RNNKIT_BF16_KERNEL");
+    try {
+      kernels = env && *env ? find_kernels(env, "RNNKIT_BF16_KERNEL") : automatic_kernels();
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    }
+  }
+};
+
+Choice& choice() {
+  static Choice c;
+  return c;
+}
+
+const Bf16Kernels& current() {
+  const Bf16Kernels* k = choice().kernels.load();
+  TORCH_CHECK_VALUE(k != nullptr, choice().error);
+  return *k;
+}
+
+}  // namespace
+
+const char* bf16_kernel() { return current().name; }
+
+std::vector<std::string> bf16_kernels() {
+  std::vector<std::string> names;
+  for (const Bf16Kernels& k : kKernels)
+    if (k.runs_here()) names.emplace_back(k.name);
+  return names;
+}
+
+std::string set_bf16_kernel(const std::string& name) {
+  const Bf16Kernels* previous = choice().kernels.exchange(find_kernels(name, "set_bf16_kernel"));
+  return previous != nullptr ? previous->name : "auto";
+}
+
+void bf16_gemm_packed(const float* X, int64_t rows, int64_t ldx, const uint16_t* packed, int64_t N, int64_t K,
+                      float beta, float* C, int64_t ldc) {
+  if (rows <= 0 || N <= 0) return;
+  const Bf16Kernels& k = current();
+  TORCH_CHECK(k.packed != nullptr, "rnnkit fused: no bfloat16 GEMM kernels here (bf16_kernel() is 'none')");
+  if (K <= 0) {  // empty sums
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t n = 0; n < N; ++n) C[r * ldc + n] = beta == 0 ? 0.0f : beta * C[r * ldc + n];
+    return;
+  }
+  k.packed(X, rows, ldx, packed, N, K, beta, C, ldc);
+}
+
+}  // namespace rnnkit

@@ -1,0 +1,45 @@
+// bfloat16 GEMMs of a bfloat16 module's batched passes on CPUs with AVX512_BF16: both operands in
+// bfloat16 (X rounded to nearest even as it is packed; W, R and W_hr are bfloat16 already), products
+// summed in float32 by vdpbf16ps, results in float32. Elsewhere the passes widen the weights to
+// float32 instead (gemm.h), so this is a speed path with the same contract: GEMM operands in
+// bfloat16, accumulation, pointwise math and the carried state in float32.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace rnnkit {
+
+struct HalfRows;
+
+// The kernels in use: "avx512-bf16" (vdpbf16ps), "emulated-bf16" (its arithmetic in AVX-512F
+// instructions: how a CPU without BF16 tests the code, never chosen by itself), or "none" (no
+// such kernels: the passes widen bfloat16 weights to float32). The CPU's choice, or
+// $RNNKIT_BF16_KERNEL's (read once, at the first use).
+const char* bf16_kernel();
+
+// The kernels this CPU can run ("none" always among them).
+std::vector<std::string> bf16_kernels();
+
+// Use `name` ("auto": the CPU's choice) from now on; returns the previous name. A ValueError for a
+// name not in bf16_kernels().
+std::string set_bf16_kernel(const std::string& name);
+
+// Bytes of bf16_pack's layout of an [N, K] matrix: panels of 16 rows, each [ceil(K / 2)][16][2]
+// (2 consecutive k of 16 rows per 64 bytes), N and K zero-padded to whole panels and pairs.
+int64_t bf16_packed_bytes(int64_t N, int64_t K);
+
+// M (bfloat16 [N, K], M.bf16 true) into that layout, once per pass.
+void bf16_pack(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest);
+
+// The same layout from M [K, N] (M.ld per row of M): panels of 16 of its columns, for C = X · M.
+void bf16_pack_transposed(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest);
+
+// C[r, n] = Σ_k bf16(X[r, k]) · M[n, k] + beta · C[r, n] (beta 0: C not read), M packed by
+// bf16_pack; float32 X is rounded to bfloat16 (nearest even) as it is read. Needs bf16_kernel()
+// other than "none".
+void bf16_gemm_packed(const float* X, int64_t rows, int64_t ldx, const uint16_t* packed, int64_t N, int64_t K,
+                      float beta, float* C, int64_t ldc);
+
+}  // namespace rnnkit
