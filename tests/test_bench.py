@@ -16,7 +16,7 @@ from rnnkit.app import machine
 from rnnkit.app.bench import report
 from rnnkit.app.bench.measure import Case, flops
 from rnnkit.app.bench.registry import SHAPES, VARIANTS
-from rnnkit.app.bench.runners import INT8_TOLERANCE, Model, RnnkitInt8, Runner, rnnkit_module
+from rnnkit.app.bench.runners import INT8_TOLERANCE, Model, RnnkitBf16, RnnkitInt8, Runner, rnnkit_module
 from rnnkit.testing import TOLERANCE
 
 from helpers import require_fused_kernels
@@ -398,3 +398,50 @@ def test_a_wrong_int8_runner_is_reported_failed_and_not_timed(tmp_path):
         assert not TIMED_FIELDS & set(record)
     assert "FAILED" in (out / "bench.md").read_text()
 
+
+
+# ---- bfloat16: the modules cast, checked against float64 within bfloat16's tolerance ------------
+
+
+@pytest.mark.parametrize("flags, variants", [
+    (["--variants", "lstm", "gru", "lstm_peephole"], {"lstm", "gru", "lstm_peephole"}),
+    (["--step", "--variants", "gru_cell", "lstm_t1"], {"gru_cell", "lstm_t1"}),
+], ids=["sequence", "step"])
+def test_bf16_runners_are_checked_with_the_bf16_tolerance_and_timed(tmp_path, flags, variants):
+    require_fused_kernels()
+    status, report_, _ = _run(tmp_path, *flags, "--runners", "torch.nn", "bf16", "torch.nn-bf16")
+    assert status == 0
+    records = [r for r in report_["records"] if r["runner"] != "torch.nn"]
+    assert {r["variant"] for r in records} == variants
+    for record in records:
+        assert record["status"] == "ok", record
+        assert record["precision"] == "bfloat16" and record["weights"] == "bfloat16"
+        assert record["tolerance"] == TOLERANCE[torch.bfloat16]
+        # bfloat16 indeed (a float32 computation would be within float32's bound), and within its own
+        assert TOLERANCE[torch.float32] < record["max_rel_rms_error"] <= TOLERANCE[torch.bfloat16], record
+        assert TIMED_FIELDS <= set(record)
+
+
+class ScaledBf16(RnnkitBf16):
+    """rnnkit's bfloat16 module with its outputs 1.05x: a bfloat16 runner the check must catch."""
+
+    name, title = "bf16-scaled", "bf16, outputs x1.05"
+
+    def build(self, case):
+        model = super().build(case)
+        forward = model.forward
+        model.forward = lambda x, lengths=None: [1.05 * t for t in forward(x, lengths)]
+        return model
+
+
+def test_a_wrong_bf16_runner_is_reported_failed_and_not_timed(tmp_path):
+    require_fused_kernels()
+    status, report_, _ = _run_with_runner(tmp_path, ScaledBf16, "--variants", "lstm_peephole", "--runners", "torch.nn",
+                                          "bf16", "bf16-scaled")
+    assert status == 1
+    for record in report_["records"]:
+        if record["runner"] == "bf16":
+            assert record["status"] == "ok", record
+        elif record["runner"] == "bf16-scaled":
+            assert record["status"] == "failed" and "relative RMS error" in record["reason"], record
+            assert not TIMED_FIELDS & set(record)

@@ -6,6 +6,7 @@
 #include "bgemm.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -74,6 +75,23 @@ void bf16_pack_transposed(const HalfRows& M, int64_t N, int64_t K, uint16_t* des
         const uint16_t* m = data + k * M.ld + kPanel * p;
         uint16_t* out = panel + (k / 2) * 2 * kPanel + (k % 2);
         for (int64_t j = 0; j < width; ++j) out[2 * j] = m[j];
+      }
+    }
+  });
+}
+
+void bf16_pack_float_transposed(const float* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest) {
+  const int64_t groups = pairs_of(K), panels = panels_of(N);
+  at::parallel_for(0, panels, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1))),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      uint16_t* panel = dest + p * groups * 2 * kPanel;
+      std::memset(panel, 0, groups * 2 * kPanel * sizeof(uint16_t));
+      const int64_t width = std::min(kPanel, N - kPanel * p);
+      for (int64_t k = 0; k < K; ++k) {
+        const float* m = M + k * ld + kPanel * p;
+        uint16_t* out = panel + (k / 2) * 2 * kPanel + (k % 2);
+        for (int64_t j = 0; j < width; ++j) out[2 * j] = c10::BFloat16(m[j]).x;  // nearest even
       }
     }
   });

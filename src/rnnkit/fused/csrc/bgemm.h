@@ -36,6 +36,10 @@ void bf16_pack(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest);
 // The same layout from M [K, N] (M.ld per row of M): panels of 16 of its columns, for C = X · M.
 void bf16_pack_transposed(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest);
 
+// The same layout from float32 M [K, N] (ld per row of M), rounded to bfloat16 (nearest even): a
+// weight gradient's right operand (h or x over the T·B rows, as the columns of Mᵀ).
+void bf16_pack_float_transposed(const float* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest);
+
 // C[r, n] = Σ_k bf16(X[r, k]) · M[n, k] + beta · C[r, n] (beta 0: C not read), M packed by
 // bf16_pack; float32 X is rounded to bfloat16 (nearest even) as it is read. Needs bf16_kernel()
 // other than "none".

@@ -304,11 +304,11 @@ struct Gru {
     if (!needs.dR) {
       dR.zero_();
     } else if (after) {
-      at::mm_out(dR, dgh.view({TB, GH}).t(), h_in);
+      weight_gradient(a, dR, dgh.view({TB, GH}), h_in);
     } else {  // [R_rz; R_n]
       Tensor dR_rz = dR.narrow(0, 0, 2 * H), dR_n = dR.narrow(0, 2 * H, H);
-      at::mm_out(dR_rz, dA2.narrow(1, 0, 2 * H).t(), h_in);
-      at::mm_out(dR_n, dA2.narrow(1, 2 * H, H).t(), reset_hidden(gates, h_in).view({TB, H}));
+      weight_gradient(a, dR_rz, dA2.narrow(1, 0, 2 * H), h_in);
+      weight_gradient(a, dR_n, dA2.narrow(1, 2 * H, H), reset_hidden(gates, h_in).view({TB, H}));
     }
     Tensor dx = input_projection_backward(a, dA2, saved[kInputRaw], saved[kInputMean], saved[kInputRstd], needs,
                                           grads);

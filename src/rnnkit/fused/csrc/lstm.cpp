@@ -379,7 +379,7 @@ struct Lstm {
     if (needs.dR) {
       Tensor hidden_prev = hidden_entering<scalar_t>(a, y);
       Tensor h_in = rm ? hidden_prev.mul_(a.recurrent_mask) : hidden_prev;
-      at::mm_out(grads.slot[kR], dgh.view({TB, GH}).t(), h_in.view({TB, Hr}));
+      weight_gradient(a, grads.slot[kR], dgh.view({TB, GH}), h_in.view({TB, Hr}));
     } else {
       grads.slot[kR].zero_();
     }
@@ -396,7 +396,7 @@ struct Lstm {
     }
     if (proj) {
       if (needs.dW_hr) {
-        at::mm_out(grads.slot[kWhr], dht.view({TB, P}).t(), m_all.view({TB, H}));
+        weight_gradient(a, grads.slot[kWhr], dht.view({TB, P}), m_all.view({TB, H}));
       } else {
         grads.slot[kWhr].zero_();
       }

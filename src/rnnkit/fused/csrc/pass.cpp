@@ -214,6 +214,21 @@ void InputSteps::compute_chunk(int64_t s) {
   });
 }
 
+void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B) {
+  const bool bf16 = a.half_weights() && a.W.scalar_type() == at::kBFloat16 && std::strcmp(bf16_kernel(), "none") != 0;
+  if (!bf16 || A.size(0) == 0) {
+    at::mm_out(const_cast<Tensor&>(out), A.t(), B);
+    return;
+  }
+  TORCH_CHECK(out.stride(1) == 1 && B.stride(1) == 1, "rnnkit fused: weight_gradient: rows with unit stride");
+  const int64_t rows = A.size(0), N = A.size(1), K = B.size(1);
+  const Tensor At = A.t().contiguous();  // [N, T·B]: the GEMM's left rows
+  Tensor packed = cached_empty({bf16_packed_bytes(K, rows) / int64_t(sizeof(float))}, At);
+  uint16_t* panels = reinterpret_cast<uint16_t*>(packed.data_ptr<float>());
+  bf16_pack_float_transposed(B.data_ptr<float>(), B.stride(0), K, rows, panels);
+  bf16_gemm_packed(At.data_ptr<float>(), N, rows, panels, K, rows, 0, out.data_ptr<float>(), out.stride(0));
+}
+
 Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tensor& raw, const Tensor& mean,
                                  const Tensor& rstd, const GradNeeds& needs, WeightGrads& grads) {
   if (a.ln_x_gain.defined()) {
@@ -237,7 +252,7 @@ Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tens
   }
   const Tensor x2 = a.x.view({a.T * a.B, a.I});
   if (needs.dW) {
-    at::mm_out(grads.slot[kW], dA.t(), x2);  // [G·H, I]
+    weight_gradient(a, grads.slot[kW], dA, x2);  // [G·H, I]
   } else {
     grads.slot[kW].zero_();
   }

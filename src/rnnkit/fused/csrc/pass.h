@@ -148,6 +148,12 @@ PackedRight<scalar_t> backward_operand(const PassArgs& a, WeightSlot slot, int64
   return PackedRight<scalar_t>(M.data_ptr<scalar_t>() + first_row * ld, ld, false, rows, N, K, like, a.T > 1);
 }
 
+// A weight's gradient out[N, K] = Aᵀ · B over the T·B rows of A [T·B, N] and B [T·B, K] (float32 or
+// float64; out row-major with unit stride). A half-precision module's on the CPU's bfloat16
+// products (both operands rounded to bfloat16, sums float32) where it has them (bgemm.h), else
+// the float GEMM.
+void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B);
+
 // Which gradients a backward computes; the others' work is skipped (their block slices are zero).
 struct GradNeeds {
   bool dx = true, dW = true, dR = true, dW_hr = true;

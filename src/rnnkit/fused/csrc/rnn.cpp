@@ -171,7 +171,7 @@ struct Rnn {
     Tensor dh0 = dh_dir + (rm ? dh_rec * a.recurrent_mask : dh_rec);
     if (needs.dR) {
       Tensor h_in = rm ? hidden_prev * a.recurrent_mask : hidden_prev;
-      at::mm_out(grads.slot[kR], dgh.view({TB, H}).t(), h_in.view({TB, H}));
+      weight_gradient(a, grads.slot[kR], dgh.view({TB, H}), h_in.view({TB, H}));
     } else {
       grads.slot[kR].zero_();
     }
