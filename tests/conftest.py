@@ -35,3 +35,18 @@ def nan_poisoned_allocations(monkeypatch):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def poisoned_kernel_buffers():
+    """Every buffer the fused kernels allocate (at::empty on the C++ side) is NaN-filled, for a
+    test module's tests (``pytestmark = pytest.mark.usefixtures("poisoned_kernel_buffers")``)."""
+    from rnnkit.fused import build
+
+    try:
+        build.extension()
+    except RuntimeError as error:
+        pytest.fail(f"the fused CPU backend did not build: {error}")
+    build.set_poison(True)
+    yield
+    build.set_poison(False)

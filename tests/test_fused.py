@@ -22,16 +22,7 @@ from helpers import assert_close, flatten, make_module, map_tree, run_backend
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def poisoned_kernel_buffers():
-    """Every buffer the kernels allocate (at::empty on the C++ side) is NaN-filled."""
-    try:
-        build.extension()
-    except RuntimeError as error:
-        pytest.fail(f"the fused CPU backend did not build: {error}")
-    build.set_poison(True)
-    yield
-    build.set_poison(False)
+pytestmark = pytest.mark.usefixtures("poisoned_kernel_buffers")  # conftest.py
 
 
 def run_both(module, x, hx, lengths=None, training=False):

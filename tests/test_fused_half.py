@@ -22,15 +22,7 @@ HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id=
 BF16_KERNELS = build.extension().bf16_kernels() if build.unavailable_reason() is None else ["none"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def poisoned_kernel_buffers():
-    try:
-        build.extension()
-    except RuntimeError as error:
-        pytest.fail(f"the fused CPU backend did not build: {error}")
-    build.set_poison(True)
-    yield
-    build.set_poison(False)
+pytestmark = pytest.mark.usefixtures("poisoned_kernel_buffers")  # conftest.py
 
 
 # Which product path each shape takes (gemm.cpp, PackedRight's half constructor; pass.cpp, InputSteps):
@@ -77,6 +69,15 @@ def test_half_gemm_matches_float32_on_the_widened_matrix(rows, pack, dtype, kern
             assert_close(got, (operand.double() @ M.double().t()).float(), f"{N}x{K}, {rows} rows")
 
 
+def rounded_module(mode, options, dtype, T, B):
+    """A float32 module whose weights are ``dtype`` values, and lengths for a batch of T steps
+    (None at T = 1)."""
+    module = make_module(mode, 11, 37, torch.float32, **options)
+    with torch.no_grad():
+        module.flat_weights.copy_(module.flat_weights.to(dtype).float())
+    return module, (torch.randint(1, T + 1, (B,)) if T > 1 else None)
+
+
 def pass_results(module, dtype, T, B, lengths):
     """(y, h_n, c_n) of every layer-0 pass of ``module`` (float32, weights already half-rounded)
     through the fused kernels: with its float32 matrices, and with the same matrices in ``dtype``."""
@@ -105,10 +106,7 @@ def pass_results(module, dtype, T, B, lengths):
 def test_pass_on_half_matrices_matches_float32(mode, options, dtype, shape):
     """With the matrices widened (bfloat16 kernels "none"): float32's pass on the same values."""
     T, B = SHAPES[shape]
-    module = make_module(mode, 11, 37, torch.float32, **options)
-    with torch.no_grad():
-        module.flat_weights.copy_(module.flat_weights.to(dtype).float())
-    lengths = torch.randint(1, T + 1, (B,)) if T > 1 else None
+    module, lengths = rounded_module(mode, options, dtype, T, B)
     with bf16_kernel("none"):
         results = pass_results(module, dtype, T, B, lengths)
     for direction, (half, full) in enumerate(zip(results["half"], results["float32"])):
@@ -132,10 +130,7 @@ BF16_KERNEL_CASES = [pytest.param(mode, options, shape, id=f"{case.id}-{shape}")
 @pytest.mark.parametrize("mode, options, shape", BF16_KERNEL_CASES)
 def test_pass_on_the_bf16_kernels_is_a_bf16_computation(mode, options, shape):
     T, B = SHAPES[shape]
-    module = make_module(mode, 11, 37, torch.float32, **options)
-    with torch.no_grad():
-        module.flat_weights.copy_(module.flat_weights.to(torch.bfloat16).float())
-    lengths = torch.randint(1, T + 1, (B,)) if T > 1 else None
+    module, lengths = rounded_module(mode, options, torch.bfloat16, T, B)
     runs = {}
     for kernel in BF16_KERNELS:
         if kernel != "none":
@@ -184,10 +179,7 @@ def test_training_on_half_matrices_matches_float32(mode, options, dtype, shape):
     """Forward and backward with the matrices widened (bfloat16 kernels "none"): float32's gradients
     on the same values; the matrices' gradients come back in their dtype (rounded once)."""
     T, B = SHAPES[shape]
-    module = make_module(mode, 11, 37, torch.float32, **options)
-    with torch.no_grad():
-        module.flat_weights.copy_(module.flat_weights.to(dtype).float())
-    lengths = torch.randint(1, T + 1, (B,)) if T > 1 else None
+    module, lengths = rounded_module(mode, options, dtype, T, B)
     with bf16_kernel("none"):
         results = pass_gradients(module, dtype, T, B, lengths)
     states = 3 if mode == "lstm" else 2
@@ -216,10 +208,7 @@ def test_training_on_the_bf16_kernels_is_a_bf16_computation(mode, options, shape
     """The backward's products with a weight matrix round the gradient entering them to bfloat16:
     within bfloat16's tolerance of float32's gradients, for the instruction and its emulation."""
     T, B = SHAPES[shape]
-    module = make_module(mode, 11, 37, torch.float32, **options)
-    with torch.no_grad():
-        module.flat_weights.copy_(module.flat_weights.to(torch.bfloat16).float())
-    lengths = torch.randint(1, T + 1, (B,)) if T > 1 else None
+    module, lengths = rounded_module(mode, options, torch.bfloat16, T, B)
     for kernel in BF16_KERNELS:
         if kernel == "none":
             continue

@@ -449,51 +449,45 @@ def _eval(args) -> int:
 
 # ---- doctor ------------------------------------------------------------------------------
 
-def _bf16_kernel_line() -> str:
-    """Which bfloat16 GEMM kernels a bfloat16 module's batched passes run on (as _int8_kernel_line)."""
-    from rnnkit import fused
+def _kernel_line(ask, expected, variable: str, table: dict, what: str, instructions: str) -> str:
+    """Which kernels of a family run: asked of the fused kernels (``ask()``) where they are built
+    (loading them), else foretold from the CPU's features (``expected(flags, capability)``; the
+    doctor builds nothing). ``variable`` overrides the choice; ``table`` describes each kernel;
+    ``instructions`` says what the CPU has for them."""
     from rnnkit.fused import build
 
     state = build.status()
     if state == "loaded" or state.startswith("built"):
         try:
-            name, how = fused.bf16_kernel(), "in use"
-        except (RuntimeError, ValueError) as error:
-            return f"unavailable ({error})"
-    elif not state.startswith("not built"):
-        return f"unavailable (the fused backend's: {state})"
-    else:
-        name = machine.expected_bf16_kernel(machine.cpu_flags(), torch.backends.cpu.get_cpu_capability())
-        how = "expected; the fused kernels are not built yet"
-        if os.environ.get("RNNKIT_BF16_KERNEL"):
-            how += f"; $RNNKIT_BF16_KERNEL={os.environ['RNNKIT_BF16_KERNEL']} will override it"
-    return (f"{name} kernels ({how}): {fused.BF16_KERNELS[name]}; "
-            + ("this CPU has bf16 instructions" if machine.has_bf16() else "no bf16 instructions on this CPU"))
-
-
-def _int8_kernel_line() -> str:
-    """Which int8 kernels run: asked of the fused kernels where they are built (loading them), else
-    foretold from the CPU's features (the doctor builds nothing)."""
-    from rnnkit.fused import build
-
-    state = build.status()
-    if state == "loaded" or state.startswith("built"):
-        try:
-            name = rnnkit.quantized.int8_kernel()
-        except (RuntimeError, ValueError) as error:  # a failed load, or a bad $RNNKIT_INT8_KERNEL
+            name = ask()
+        except (RuntimeError, ValueError) as error:  # a failed load, or a bad value of the variable
             return f"unavailable ({error})"
         how = "in use"
     elif not state.startswith("not built"):  # the fused kernels cannot build here: why
-        return f"unavailable (the int8 kernels are the fused backend's: {state})"
+        return f"unavailable (the {what} kernels are the fused backend's: {state})"
     else:
-        name = machine.expected_int8_kernel(machine.cpu_flags(), torch.backends.cpu.get_cpu_capability())
+        name = expected(machine.cpu_flags(), torch.backends.cpu.get_cpu_capability())
         how = "expected; the fused kernels are not built yet"
-        if os.environ.get("RNNKIT_INT8_KERNEL"):
-            how += f"; $RNNKIT_INT8_KERNEL={os.environ['RNNKIT_INT8_KERNEL']} will override it"
+        if os.environ.get(variable):
+            how += f"; ${variable}={os.environ[variable]} will override it"
+    return f"{name} kernels ({how}): {table[name]}; {instructions}"
+
+
+def _int8_kernel_line() -> str:
     flags = machine.cpu_flags() or []
     vnni = [f for f in ("avx512_vnni", "avx_vnni") if f in flags]
-    return (f"{name} kernels ({how}): {rnnkit.quantized.INT8_KERNELS[name]}; "
-            + (f"this CPU has {', '.join(vnni)}" if vnni else "no VNNI on this CPU"))
+    return _kernel_line(rnnkit.quantized.int8_kernel, machine.expected_int8_kernel, "RNNKIT_INT8_KERNEL",
+                        rnnkit.quantized.INT8_KERNELS, "int8",
+                        f"this CPU has {', '.join(vnni)}" if vnni else "no VNNI on this CPU")
+
+
+def _bf16_kernel_line() -> str:
+    """The GEMM kernels of a bfloat16 module's batches and training."""
+    from rnnkit import fused
+
+    return _kernel_line(fused.bf16_kernel, machine.expected_bf16_kernel, "RNNKIT_BF16_KERNEL", fused.BF16_KERNELS,
+                        "bfloat16", "this CPU has bf16 instructions" if machine.has_bf16() else
+                        "no bf16 instructions on this CPU")
 
 
 def _doctor(args) -> int:

@@ -10,11 +10,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
 #include <cstring>
 
 #include "gemm.h"
+#include "kernel_choice.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
 #define RNNKIT_BF16_KERNELS 1
@@ -42,29 +41,13 @@ struct Bf16Kernels {
 
 int64_t bf16_packed_bytes(int64_t N, int64_t K) { return panels_of(N) * pairs_of(K) * 2 * kPanel * 2; }
 
-// dest[p][g][j][b] = M[16p + j, 2g + b], zero outside [N, K].
-void bf16_pack(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest) {
-  TORCH_CHECK(M.bf16, "rnnkit fused: bf16_pack takes bfloat16 rows");
-  const int64_t groups = pairs_of(K), panels = panels_of(N);
-  const uint16_t* data = static_cast<const uint16_t*>(M.data);
-  at::parallel_for(0, panels, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1))),
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      uint16_t* panel = dest + p * groups * 2 * kPanel;
-      std::memset(panel, 0, groups * 2 * kPanel * sizeof(uint16_t));
-      for (int64_t j = 0; j < kPanel && kPanel * p + j < N; ++j) {
-        const uint16_t* m = data + (kPanel * p + j) * M.ld;
-        for (int64_t k = 0; k < K; ++k) panel[(k / 2) * 2 * kPanel + 2 * j + (k % 2)] = m[k];
-      }
-    }
-  });
-}
+namespace {
 
-// dest[p][g][j][b] = M[2g + b, 16p + j], zero outside [K, N].
-void bf16_pack_transposed(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest) {
-  TORCH_CHECK(M.bf16, "rnnkit fused: bf16_pack_transposed takes bfloat16 rows");
+// dest[p][g][j][b] = value(16p + j, 2g + b) for n < N, k < K, zero elsewhere: the panels of an
+// [N, K] operand whose (n, k) element `value` gives as bfloat16 bits.
+template <typename Value>
+void pack_panels(int64_t N, int64_t K, uint16_t* dest, const Value& value) {
   const int64_t groups = pairs_of(K), panels = panels_of(N);
-  const uint16_t* data = static_cast<const uint16_t*>(M.data);
   at::parallel_for(0, panels, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1))),
                    [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
@@ -72,29 +55,29 @@ void bf16_pack_transposed(const HalfRows& M, int64_t N, int64_t K, uint16_t* des
       std::memset(panel, 0, groups * 2 * kPanel * sizeof(uint16_t));
       const int64_t width = std::min(kPanel, N - kPanel * p);
       for (int64_t k = 0; k < K; ++k) {
-        const uint16_t* m = data + k * M.ld + kPanel * p;
         uint16_t* out = panel + (k / 2) * 2 * kPanel + (k % 2);
-        for (int64_t j = 0; j < width; ++j) out[2 * j] = m[j];
+        for (int64_t j = 0; j < width; ++j) out[2 * j] = value(kPanel * p + j, k);
       }
     }
   });
+}
+
+}  // namespace
+
+void bf16_pack(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest) {
+  TORCH_CHECK(M.bf16, "rnnkit fused: bf16_pack takes bfloat16 rows");
+  const uint16_t* m = static_cast<const uint16_t*>(M.data);
+  pack_panels(N, K, dest, [&](int64_t n, int64_t k) { return m[n * M.ld + k]; });
+}
+
+void bf16_pack_transposed(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest) {
+  TORCH_CHECK(M.bf16, "rnnkit fused: bf16_pack_transposed takes bfloat16 rows");
+  const uint16_t* m = static_cast<const uint16_t*>(M.data);
+  pack_panels(N, K, dest, [&](int64_t n, int64_t k) { return m[k * M.ld + n]; });
 }
 
 void bf16_pack_float_transposed(const float* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest) {
-  const int64_t groups = pairs_of(K), panels = panels_of(N);
-  at::parallel_for(0, panels, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1))),
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      uint16_t* panel = dest + p * groups * 2 * kPanel;
-      std::memset(panel, 0, groups * 2 * kPanel * sizeof(uint16_t));
-      const int64_t width = std::min(kPanel, N - kPanel * p);
-      for (int64_t k = 0; k < K; ++k) {
-        const float* m = M + k * ld + kPanel * p;
-        uint16_t* out = panel + (k / 2) * 2 * kPanel + (k % 2);
-        for (int64_t j = 0; j < width; ++j) out[2 * j] = c10::BFloat16(m[j]).x;  // nearest even
-      }
-    }
-  });
+  pack_panels(N, K, dest, [&](int64_t n, int64_t k) { return c10::BFloat16(M[k * ld + n]).x; });  // nearest even
 }
 
 #if defined(RNNKIT_BF16_KERNELS)
@@ -267,73 +250,22 @@ const Bf16Kernels kKernels[] = {{"none", nullptr, always, true}};
 
 namespace {
 
-const Bf16Kernels* automatic_kernels() {
-  for (const Bf16Kernels& k : kKernels)
-    if (k.automatic && k.runs_here()) return &k;
-  return &kKernels[0];  // not reached: "none" runs everywhere
-}
-
-std::string runnable_names() {
-  std::string names;
-  for (const Bf16Kernels& k : kKernels)
-    if (k.runs_here()) names += std::string(names.empty() ? "" : ", ") + k.name;
-  return names;
-}
-
-const Bf16Kernels* find_kernels(const std::string& name, const char* who) {
-  if (name == "auto") return automatic_kernels();
-  for (const Bf16Kernels& k : kKernels) {
-    if (name != k.name) continue;
-    TORCH_CHECK_VALUE(k.runs_here(), who, ": bfloat16 kernel '", name,
-                      "' needs instructions this CPU does not have; it runs 'auto', ", runnable_names());
-    return &k;
-  }
-  TORCH_CHECK_VALUE(false, who, ": expected 'auto' or one of ", runnable_names(), " (this build and CPU); got '",
-                    name, "'");
-  return nullptr;
-}
-
-// The CPU's choice, or $RNNKIT_BF16_KERNEL's (read at the first use); a bad value raises at every
-// use until set_bf16_kernel makes a choice.
-struct Choice {
-  std::atomic<const Bf16Kernels*> kernels{nullptr};
-  std::string error;
-  Choice() {
-    const char* env = std::getenv("RNNKIT_BF16_KERNEL");
-    try {
-      kernels = env && *env ? find_kernels(env, "RNNKIT_BF16_KERNEL") : automatic_kernels();
-    } catch (const c10::Error& e) {
-      error = e.what_without_backtrace();
-    }
-  }
-};
-
-Choice& choice() {
-  static Choice c;
+// The kernels in use: the CPU's choice, or $RNNKIT_BF16_KERNEL's (read at the first use).
+auto& choice() {
+  static KernelChoice<Bf16Kernels, sizeof(kKernels) / sizeof(kKernels[0])> c(kKernels, "RNNKIT_BF16_KERNEL",
+                                                                            "bfloat16");
   return c;
 }
 
-const Bf16Kernels& current() {
-  const Bf16Kernels* k = choice().kernels.load();
-  TORCH_CHECK_VALUE(k != nullptr, choice().error);
-  return *k;
-}
+const Bf16Kernels& current() { return choice().current(); }
 
 }  // namespace
 
 const char* bf16_kernel() { return current().name; }
 
-std::vector<std::string> bf16_kernels() {
-  std::vector<std::string> names;
-  for (const Bf16Kernels& k : kKernels)
-    if (k.runs_here()) names.emplace_back(k.name);
-  return names;
-}
+std::vector<std::string> bf16_kernels() { return choice().names(); }
 
-std::string set_bf16_kernel(const std::string& name) {
-  const Bf16Kernels* previous = choice().kernels.exchange(find_kernels(name, "set_bf16_kernel"));
-  return previous != nullptr ? previous->name : "auto";
-}
+std::string set_bf16_kernel(const std::string& name) { return choice().set(name, "set_bf16_kernel"); }
 
 void bf16_gemm_packed(const float* X, int64_t rows, int64_t ldx, const uint16_t* packed, int64_t N, int64_t K,
                       float beta, float* C, int64_t ldc) {

@@ -10,11 +10,11 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include "kernel_choice.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -307,75 +307,21 @@ const Int8Kernels kKernels[] = {{"scalar", scalar::unpacked, scalar::packed, alw
 
 namespace {
 
-const Int8Kernels* automatic_kernels() {
-  for (const Int8Kernels& k : kKernels)
-    if (k.automatic && k.runs_here()) return &k;
-  return &kKernels[0];  // not reached: the last automatic entry runs everywhere it is compiled
-}
-
-std::string runnable_names() {
-  std::string names;
-  for (const Int8Kernels& k : kKernels)
-    if (k.runs_here()) names += std::string(names.empty() ? "" : ", ") + k.name;
-  return names;
-}
-
-// `name`'s kernels ("auto": the CPU's choice); a ValueError naming what was expected otherwise.
-const Int8Kernels* find_kernels(const std::string& name, const char* who) {
-  if (name == "auto") return automatic_kernels();
-  for (const Int8Kernels& k : kKernels) {
-    if (name != k.name) continue;
-    TORCH_CHECK_VALUE(k.runs_here(), who, ": int8 kernel '", name, "' needs instructions this CPU does not have; "
-                      "it runs 'auto', ", runnable_names());
-    return &k;
-  }
-  TORCH_CHECK_VALUE(false, who, ": expected 'auto' or one of ", runnable_names(), " (this build and CPU); got '",
-                    name, "'");
-  return nullptr;
-}
-
-// The kernels in use: the CPU's choice, or $RNNKIT_INT8_KERNEL's (read at the first int8
-// product). A bad value leaves no choice and its error, raised by every product until
-// set_int8_kernel makes one.
-struct Choice {
-  std::atomic<const Int8Kernels*> kernels{nullptr};
-  std::string error;
-  Choice() {
-    const char* env = std::getenv("RNNKIT_INT8_KERNEL");
-    try {
-      kernels = env && *env ? find_kernels(env, "RNNKIT_INT8_KERNEL") : automatic_kernels();
-    } catch (const c10::Error& e) {
-      error = e.what_without_backtrace();
-    }
-  }
-};
-
-Choice& choice() {
-  static Choice c;
+// The kernels in use: the CPU's choice, or $RNNKIT_INT8_KERNEL's (read at the first int8 product).
+auto& choice() {
+  static KernelChoice<Int8Kernels, sizeof(kKernels) / sizeof(kKernels[0])> c(kKernels, "RNNKIT_INT8_KERNEL", "int8");
   return c;
 }
 
-const Int8Kernels& current() {
-  const Int8Kernels* k = choice().kernels.load();
-  TORCH_CHECK_VALUE(k != nullptr, choice().error);
-  return *k;
-}
+const Int8Kernels& current() { return choice().current(); }
 
 }  // namespace
 
 const char* int8_kernel() { return current().name; }
 
-std::vector<std::string> int8_kernels() {
-  std::vector<std::string> names;
-  for (const Int8Kernels& k : kKernels)
-    if (k.runs_here()) names.emplace_back(k.name);
-  return names;
-}
+std::vector<std::string> int8_kernels() { return choice().names(); }
 
-std::string set_int8_kernel(const std::string& name) {
-  const Int8Kernels* previous = choice().kernels.exchange(find_kernels(name, "set_int8_kernel"));
-  return previous != nullptr ? previous->name : "auto";
-}
+std::string set_int8_kernel(const std::string& name) { return choice().set(name, "set_int8_kernel"); }
 
 void qgemm_unpacked(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M, int64_t N, int64_t K,
                     float beta, float* C, int64_t ldc) {

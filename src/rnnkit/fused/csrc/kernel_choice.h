@@ -1,0 +1,83 @@
+// The run-time choice among a family of kernels compiled per instruction set (qgemm.cpp's int8,
+// bgemm.cpp's bfloat16): the CPU's choice ("auto": the first automatic entry that runs here), or
+// the one an environment variable names (read once, at the first use), or set_kernels' choice.
+// A bad name in the variable is an error that every use raises until a choice is set.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+namespace rnnkit {
+
+// Kernels: a struct with `const char* name`, `bool (*runs_here)()` and `bool automatic`; the
+// table lists every entry compiled, the last automatic one running everywhere it is compiled.
+template <typename Kernels, size_t N>
+class KernelChoice {
+ public:
+  KernelChoice(const Kernels (&table)[N], const char* env, const char* what) : table_(table), what_(what) {
+    const char* value = std::getenv(env);
+    try {
+      current_ = value && *value ? find(value, env) : automatic();
+    } catch (const c10::Error& e) {
+      error_ = e.what_without_backtrace();
+    }
+  }
+
+  const Kernels& current() const {
+    const Kernels* k = current_.load();
+    TORCH_CHECK_VALUE(k != nullptr, error_);
+    return *k;
+  }
+
+  // The names of the entries that run here.
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const Kernels& k : table_)
+      if (k.runs_here()) out.emplace_back(k.name);
+    return out;
+  }
+
+  // Use `name` ("auto": the CPU's choice) from now on; the previous name ("auto" where a bad
+  // environment value left none). A ValueError for a name that does not run here.
+  std::string set(const std::string& name, const char* who) {
+    const Kernels* previous = current_.exchange(find(name, who));
+    return previous != nullptr ? previous->name : "auto";
+  }
+
+ private:
+  const Kernels* automatic() const {
+    for (const Kernels& k : table_)
+      if (k.automatic && k.runs_here()) return &k;
+    return &table_[0];  // not reached: the last automatic entry runs everywhere it is compiled
+  }
+
+  std::string runnable() const {
+    std::string out;
+    for (const std::string& name : names()) out += (out.empty() ? "" : ", ") + name;
+    return out;
+  }
+
+  const Kernels* find(const std::string& name, const char* who) const {
+    if (name == "auto") return automatic();
+    for (const Kernels& k : table_) {
+      if (name != k.name) continue;
+      TORCH_CHECK_VALUE(k.runs_here(), who, ": ", what_, " kernel '", name,
+                        "' needs instructions this CPU does not have; it runs 'auto', ", runnable());
+      return &k;
+    }
+    TORCH_CHECK_VALUE(false, who, ": expected 'auto' or one of ", runnable(), " (this build and CPU); got '", name,
+                      "'");
+    return nullptr;
+  }
+
+  const Kernels (&table_)[N];
+  const char* what_;
+  std::atomic<const Kernels*> current_{nullptr};
+  std::string error_;
+};
+
+}  // namespace rnnkit
