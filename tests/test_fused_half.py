@@ -1,7 +1,9 @@
-"""bfloat16 / float16 modules on the fused CPU backend in inference: the kernels read the half-precision
-matrices (W, R, W_hr) as they are and compute in float32, so a pass on half matrices equals the
-float32 pass on the same (widened) values up to float32's summation order — float32's tolerance,
-not bfloat16's. Kernel buffers are NaN-poisoned, as in test_fused.py.
+"""bfloat16 / float16 modules on the fused CPU backend: the kernels read the half-precision matrices
+(W, R, W_hr) as they are and compute in float32. With the matrices widened (bf16 kernels "none") a
+pass, forward and backward, equals float32's on the same values up to float32's summation order:
+float32's tolerance. On the bfloat16 kernels (AVX512_BF16, or their emulation) the GEMM operands
+are rounded to bfloat16: bfloat16's tolerance, and not float32's bits (they ran). Kernel buffers
+are NaN-poisoned, as in test_fused.py.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import rnnkit
 from rnnkit.fused import FusedCPUBackend, build
 from rnnkit.fused import ops as fused_ops
 from rnnkit.masks import draw_pass
-from helpers import TOLERANCE, assert_close, make_module
+from helpers import TOLERANCE, assert_close, flatten, make_module
 from test_fused import CASES
 
 HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
@@ -133,12 +135,14 @@ def test_pass_on_the_bf16_kernels_is_a_bf16_computation(mode, options, shape):
     module, lengths = rounded_module(mode, options, torch.bfloat16, T, B)
     runs = {}
     for kernel in BF16_KERNELS:
-        if kernel != "none":
-            with bf16_kernel(kernel):
-                runs[kernel] = pass_results(module, torch.bfloat16, T, B, lengths)
+        with bf16_kernel(kernel):
+            runs[kernel] = pass_results(module, torch.bfloat16, T, B, lengths)
+    widened = runs.pop("none")
     for kernel, results in runs.items():
         for direction, (half, full) in enumerate(zip(results["half"], results["float32"])):
             assert_close(half, full, f"{kernel}, direction {direction}", tol=TOLERANCE[torch.bfloat16])
+        # they ran: bfloat16 operands, not the widened matrices' float32 arithmetic
+        assert not all(torch.equal(a, b) for a, b in zip(flatten(results["half"]), flatten(widened["half"])))
     if len(runs) == 2:
         assert_close(runs["avx512-bf16"]["half"], runs["emulated-bf16"]["half"], "the instruction against its emulation")
 
@@ -209,6 +213,8 @@ def test_training_on_the_bf16_kernels_is_a_bf16_computation(mode, options, shape
     within bfloat16's tolerance of float32's gradients, for the instruction and its emulation."""
     T, B = SHAPES[shape]
     module, lengths = rounded_module(mode, options, torch.bfloat16, T, B)
+    with bf16_kernel("none"):
+        widened = pass_gradients(module, torch.bfloat16, T, B, lengths)["half"]
     for kernel in BF16_KERNELS:
         if kernel == "none":
             continue
@@ -216,6 +222,10 @@ def test_training_on_the_bf16_kernels_is_a_bf16_computation(mode, options, shape
             results = pass_gradients(module, torch.bfloat16, T, B, lengths)
         for k, (a, e) in enumerate(zip(results["half"], results["float32"])):
             assert_close(a.float(), e, f"{kernel}: gradient {k}", tol=TOLERANCE[torch.bfloat16])
+            # the backward's products ran on bfloat16 operands: dx, dh0 and the matrices' gradients
+            # differ from the widened matrices' float32 arithmetic
+            if k == 0 or k >= (3 if mode == "lstm" else 2):
+                assert not torch.equal(a, widened[k]), f"{kernel}: gradient {k} is the widened path's"
 
 
 def _spy_on_kernels(monkeypatch):

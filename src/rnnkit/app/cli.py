@@ -506,8 +506,8 @@ def _doctor(args) -> int:
           f"oneDNN bf16 {'yes' if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 'no'}")
     print(f"int8     rnnkit.quantize: {_int8_kernel_line()}")
     print(f"bf16     fused CPU backend: {_bf16_kernel_line()}")
-    print("backends (auto takes, in this order, the first that can run the configuration; one-step calls on "
-          "the CPU try fused first):")
+    print("backends (auto takes, in this order, the first that can run the configuration; on the CPU, one-step "
+          "calls and bf16 / fp16 GRUs and RNNs try fused first):")
     for name, report in rnnkit.backends().items():
         status = report["status"] if report["available"] else f"unavailable: {report['reason']}"
         print(f"  {name:<10} {status}")

@@ -67,8 +67,8 @@ BF16_KERNELS = {
     "avx512-bf16": "AVX512_BF16: vdpbf16ps on bfloat16 weights and inputs (h rounded to bfloat16 as R's operand), "
                    "float32 sums, for the GEMMs of batches; a batch of one reads the bfloat16 weights as they are",
     "emulated-bf16": "vdpbf16ps's arithmetic in AVX-512F instructions (for tests on CPUs without AVX512_BF16)",
-    "none": "bfloat16 weights read as they are for a batch of one and for one step of up to 8 rows, widened to "
-            "float32 once per pass for larger batches (float32's GEMMs)",
+    "none": "bfloat16 weights read as they are for a batch of one and for one step of up to 8 rows in inference, "
+            "widened to float32 once per pass for larger batches and for training's backward (float32's GEMMs)",
 }
 
 

@@ -510,7 +510,8 @@ class Bf16Runner(Runner):
 
 class RnnkitBf16(Bf16Runner):
     """rnnkit's module for the case (backend "auto") in bfloat16 (``.to(torch.bfloat16)``): the fused
-    kernels read its matrices in bfloat16 in inference, widen them for training, compute in float32."""
+    kernels read its matrices in bfloat16 (vdpbf16ps where the CPU has AVX512_BF16, else widened once
+    per pass) and compute in float32."""
 
     name = "bf16"
     title = "rnnkit bfloat16"

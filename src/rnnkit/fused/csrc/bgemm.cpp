@@ -172,6 +172,10 @@ constexpr int kNR = 4, kXR = 6;          // a block: 4 panels (64 columns) times
     thread_local std::vector<uint16_t> scratch;                                                                \
     const int64_t groups = pairs_of(K), ld = 2 * groups, panel_elems = groups * 2 * kPanel;                    \
     const uint16_t* x = round_rows(X, rows, ldx, K, ld, scratch);                                              \
+    struct Shrink { /* a weight gradient's X (G·H rows of T·B) is large: not kept past its call */            \
+      std::vector<uint16_t>& v;                                                                                \
+      ~Shrink() { if (v.capacity() > (size_t(1) << 21)) std::vector<uint16_t>().swap(v); }                     \
+    } shrink{scratch};                                                                                         \
     const int64_t panels = panels_of(N);                                                                       \
     const int64_t tile = std::max<int64_t>(kNR, kTileBytes / (2 * panel_elems));                               \
     const int64_t grain = std::max<int64_t>(1, kGrain / (kPanel * K * rows));                                  \

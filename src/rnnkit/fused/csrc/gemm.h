@@ -3,8 +3,9 @@
 // row-major C[rows, N] = X[rows, K] · op(M) + beta · C, op(M) = Mᵀ when `trans`.
 // With one row (batch of one) it packs nothing and runs the kernels' own matrix-vector loops.
 // int8 weights (quantized inference, float only) are packed once per pass by qgemm_pack.
-// bfloat16 / float16 weights (a half-precision module in inference, float32 math) are read as
-// they are for a few rows, widened to float32 once per pass otherwise.
+// bfloat16 / float16 weights (a half-precision module, float32 math) are read as they are for one
+// row or a few rows once, packed for the CPU's bfloat16 products (bgemm.h) where it has them, and
+// widened to float32 once per pass otherwise; in inference and in training's products.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -145,7 +145,7 @@ InputSteps::InputSteps(const PassArgs& a, const Tensor& bias, bool training, Ten
   }
   if (a.half_weights() && chunk_steps_ * a.B > kSmallBatch) {  // else every chunk a few rows: W as it is
     const HalfRows W = a.half_rows(kW, 0);
-    if (W.bf16 && std::strcmp(bf16_kernel(), "none") != 0) {  // x is the layer's bfloat16 input: exact
+    if (W.bf16 && std::strcmp(bf16_kernel(), "none") != 0) {  // a bfloat16 module's x: bfloat16 values
       bf16_W_ = cached_empty({bf16_packed_bytes(a.GH, a.I) / int64_t(sizeof(float))}, a.x);
       bf16_pack(W, a.GH, a.I, reinterpret_cast<uint16_t*>(bf16_W_.data_ptr<float>()));
     } else {

@@ -82,12 +82,9 @@ struct PassArgs {
   const Tensor& weight(WeightSlot slot) const;
   bool layer_norm() const { return ln_h_gain.defined(); }
   bool quantized() const { return W.scalar_type() == at::kChar; }
-  // Inference of a bfloat16 / float16 module: W, R (and W_hr) in that dtype, read as float32 by
-  // the GEMMs; x, the states and every other weight float32.
+  // A bfloat16 / float16 module: W, R (and W_hr) in that dtype, read by the GEMMs as they are
+  // (gemm.h, bgemm.h); x, the states, every other weight and the gradients float32.
   bool half_weights() const { return W.scalar_type() == at::kBFloat16 || W.scalar_type() == at::kHalf; }
-  // W, R and W_hr are not x's dtype (int8 or half): the kernels reach them through right_operand
-  // and InputSteps only.
-  bool narrow_weights() const { return quantized() || half_weights(); }
   // Rows [first_row, ...) of a half-precision weight (W, R or W_hr).
   HalfRows half_rows(WeightSlot slot, int64_t first_row) const;
   // Rows [first_row, ...) of an int8 weight (W, R or W_hr) and their scales.
