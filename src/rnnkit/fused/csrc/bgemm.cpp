@@ -267,6 +267,8 @@ const Bf16Kernels& current() { return choice().current(); }
 
 const char* bf16_kernel() { return current().name; }
 
+bool bf16_products() { return current().packed != nullptr; }
+
 std::vector<std::string> bf16_kernels() { return choice().names(); }
 
 std::string set_bf16_kernel(const std::string& name) { return choice().set(name, "set_bf16_kernel"); }

@@ -19,6 +19,10 @@ struct HalfRows;
 // $RNNKIT_BF16_KERNEL's (read once, at the first use).
 const char* bf16_kernel();
 
+// Whether the kernels in use multiply (bf16_kernel() is not "none"): where the passes pack bfloat16
+// weights for bf16_gemm_packed rather than widen them.
+bool bf16_products();
+
 // The kernels this CPU can run ("none" always among them).
 std::vector<std::string> bf16_kernels();
 

@@ -6,8 +6,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 
-#include <cstring>
-
 #include "bgemm.h"
 #include "buffers.h"
 #include "simd.h"
@@ -287,7 +285,7 @@ PackedRight<float>::PackedRight(const HalfRows& M, int64_t rows, int64_t N, int6
     half_ = M;
     return;
   }
-  if (M.bf16 && std::strcmp(bf16_kernel(), "none") != 0) {  // the CPU's bfloat16 products (bgemm.h)
+  if (M.bf16 && bf16_products()) {  // the CPU's bfloat16 products (bgemm.h)
     storage_ = cached_empty({bf16_packed_bytes(N, K) / int64_t(sizeof(float))}, like);
     bf16_packed_ = reinterpret_cast<const uint16_t*>(storage_.data_ptr<float>());
     (transposed ? bf16_pack_transposed : bf16_pack)(M, N, K, const_cast<uint16_t*>(bf16_packed_));

@@ -1,8 +1,6 @@
 // The shared pieces of a pass (pass.h): argument checks, the gradient block, the input projection.
 #include "pass.h"
 
-#include <cstring>
-
 namespace rnnkit {
 
 void PassArgs::finish() {
@@ -145,7 +143,7 @@ InputSteps::InputSteps(const PassArgs& a, const Tensor& bias, bool training, Ten
   }
   if (a.half_weights() && chunk_steps_ * a.B > kSmallBatch) {  // else every chunk a few rows: W as it is
     const HalfRows W = a.half_rows(kW, 0);
-    if (W.bf16 && std::strcmp(bf16_kernel(), "none") != 0) {  // a bfloat16 module's x: bfloat16 values
+    if (W.bf16 && bf16_products()) {  // a bfloat16 module's x: bfloat16 values
       bf16_W_ = cached_empty({bf16_packed_bytes(a.GH, a.I) / int64_t(sizeof(float))}, a.x);
       bf16_pack(W, a.GH, a.I, reinterpret_cast<uint16_t*>(bf16_W_.data_ptr<float>()));
     } else {
@@ -215,8 +213,7 @@ void InputSteps::compute_chunk(int64_t s) {
 }
 
 void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B) {
-  const bool bf16 = a.half_weights() && a.W.scalar_type() == at::kBFloat16 && std::strcmp(bf16_kernel(), "none") != 0;
-  if (!bf16 || A.size(0) == 0) {
+  if (a.W.scalar_type() != at::kBFloat16 || !bf16_products() || A.size(0) == 0) {
     at::mm_out(const_cast<Tensor&>(out), A.t(), B);
     return;
   }
@@ -258,9 +255,10 @@ Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tens
   }
   if (!needs.dx) return Tensor();
   if (!a.half_weights()) return mm_cached(dA, a.W).view({a.T, a.B, a.I});
-  // dA · W with W [G·H, I] in half precision: packed for the CPU's bfloat16 products, or widened
+  // dA · W with W [G·H, I] in half precision, one product: packed for the CPU's bfloat16 products,
+  // or widened and multiplied as it is (no MKL packing for a single product)
   Tensor dx = cached_empty({a.T * a.B, a.I}, dA);
-  const PackedRight<float> W = backward_operand<float>(a, kW, 0, a.T * a.B, a.I, a.GH, dA);
+  const PackedRight<float> W(a.half_rows(kW, 0), a.T * a.B, a.I, a.GH, dA, false, true);
   W.multiply(dA.data_ptr<float>(), a.GH, 0, dx.data_ptr<float>(), a.I);
   return dx.view({a.T, a.B, a.I});
 }
