@@ -445,3 +445,32 @@ def test_a_wrong_bf16_runner_is_reported_failed_and_not_timed(tmp_path):
         elif record["runner"] == "bf16-scaled":
             assert record["status"] == "failed" and "relative RMS error" in record["reason"], record
             assert not TIMED_FIELDS & set(record)
+
+
+# ---- the float32 GEMM choice, measured in the same process ---------------------------------------
+
+
+def test_the_fused_mkl_runner_times_the_fused_passes_on_mkl(tmp_path, monkeypatch):
+    """"fused-mkl" is the fused backend with its float32 GEMMs on MKL for its whole timed call
+    (forward and backward), beside "fused" on the CPU's choice; the table names that choice."""
+    require_fused_kernels()
+    from rnnkit import fused
+
+    seen = []
+    original = fused.use_fp32_gemm
+
+    def spy(name):
+        seen.append(name)
+        return original(name)
+
+    monkeypatch.setattr(fused, "use_fp32_gemm", spy)
+    status, report_, out = _run(tmp_path, "--variants", "lstm", "gru", "--runners", "torch.nn", "fused", "fused-mkl")
+    assert status == 0
+    records = [r for r in report_["records"] if r["runner"] == "fused-mkl"]
+    assert {r["variant"] for r in records} == {"lstm", "gru"} and {r["mode"] for r in records} == {"inference", "training"}
+    for record in records:
+        assert record["status"] == "ok", record
+        assert record["fp32_gemm"] == "mkl" and TIMED_FIELDS <= set(record)
+    assert seen and set(seen) == {"mkl"}
+    assert report_["environment"]["fp32_gemm"] == fused.fp32_gemm()
+    assert f"fused float32 GEMM: {fused.fp32_gemm()}" in (out / "bench.md").read_text()

@@ -675,3 +675,20 @@ def test_machine_reads_the_cpu_model_and_its_simd_features(monkeypatch):
     assert machine.cpu_flags() == ["avx2"] and machine.has_bf16() is False
     CpuInfo.text = None  # not Linux: unknown, not "absent"
     assert machine.cpu_flags() is None and machine.has_bf16() is None and machine.cpu_model()
+
+
+def test_doctor_names_the_fp32_gemm_that_runs(capsys):
+    from rnnkit import fused
+
+    expected = fused.fp32_gemm()
+    status, out, _ = run(capsys, "doctor")
+    line = next(line for line in out.splitlines() if line.startswith("fp32"))
+    assert f"{expected} kernels (in use)" in line and fused.FP32_GEMMS[expected] in line
+
+
+def test_expected_fp32_gemm():
+    from rnnkit.app.machine import expected_fp32_gemm
+
+    assert expected_fp32_gemm(["avx2", "fma", "avx512f", "avx512bw"], "AVX512") == "avx512"
+    assert expected_fp32_gemm(["avx2", "fma"], "AVX2") == "mkl"
+    assert expected_fp32_gemm(None, "DEFAULT") == "mkl"

@@ -490,6 +490,15 @@ def _bf16_kernel_line() -> str:
                         "no bf16 instructions on this CPU")
 
 
+def _fp32_gemm_line() -> str:
+    """The GEMM kernels of the fused passes in float32."""
+    from rnnkit import fused
+
+    flags = machine.cpu_flags() or []
+    return _kernel_line(fused.fp32_gemm, machine.expected_fp32_gemm, "RNNKIT_FP32_GEMM", fused.FP32_GEMMS,
+                        "float32", "this CPU has AVX-512" if "avx512f" in flags else "no AVX-512 on this CPU")
+
+
 def _doctor(args) -> int:
     import numpy
 
@@ -505,6 +514,7 @@ def _doctor(args) -> int:
     print(f"cpu      {machine.cpu_model()} ({', '.join(machine.cpu_flags() or []) or 'no AVX2'}); torch dispatches to {torch.backends.cpu.get_cpu_capability()}; "
           f"oneDNN bf16 {'yes' if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 'no'}")
     print(f"int8     rnnkit.quantize: {_int8_kernel_line()}")
+    print(f"fp32     fused CPU backend: {_fp32_gemm_line()}")
     print(f"bf16     fused CPU backend: {_bf16_kernel_line()}")
     print("backends (auto takes, in this order, the first that can run the configuration; on the CPU, one-step "
           "calls and bf16 / fp16 GRUs and RNNs try fused first):")

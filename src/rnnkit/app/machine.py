@@ -46,6 +46,13 @@ def expected_bf16_kernel(flags: Optional[List[str]], torch_capability: str) -> s
     return "avx512-bf16" if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags or ()) else "none"
 
 
+def expected_fp32_gemm(flags: Optional[List[str]], torch_capability: str) -> str:
+    """The float32 GEMM kernels `rnnkit.fused.fp32_gemm()` will report once the fused kernels are
+    built, without building them."""
+    del torch_capability  # compiled for their instruction set whatever torch dispatches to (fgemm.cpp)
+    return "avx512" if "avx512f" in set(flags or ()) else "mkl"
+
+
 def expected_int8_kernel(flags: Optional[List[str]], torch_capability: str) -> str:
     """The int8 kernels `rnnkit.quantized.int8_kernel()` will report once the fused kernels are
     built (they follow torch's CPU capability, then pick by the CPU's features), without building them."""

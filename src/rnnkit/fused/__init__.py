@@ -7,7 +7,9 @@ straight into the pass's gradient block. The kernels are the custom ops
 ``rnnkit::fused_pass_forward`` / ``fused_pass_backward`` (ops.py; C++ in csrc/, built on first
 use by build.py).
 
-float32 and float64 compute natively; bfloat16 and float16 tensors are computed in float32 (the
+float32 and float64 compute natively. float32's products with a weight matrix run on the kernels'
+own GEMM where the CPU has AVX-512 (the weights packed once per pass; `fp32_gemm`, `use_fp32_gemm`),
+on MKL's elsewhere and for the weight gradients, where MKL measured faster. bfloat16 and float16 tensors are computed in float32 (the
 weights and inputs as given, accumulation, pointwise math and the carried state in float32) and
 the outputs rounded back. The kernels read a half-precision module's matrices (W, R, W_hr) as
 they are: in inference a batch of one (and a step of a few rows) widens each value as it is
@@ -22,7 +24,8 @@ and the weight gradients stay float32); otherwise each matrix is widened to floa
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import List, Optional
 
 import torch
 
@@ -80,6 +83,47 @@ def bf16_kernel() -> str:
     return build.extension().bf16_kernel()
 
 
+FP32_GEMMS = {
+    "avx512": "the kernels' own float32 GEMM on AVX-512 (weights packed once per pass into panels of 16 columns, "
+              "4 panels x 6 rows of sums in zmm registers) for the per-step products, the input projection and dx; "
+              "MKL for the weight gradients",
+    "avx2": "the kernels' own float32 GEMM on AVX2 + FMA (1 panel x 6 rows of sums in ymm registers) for the "
+            "per-step products, the input projection and dx; MKL for the weight gradients",
+    "mkl": "MKL's packed sgemm (as torch links it) for the per-step products, MKL for the rest",
+}
+
+
+def fp32_gemm() -> str:
+    """The float32 GEMM kernels of the fused passes (a key of `FP32_GEMMS`): the kernels' own where
+    the CPU has AVX-512 (measured faster than MKL on the passes' shapes, benchmarks/README.md), else
+    MKL's; or the ones $RNNKIT_FP32_GEMM names (read at the first use; a ValueError if this CPU
+    cannot run them). `use_fp32_gemm` changes it. Loads the fused kernels, building them on first use."""
+    return build.extension().fp32_gemm()
+
+
+def fp32_gemms() -> List[str]:
+    """The float32 GEMM kernels this CPU and build can run ("mkl" always among them)."""
+    return list(build.extension().fp32_gemms())
+
+
+@contextlib.contextmanager
+def use_fp32_gemm(name: str):
+    """Run the fused passes' float32 GEMMs on ``name`` (a key of `FP32_GEMMS`, or "auto": the CPU's
+    choice) inside the block, for every thread; the previous choice comes back after it.
+
+        >>> with rnnkit.fused.use_fp32_gemm("mkl"):
+        ...     y, _ = lstm(x)
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"use_fp32_gemm: name: expected a str (one of {', '.join(FP32_GEMMS)} or 'auto'), "
+                        f"got {type(name).__name__}")
+    previous = build.extension().set_fp32_gemm(name)
+    try:
+        yield
+    finally:
+        build.extension().set_fp32_gemm(previous)
+
+
 def _float32(t):
     return None if t is None else t.float()
 
@@ -122,4 +166,5 @@ class FusedCPUBackend:
         return tuple(None if t is None else t.to(dtype) for t in out)
 
 
-__all__ = ["FusedCPUBackend", "BF16_KERNELS", "bf16_kernel", "cached_buffer_bytes", "release_cached_buffers"]
+__all__ = ["FusedCPUBackend", "BF16_KERNELS", "FP32_GEMMS", "bf16_kernel", "cached_buffer_bytes", "fp32_gemm",
+           "fp32_gemms", "release_cached_buffers", "use_fp32_gemm"]

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-_SOURCES = ("buffers.cpp", "gemm.cpp", "qgemm.cpp", "bgemm.cpp", "pass.cpp", "lstm.cpp", "gru.cpp", "rnn.cpp", "ops.cpp")
+_SOURCES = ("buffers.cpp", "gemm.cpp", "qgemm.cpp", "bgemm.cpp", "fgemm.cpp", "pass.cpp", "lstm.cpp", "gru.cpp", "rnn.cpp", "ops.cpp")
 _NAME = "rnnkit_fused_cpu"
 _lock = threading.Lock()
 _extension = None

@@ -185,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         by_library = {name: max(rate, again.get(name, 0.0)) for name, rate in by_library.items()}
         best = max(by_library.values())
         env["sgemm_gflops"], env["sgemm_by_library"] = best, by_library
+        env["fp32_gemm"] = _fused_fp32_gemm()
         for record in records:
             if "gflops_per_s" in record:
                 record["fraction_of_sgemm"] = record["gflops_per_s"] / best
@@ -196,6 +197,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"rnnkit bench: warning: {warning}", file=sys.stderr)
     _plot(plan, records)
     return 1 if any(r["status"] == "failed" for r in records) else 0
+
+
+def _fused_fp32_gemm():
+    """The float32 GEMM kernels the fused runner multiplied on (None where the fused kernels did not load)."""
+    from rnnkit.fused import build
+
+    extension = build.loaded()
+    return extension.fp32_gemm() if extension is not None else None
 
 
 def _write(plan: Plan, env: dict, records: List[dict], load_samples: list) -> str:

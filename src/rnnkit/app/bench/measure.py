@@ -156,15 +156,16 @@ class Case:
     def run(self, model: Model, mode: str, upstream=None, x: Optional[torch.Tensor] = None):
         """One call as timed: -> (outputs, grads); grads is {"input": dx, name: dW, ...} in training."""
         x = self.x if x is None else x
-        if mode == "inference":
-            with torch.no_grad():
-                return self.forward(model, mode, x), None
-        x = x.detach().requires_grad_(True)
-        outputs = self.forward(model, mode, x)
-        if len(outputs) != len(upstream):
-            raise CheckFailed(f"{len(outputs)} outputs, the reference has {len(upstream)}")
-        params = model.parameters()
-        grads = torch.autograd.grad(outputs, [x] + params, upstream)
+        with model.context():
+            if mode == "inference":
+                with torch.no_grad():
+                    return self.forward(model, mode, x), None
+            x = x.detach().requires_grad_(True)
+            outputs = self.forward(model, mode, x)
+            if len(outputs) != len(upstream):
+                raise CheckFailed(f"{len(outputs)} outputs, the reference has {len(upstream)}")
+            params = model.parameters()
+            grads = torch.autograd.grad(outputs, [x] + params, upstream)
         named = {"input": grads[0], **model.named_grads(grads[1:])}
         return [o.detach() for o in outputs], named
 

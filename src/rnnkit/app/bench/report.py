@@ -139,7 +139,9 @@ def markdown(env: dict, records: List[dict], runners: List[str]) -> str:
     by_library = f" (best of {', '.join(f'{name} {rate:.0f}' for name, rate in libraries.items())})" if len(libraries) > 1 else ""
     lines = [
         f"rnnkit bench: {env['device_name']}{flags}, {env['threads']} threads, torch {env['torch']}, {env['dtype']}, "
-        f"median of {env['repeats']}; sgemm {env['sgemm_gflops']:.0f} GFLOP/s{by_library}; load average {env['load_average_1min']}",
+        f"median of {env['repeats']}; sgemm {env['sgemm_gflops']:.0f} GFLOP/s{by_library}"
+        + (f"; fused float32 GEMM: {env['fp32_gemm']}" if env.get("fp32_gemm") else "")
+        + f"; load average {env['load_average_1min']}",
         "",
         *(["**Warnings** (the numbers below may not hold on a re-run):", ""] if env.get("warnings") else []),
         *[f"- {w}" for w in env.get("warnings", [])],

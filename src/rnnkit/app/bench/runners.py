@@ -11,6 +11,7 @@ checks and times them all alike:
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -66,6 +67,10 @@ class Model:
     def train(self, mode: bool) -> None:
         for m in self.modules:
             m.train(mode)
+
+    def context(self):
+        """What a timed call (forward and backward) runs inside: nothing, or a runner's setting."""
+        return contextlib.nullcontext()
 
     def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
         """[y, *final states]; with ``lengths``, y is padded with zeros past each sequence's end."""
@@ -227,6 +232,27 @@ class RnnkitBackend(Runner):
         module = rnnkit_module(variant, case.shape, self.name, case.device, case.dtype)
         module.load_state_dict(case.reference(variant.name).state_dict())
         return Model(variant.name, [module], {"backend": self.name}, feed=variant.lengths or "lengths")
+
+
+class FusedMKL(Runner):
+    """The fused backend with its float32 GEMMs on MKL (`rnnkit.fused.use_fp32_gemm("mkl")`), beside
+    "fused" on the CPU's choice: the measurement behind that choice, in the same process."""
+
+    name = "fused-mkl"
+    title = "rnnkit fused, MKL GEMMs"
+
+    def unavailable_reason(self) -> Optional[str]:
+        return RnnkitBackend("fused").unavailable_reason()
+
+    def build(self, case) -> Model:
+        if case.dtype != torch.float32:
+            raise Unsupported(f"the float32 GEMM choice; the case is {str(case.dtype).replace('torch.', '')}")
+        from rnnkit import fused
+
+        model = RnnkitBackend("fused").build(case)
+        model.context = lambda: fused.use_fp32_gemm("mkl")
+        model.info["fp32_gemm"] = "mkl"
+        return model
 
 
 class OnnxRuntime(Runner):
@@ -533,6 +559,7 @@ class TorchNNBf16(Bf16Runner):
 
 RUNNERS: Dict[str, Callable[[], Runner]] = {
     "torch.nn": TorchNN,
+    "fused-mkl": FusedMKL,
     "onnxruntime": OnnxRuntime,
     "int8": RnnkitInt8,
     "torch.ao-int8": TorchAOInt8,

@@ -1,6 +1,7 @@
-// The per-step GEMMs of the fused passes: MKL's packed sgemm for the right operand packed once
-// per pass, dgemm for float64, and the kernels' own matrix-vector loops for one batch row (and
-// for a few rows once), on float32 or half-precision (bfloat16 / float16) weights.
+// The per-step GEMMs of the fused passes: the own float32 kernels (fgemm.h) or MKL's packed sgemm
+// for the right operand packed once per pass, dgemm for float64, and the kernels' own
+// matrix-vector loops for one batch row (and for a few rows once), on float32 or half-precision
+// (bfloat16 / float16) weights.
 #include "gemm.h"
 
 #include <ATen/Parallel.h>
@@ -8,6 +9,7 @@
 
 #include "bgemm.h"
 #include "buffers.h"
+#include "fgemm.h"
 #include "simd.h"
 
 extern "C" {
@@ -231,10 +233,17 @@ void gemv_columns(const float* M, int64_t ldm, int64_t N, int64_t K, const float
 }
 }  // namespace
 
-// matrix_ into storage_ by MKL's packing, unless it multiplies once or one row (gemv loops).
+// matrix_ into storage_ by the own kernels' packing (or MKL's), unless it multiplies once or one
+// row (gemv loops).
 template <>
 void PackedRight<float>::pack_float(const Tensor& like, bool pack) {
   if (rows_ <= 1 || !pack) return;  // an empty batch multiplies nothing
+  if (f32_own_products()) {
+    storage_ = cached_empty({f32_packed_floats(N_, K_)}, like);
+    f32_packed_ = storage_.data_ptr<float>();
+    (trans_ ? f32_pack : f32_pack_transposed)(matrix_, ldm_, N_, K_, storage_.data_ptr<float>());
+    return;
+  }
   const char id = 'A', ta = trans_ ? 'T' : 'N';
   const int m = int(N_), n = int(rows_), k = int(K_), ld = int(ldm_);
   const float one = 1;
@@ -311,6 +320,10 @@ void PackedRight<float>::multiply(const float* X, int64_t ldx, float beta, float
   }
   if (bf16_packed_ != nullptr) {  // bfloat16 M packed for the CPU's bfloat16 products; X rounded to bfloat16
     bf16_gemm_packed(X, rows_, ldx, bf16_packed_, N_, K_, beta, C, ldc);
+    return;
+  }
+  if (f32_packed_ != nullptr) {  // float32 M in the own kernels' panels
+    f32_gemm_packed(X, rows_, ldx, f32_packed_, N_, K_, beta, C, ldc);
     return;
   }
   if (half_.data != nullptr) {  // bfloat16 / float16 M as it is: one row, or a few rows once

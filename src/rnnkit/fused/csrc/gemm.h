@@ -1,5 +1,6 @@
-// The right operand of the per-step GEMMs, packed once per pass into BLAS's internal layout
-// (MKL's packed GEMM) so that T steps do not re-pack the same weights T times:
+// The right operand of the per-step GEMMs, packed once per pass so that T steps do not re-pack the
+// same weights T times: into the own float32 kernels' panels (fgemm.h) or, where f32_kernel() is
+// "mkl", into MKL's internal layout (its packed GEMM):
 // row-major C[rows, N] = X[rows, K] · op(M) + beta · C, op(M) = Mᵀ when `trans`.
 // With one row (batch of one) it packs nothing and runs the kernels' own matrix-vector loops.
 // int8 weights (quantized inference, float only) are packed once per pass by qgemm_pack.
@@ -56,6 +57,7 @@ class PackedRight {
   Tensor widened_;                           // half M widened to float32 (matrix_ points into it)
   HalfRows half_;                            // half M read as it is (gemv_small_batch) where data is set
   const uint16_t* bf16_packed_ = nullptr;    // bfloat16 M packed by bf16_pack (in storage_)
+  const float* f32_packed_ = nullptr;        // float32 M packed by f32_pack for the own kernels (in storage_)
 };
 
 // C[N] = M[N, K] · x[K] (+ beta · C): one row times Mᵀ, the matrix-vector loop of PackedRight.

@@ -6,6 +6,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/core/grad_mode.h>
 
+#include "fgemm.h"
 #include "pass.h"
 
 namespace py = pybind11;
@@ -302,6 +303,42 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("X"), py::arg("M"), py::arg("pack"),
       "X · Mᵀ as a pass multiplies by half-precision weights (pack: M multiplies more than once)");
+  m.def(
+      "f32_pack",
+      [](const at::Tensor& M, bool transposed) {  // for the own float32 kernels (tests, benchmarks/fp32_gemm.py)
+        TORCH_CHECK(M.dim() == 2 && M.scalar_type() == at::kFloat && M.stride(1) == 1,
+                    "f32_pack: M: expected float32 ", transposed ? "[K, N]" : "[N, K]", " with unit stride, got ",
+                    M.scalar_type(), " ", M.sizes());
+        const int64_t N = M.size(transposed ? 1 : 0), K = M.size(transposed ? 0 : 1);
+        at::Tensor packed = rnnkit::cached_empty({rnnkit::f32_packed_floats(N, K)}, M);  // NaN under set_poison
+        (transposed ? rnnkit::f32_pack_transposed : rnnkit::f32_pack)(M.data_ptr<float>(), M.stride(0), N, K,
+                                                                      packed.data_ptr<float>());
+        return packed;
+      },
+      py::arg("M"), py::arg("transposed"),
+      "M [N, K] (for X · Mᵀ), or transposed M [K, N] (for X · M), in the own float32 kernels' panels");
+  m.def(
+      "f32_gemm_packed",
+      [](const at::Tensor& X, const at::Tensor& packed, int64_t N) {
+        TORCH_CHECK(X.dim() == 2 && X.scalar_type() == at::kFloat && X.stride(1) == 1,
+                    "f32_gemm_packed: X: expected float32 [rows, K] with unit stride, got ", X.scalar_type(), " ",
+                    X.sizes());
+        TORCH_CHECK(N >= 0 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                        packed.numel() == rnnkit::f32_packed_floats(N, X.size(1)),
+                    "f32_gemm_packed: packed: expected f32_pack of an M with N = ", N, " and K = ", X.size(1),
+                    " (", rnnkit::f32_packed_floats(N, X.size(1)), " floats), got ", packed.numel());
+        at::Tensor C = rnnkit::cached_empty({X.size(0), N}, X);
+        rnnkit::f32_gemm_packed(X.data_ptr<float>(), X.size(0), X.stride(0), packed.data_ptr<float>(), N, X.size(1), 0,
+                                C.data_ptr<float>(), N);
+        return C;
+      },
+      py::arg("X"), py::arg("packed"), py::arg("N"), "X · Mᵀ on M packed by f32_pack, through the own float32 kernels");
+  m.def("f32_gemm_count", &rnnkit::f32_gemm_count, "products the own float32 kernels have taken (tests)");
+  m.def("fp32_gemm", [] { return std::string(rnnkit::f32_kernel()); },
+        "the float32 GEMM kernels in use: avx512, avx2 (the kernels' own) or mkl");
+  m.def("fp32_gemms", &rnnkit::f32_kernels, "the float32 GEMM kernels this CPU can run");
+  m.def("set_fp32_gemm", &rnnkit::set_f32_kernel, py::arg("name"),
+        "use these float32 GEMM kernels from now on ('auto': the CPU's choice); returns the previous name");
   m.def("bf16_kernel", [] { return std::string(rnnkit::bf16_kernel()); },
         "the bfloat16 GEMM kernels in use: avx512-bf16, emulated-bf16 or none (bfloat16 weights widened)");
   m.def("bf16_kernels", &rnnkit::bf16_kernels, "the bfloat16 GEMM kernels this CPU can run");

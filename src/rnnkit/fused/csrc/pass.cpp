@@ -151,6 +151,13 @@ InputSteps::InputSteps(const PassArgs& a, const Tensor& bias, bool training, Ten
       widen_rows(W, a.GH, a.I, float_W_.data_ptr<float>());
     }
   }
+  if (f32_own_products() && chunk_steps_ * a.B > kSmallBatch && a.x.scalar_type() == at::kFloat && !a.quantized() &&
+      !bf16_W_.defined()) {  // float32 W (or the widened one) into the own kernels' panels, once per pass
+    const Tensor& W = float_W_.defined() ? float_W_ : a.W;
+    f32_W_ = cached_empty({f32_packed_floats(a.GH, a.I)}, a.x);
+    f32_pack(W.data_ptr<float>(), W.stride(0), a.GH, a.I, f32_W_.data_ptr<float>());
+    float_W_ = Tensor();
+  }
   if (a.quantized() && (a.T > 1 || a.B > kUnpackedRows)) {  // else a few rows, once: W as it is
     packed_W_ = cached_empty({qgemm_packed_bytes(a.GH, a.I)}, a.W);
     qgemm_pack(a.quantized_rows(kW, 0), a.GH, a.I, packed_W_.data_ptr<int8_t>());
@@ -162,9 +169,9 @@ void InputSteps::compute_chunk(int64_t s) {
   first_ = a_.reverse ? a_.T - s - count : s;
   const int64_t row0 = training_ ? first_ * B : 0;
   const bool ln = a_.ln_x_gain.defined();
-  const bool half = a_.half_weights() && !float_W_.defined() && !bf16_W_.defined();  // half W read as it is
+  const bool half = a_.half_weights() && !float_W_.defined() && !bf16_W_.defined() && !f32_W_.defined();  // as it is
   const Tensor& W = float_W_.defined() ? float_W_ : a_.W;
-  const bool own_loops = a_.quantized() || half || bf16_W_.defined() ||
+  const bool own_loops = a_.quantized() || half || bf16_W_.defined() || f32_W_.defined() ||
                          (rows <= kSmallBatch && out_.scalar_type() == at::kFloat);
   if (own_loops) {  // float32 rows (int8 weights take float32 x): plain pointers, no ATen views a step
     const float* x2 = a_.x.data_ptr<float>() + first_ * B * a_.I;  // x is [T, B, I], contiguous
@@ -178,6 +185,8 @@ void InputSteps::compute_chunk(int64_t s) {
     } else if (bf16_W_.defined()) {  // bfloat16 W packed: the CPU's bfloat16 dot products
       bf16_gemm_packed(x2, rows, a_.I, reinterpret_cast<const uint16_t*>(bf16_W_.data_ptr<float>()), a_.GH, a_.I, 0,
                        raw, a_.GH);
+    } else if (f32_W_.defined()) {  // float32 W packed: the own kernels
+      f32_gemm_packed(x2, rows, a_.I, f32_W_.data_ptr<float>(), a_.GH, a_.I, 0, raw, a_.GH);
     } else if (half) {  // bfloat16 / float16 W, a few rows: read once for four rows at a time
       gemv_small_batch(a_.half_rows(kW, 0), a_.GH, a_.I, x2, a_.I, rows, 0, raw, a_.GH);
     } else if (rows == 1) {  // a batch of one: the matrix-vector loop reads W once, without BLAS's packing
@@ -254,7 +263,15 @@ Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tens
     grads.slot[kW].zero_();
   }
   if (!needs.dx) return Tensor();
-  if (!a.half_weights()) return mm_cached(dA, a.W).view({a.T, a.B, a.I});
+  if (!a.half_weights() && (a.x.scalar_type() != at::kFloat || !f32_own_products())) {
+    return mm_cached(dA, a.W).view({a.T, a.B, a.I});
+  }
+  if (!a.half_weights()) {  // dA · W on the own float32 kernels, W [G·H, I] packed as [K, N]
+    Tensor dx = cached_empty({a.T * a.B, a.I}, dA);
+    const PackedRight<float> W(a.W.data_ptr<float>(), a.W.stride(0), false, a.T * a.B, a.I, a.GH, dA);
+    W.multiply(dA.data_ptr<float>(), dA.stride(0), 0, dx.data_ptr<float>(), a.I);
+    return dx.view({a.T, a.B, a.I});
+  }
   // dA · W with W [G·H, I] in half precision, one product: packed for the CPU's bfloat16 products,
   // or widened and multiplied as it is (no MKL packing for a single product)
   Tensor dx = cached_empty({a.T * a.B, a.I}, dA);

@@ -23,6 +23,7 @@
 
 #include "bgemm.h"
 #include "buffers.h"
+#include "fgemm.h"
 #include "gemm.h"
 #include "layer_norm.h"
 #include "simd.h"
@@ -217,6 +218,7 @@ class InputSteps {
   Tensor packed_W_;  // int8 W packed by qgemm_pack, once per pass
   Tensor float_W_;   // half-precision W widened to float32 once per pass, when a chunk has many rows
   Tensor bf16_W_;    // or bfloat16 W packed by bf16_pack, where the CPU has bfloat16 dot products
+  Tensor f32_W_;     // float32 W (or the widened one) packed by f32_pack for the own float32 kernels
   int64_t chunk_steps_ = 1, first_ = 0;
 };
 

@@ -1,0 +1,80 @@
+"""The float32 GEMMs the fused passes could run on, in one process, on the passes' own shapes: MKL
+(``torch.mm``), oneDNN (``torch.ops.mkldnn._linear_pointwise``, the library torch.nn's RNNs run on)
+and rnnkit's own kernels on weights packed once (as a pass packs them: the packing is not in the
+timed product, and is reported on its own). The measurement behind ``rnnkit.fused.fp32_gemm``'s
+choice (docs/reference/backends.md).
+
+    python benchmarks/fp32_gemm.py --threads 1 --out benchmarks/results/NAME.md
+
+Shapes: for each shape of the CPU grid with a batch, the per-step product R·h (B rows, K = H,
+N = 4H) and a projection chunk W·x (128 rows, K = I, N = 4H). Best of ``--repeats`` calls.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+
+import torch
+
+from rnnkit.app.bench.registry import SHAPES
+from rnnkit.app.machine import cpu_flags, cpu_model
+from rnnkit.fused import build, fp32_gemms, use_fp32_gemm
+
+
+def best_seconds(call, repeats: int) -> float:
+    call()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", help="also write the markdown table here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    extension = build.extension()
+    own = [name for name in fp32_gemms() if name != "mkl"]
+    if not own:
+        print("no own float32 kernels on this CPU: nothing to compare", file=sys.stderr)
+        return 1
+    gemms = []
+    for name in ("small", "medium", "fastrnns", "wide"):
+        s = SHAPES[name]
+        gemms += [(f"{name} R·h", s.B, s.H, 4 * s.H), (f"{name} W·x chunk", 128, s.I, 4 * s.H)]
+    header = (f"float32 GEMM, GFLOP/s (best of {args.repeats}), {cpu_model()} ({' '.join(cpu_flags() or [])}), "
+              f"{args.threads} thread(s), torch {torch.__version__}, {platform.platform()}")
+    lines = [header, "", "| product | rows × K × N | MKL | oneDNN | " + " | ".join(f"rnnkit {k}" for k in own)
+             + " | packing once (µs) |", "|---|---|---|---|" + "---|" * len(own) + "---|"]
+    generator = torch.Generator().manual_seed(0)
+    for label, M, K, N in gemms:
+        x, w = torch.randn(M, K, generator=generator), torch.randn(N, K, generator=generator)
+        out = torch.empty(M, N)
+        flop = 2 * M * K * N / 1e9
+        rates = [flop / best_seconds(lambda: torch.mm(x, w.t(), out=out), args.repeats),
+                 flop / best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                                     args.repeats)]
+        pack_us = None
+        for kernel in own:
+            with use_fp32_gemm(kernel):
+                packed = extension.f32_pack(w, False)
+                pack_us = best_seconds(lambda: extension.f32_pack(w, False), 5) * 1e6
+                rates.append(flop / best_seconds(lambda: extension.f32_gemm_packed(x, packed, N), args.repeats))
+        lines.append(f"| {label} | {M} × {K} × {N} | " + " | ".join(f"{r:.1f}" for r in rates) + f" | {pack_us:.0f} |")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+// float32 GEMMs (fgemm.h): M packed into panels of 16 columns of C, [K][16] each, so one k of a
+// panel is one 64-byte row that a zmm (or two ymm) loads; a block of panels times a few rows of X
+// broadcasts each X value once per k against every panel of the block.
+#include "fgemm.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include "kernel_choice.h"
+
+// GCC's per-function targets (#pragma GCC target); clang ignores the pragma, so it builds "mkl" only.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define RNNKIT_F32_KERNELS 1
+#include <immintrin.h>
+#endif
+
+namespace rnnkit {
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // columns of C per panel
+
+inline int64_t panels_of(int64_t N) { return (N + kPanel - 1) / kPanel; }
+
+struct F32Kernels {
+  const char* name;
+  void (*packed)(const float* X, int64_t rows, int64_t ldx, const float* packed, int64_t N, int64_t K, float beta,
+                 float* C, int64_t ldc);
+  bool (*runs_here)();
+  bool automatic;  // chosen by "auto" when it runs here (the first such in kKernels' order)
+};
+
+// dest[p][k][j] = value(16p + j, k) for n < N, zero for the padding columns.
+template <typename Value>
+void pack_panels(int64_t N, int64_t K, float* dest, const Value& value) {
+  const int64_t panels = panels_of(N);
+  at::parallel_for(0, panels, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1))),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      float* panel = dest + p * K * kPanel;
+      const int64_t width = std::min(kPanel, N - kPanel * p);
+      value(panel, kPanel * p, width);
+    }
+  });
+}
+
+}  // namespace
+
+int64_t f32_packed_floats(int64_t N, int64_t K) { return panels_of(N) * K * kPanel; }
+
+void f32_pack(const float* M, int64_t ld, int64_t N, int64_t K, float* dest) {
+  pack_panels(N, K, dest, [&](float* panel, int64_t n0, int64_t width) {
+    if (width < kPanel) std::memset(panel, 0, K * kPanel * sizeof(float));
+    constexpr int64_t kSpan = 64;  // k per span: its 4 KB of the panel stay in L1 while 16 rows fill it
+    for (int64_t k0 = 0; k0 < K; k0 += kSpan) {
+      const int64_t k1 = std::min(K, k0 + kSpan);
+      for (int64_t j = 0; j < width; ++j) {  // row n0 + j of M, read in order, into column j
+        const float* m = M + (n0 + j) * ld;
+        for (int64_t k = k0; k < k1; ++k) panel[k * kPanel + j] = m[k];
+      }
+    }
+  });
+}
+
+void f32_pack_transposed(const float* M, int64_t ld, int64_t N, int64_t K, float* dest) {
+  pack_panels(N, K, dest, [&](float* panel, int64_t n0, int64_t width) {
+    for (int64_t k = 0; k < K; ++k) {  // 16 consecutive floats of row k of M
+      float* out = panel + k * kPanel;
+      std::memcpy(out, M + k * ld + n0, width * sizeof(float));
+      if (width < kPanel) std::memset(out + width, 0, (kPanel - width) * sizeof(float));
+    }
+  });
+}
+
+#if defined(RNNKIT_F32_KERNELS)
+
+namespace {
+
+constexpr int64_t kGrain = 1 << 16;      // multiply-adds per thread, at least
+constexpr int64_t kTileBytes = 1 << 18;  // bytes of packed M per N tile: stays in L2 while every X row block passes
+constexpr int64_t kDepth = 512;          // k per pass over C: a block's panels stay in L1 / L2 across its rows
+
+// Rows [first, first + count) of the i-th of `blocks` row blocks that split `rows` as evenly as
+// possible (32 rows in blocks of at most 6: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2).
+inline void row_block(int64_t rows, int64_t blocks, int64_t i, int64_t& first, int64_t& count) {
+  const int64_t base = rows / blocks, extra = rows % blocks;
+  first = i * base + std::min(i, extra);
+  count = base + (i < extra ? 1 : 0);
+}
+
+}  // namespace
+
+// The kernels, once per instruction set: V (kLanes floats), vzero, vload, vbroadcast, vfmadd,
+// vstore. A block is NR panels x XR rows: NR * kVecs vectors of M per k, XR broadcasts of X.
+#define RNNKIT_F32_KERNEL_BODY                                                                                   \
+  constexpr int kVecs = int(kPanel / kLanes); /* vectors per panel */                                         \
+                                                                                                               \
+  /* C[XR rows, NR panels (the last cut at `width`)] (+)= X[XR rows, depth] · the panels' depth rows. */      \
+  template <int NR, int XR>                                                                           \
+  void block(const float* x, int64_t ldx, const float* w, int64_t panel_floats, int64_t depth, int64_t width,  \
+             float beta, float* C, int64_t ldc) {                                                              \
+    V acc[XR][NR * kVecs];                                                                                     \
+    for (int r = 0; r < XR; ++r)                                                                               \
+      for (int i = 0; i < NR * kVecs; ++i) acc[r][i] = vzero();                                                \
+    for (int64_t k = 0; k < depth; ++k) {                                                                      \
+      V wv[NR * kVecs];                                                                                        \
+      for (int i = 0; i < NR * kVecs; ++i) wv[i] = vload(w + (i / kVecs) * panel_floats + k * kPanel + (i % kVecs) * kLanes); \
+      for (int r = 0; r < XR; ++r) {                                                                           \
+        const V xb = vbroadcast(x + r * ldx + k);                                \
+        for (int i = 0; i < NR * kVecs; ++i) acc[r][i] = vfmadd(wv[i], xb, acc[r][i]);                         \
+      }                                                                                                        \
+    }                                                                                                          \
+    for (int r = 0; r < XR; ++r) {                                                                             \
+      float* c = C + r * ldc;                                                                                  \
+      for (int i = 0; i < NR * kVecs; ++i) {                                                                   \
+        const int64_t n = kLanes * i;                                                                          \
+        if (n >= width) break;                                                                                 \
+        vstore(c + n, std::min<int64_t>(kLanes, width - n), acc[r][i], beta);                                  \
+      }                                                                                                        \
+    }                                                                                                          \
+  }                                                                                                            \
+                                                                                                               \
+  template <int NR>                                                                                   \
+  void rows_of(int64_t xr, const float* x, int64_t ldx, const float* w, int64_t panel_floats, int64_t depth,   \
+               int64_t width, float beta, float* C, int64_t ldc) {                                             \
+    static_assert(kXR == 6, "rows_of covers 1..6 rows");                                                       \
+    switch (xr) {                                                                                              \
+      case 1: return block<NR, 1>(x, ldx, w, panel_floats, depth, width, beta, C, ldc);                        \
+      case 2: return block<NR, 2>(x, ldx, w, panel_floats, depth, width, beta, C, ldc);                        \
+      case 3: return block<NR, 3>(x, ldx, w, panel_floats, depth, width, beta, C, ldc);                        \
+      case 4: return block<NR, 4>(x, ldx, w, panel_floats, depth, width, beta, C, ldc);                        \
+      case 5: return block<NR, 5>(x, ldx, w, panel_floats, depth, width, beta, C, ldc);                        \
+      default: return block<NR, 6>(x, ldx, w, panel_floats, depth, width, beta, C, ldc);                       \
+    }                                                                                                          \
+  }                                                                                                            \
+                                                                                                               \
+  void packed(const float* X, int64_t rows, int64_t ldx, const float* w, int64_t N, int64_t K, float beta,      \
+              float* C, int64_t ldc) {                                                                         \
+    const int64_t panel_floats = K * kPanel, panels = panels_of(N);                                            \
+    const int64_t blocks = (rows + kXR - 1) / kXR;                                                             \
+    const int64_t depth_step = std::min(K, kDepth);                                                            \
+    const int64_t tile = std::max<int64_t>(kNR, kTileBytes / (int64_t(sizeof(float)) * kPanel * depth_step));  \
+    const int64_t grain = std::max<int64_t>(1, kGrain / (kPanel * K * rows));                                  \
+    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {                                       \
+      for (int64_t k0 = 0; k0 < K; k0 += depth_step) {                                                         \
+        const int64_t depth = std::min(depth_step, K - k0);                                                    \
+        const float b = k0 == 0 ? beta : 1.0f;                                                                 \
+        for (int64_t t0 = begin; t0 < end; t0 += tile) {                                                       \
+          const int64_t t1 = std::min(end, t0 + tile);                                                         \
+          for (int64_t i = 0; i < blocks; ++i) {                                                               \
+            int64_t r0, xr;                                                                                    \
+            row_block(rows, blocks, i, r0, xr);                                                                \
+            for (int64_t p = t0; p < t1; p += kNR) {                                                           \
+              const int64_t np = std::min<int64_t>(kNR, t1 - p);                                               \
+              const int64_t n = kPanel * p, width = std::min(kPanel * np, N - n);                              \
+              const float* x = X + r0 * ldx + k0;                                 \
+              const float* wp = w + p * panel_floats + k0 * kPanel;                                            \
+              float* c = C + r0 * ldc + n;                                                                     \
+              switch (np) {                                                                                    \
+                case 1: rows_of<1>(xr, x, ldx, wp, panel_floats, depth, width, b, c, ldc); break;              \
+                case 2: rows_of<kNR < 2 ? 1 : 2>(xr, x, ldx, wp, panel_floats, depth, width, b, c, ldc); break; \
+                case 3: rows_of<kNR < 3 ? 1 : 3>(xr, x, ldx, wp, panel_floats, depth, width, b, c, ldc); break; \
+                default: rows_of<kNR>(xr, x, ldx, wp, panel_floats, depth, width, b, c, ldc); break;           \
+              }                                                                                                \
+            }                                                                                                  \
+          }                                                                                                    \
+        }                                                                                                      \
+      }                                                                                                        \
+    });                                                                                                        \
+  }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace avx512 {  // 32 zmm: 4 panels x 6 rows of sums
+using V = __m512;
+constexpr int64_t kLanes = 16;
+constexpr int64_t kNR = 4, kXR = 6;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline V vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline V vfmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* c, int64_t count, V v, float beta) {
+  const __mmask16 m = count == kLanes ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
+  if (beta != 0) v = _mm512_fmadd_ps(_mm512_set1_ps(beta), _mm512_maskz_loadu_ps(m, c), v);
+  _mm512_mask_storeu_ps(c, m, v);
+}
+RNNKIT_F32_KERNEL_BODY
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {  // 16 ymm: 1 panel (2 ymm) x 6 rows of sums
+using V = __m256;
+constexpr int64_t kLanes = 8;
+constexpr int64_t kNR = 1, kXR = 6;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline V vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline V vfmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* c, int64_t count, V v, float beta) {
+  if (count == kLanes) {
+    if (beta != 0) v = _mm256_fmadd_ps(_mm256_set1_ps(beta), _mm256_loadu_ps(c), v);
+    _mm256_storeu_ps(c, v);
+    return;
+  }
+  alignas(32) float part[kLanes];
+  _mm256_store_ps(part, v);
+  for (int64_t j = 0; j < count; ++j) c[j] = beta == 0 ? part[j] : part[j] + beta * c[j];
+}
+RNNKIT_F32_KERNEL_BODY
+}  // namespace avx2
+#pragma GCC pop_options
+
+#undef RNNKIT_F32_KERNEL_BODY
+
+namespace {
+
+bool has_avx512() { return __builtin_cpu_supports("avx512f"); }
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+bool always() { return true; }
+
+const F32Kernels kKernels[] = {
+    {"avx512", avx512::packed, has_avx512, true},
+    {"avx2", avx2::packed, has_avx2, false},
+    {"mkl", nullptr, always, true},
+};
+
+}  // namespace
+
+#else
+
+namespace {
+bool always() { return true; }
+const F32Kernels kKernels[] = {{"mkl", nullptr, always, true}};
+}  // namespace
+
+#endif
+
+namespace {
+
+auto& choice() {
+  static KernelChoice<F32Kernels, sizeof(kKernels) / sizeof(kKernels[0])> c(kKernels, "RNNKIT_FP32_GEMM", "float32");
+  return c;
+}
+
+const F32Kernels& current() { return choice().current(); }
+
+std::atomic<int64_t>& products() {
+  static std::atomic<int64_t> count{0};
+  return count;
+}
+
+}  // namespace
+
+const char* f32_kernel() { return current().name; }
+
+bool f32_own_products() { return current().packed != nullptr; }
+
+std::vector<std::string> f32_kernels() { return choice().names(); }
+
+std::string set_f32_kernel(const std::string& name) { return choice().set(name, "set_fp32_gemm"); }
+
+void f32_gemm_packed(const float* X, int64_t rows, int64_t ldx, const float* packed, int64_t N, int64_t K, float beta,
+                     float* C, int64_t ldc) {
+  if (rows <= 0 || N <= 0) return;
+  const F32Kernels& k = current();
+  TORCH_CHECK(k.packed != nullptr, "rnnkit fused: f32_gemm_packed needs the own float32 kernels (fp32 GEMM is 'mkl')");
+  if (K <= 0) {  // empty sums
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t n = 0; n < N; ++n) C[r * ldc + n] = beta == 0 ? 0.0f : beta * C[r * ldc + n];
+    return;
+  }
+  k.packed(X, rows, ldx, packed, N, K, beta, C, ldc);
+  products().fetch_add(1, std::memory_order_relaxed);
+}
+
+int64_t f32_gemm_count() { return products().load(std::memory_order_relaxed); }
+
+}  // namespace rnnkit

@@ -1,0 +1,49 @@
+// float32 GEMMs on the kernels' own packed panels, for the passes' products with a weight matrix
+// (per step R·h, the input projection W·x, the backward's products with R and W) and the weight
+// gradients: the right operand is packed once per pass into panels of 16 output columns, and a
+// block of panels times a few rows of X keeps its sums in registers (AVX-512: 4 panels x 6 rows,
+// 24 zmm; AVX2: 1 panel x 6 rows, 12 ymm pairs). Chosen over MKL's packed sgemm by measurement
+// (benchmarks/README.md): on the AVX-512 EPYC MKL reached 58-78% of the FMA peak on these
+// shapes, oneDNN (torch.nn's RNNs) more; these kernels run at oneDNN's rate. "mkl" keeps MKL.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace rnnkit {
+
+// The float32 GEMM kernels in use: "avx512", "avx2" (the kernels' own, on the CPU's widest
+// vectors) or "mkl" (MKL's packed sgemm, as torch links it). The CPU's choice, or
+// $RNNKIT_FP32_GEMM's (read once, at the first use).
+const char* f32_kernel();
+
+// Whether the passes multiply on the own kernels (f32_kernel() is not "mkl").
+bool f32_own_products();
+
+// The kernels this build and CPU can run ("mkl" always among them).
+std::vector<std::string> f32_kernels();
+
+// Use `name` ("auto": the CPU's choice) from now on; returns the previous name. A ValueError for a
+// name not in f32_kernels().
+std::string set_f32_kernel(const std::string& name);
+
+// Floats of f32_pack's layout of an [N, K] matrix: panels of 16 rows of M, each [K][16]
+// (element (n, k) of panel p = n / 16 at k * 16 + n % 16), N zero-padded to whole panels.
+int64_t f32_packed_floats(int64_t N, int64_t K);
+
+// M [N, K] (ld per row) into that layout: C = X · Mᵀ.
+void f32_pack(const float* M, int64_t ld, int64_t N, int64_t K, float* dest);
+
+// The same layout from M [K, N] (ld per row of M): C = X · M (a backward's products).
+void f32_pack_transposed(const float* M, int64_t ld, int64_t N, int64_t K, float* dest);
+
+// C[r, n] = Σ_k X[r, k] · M[n, k] + beta · C[r, n] (beta 0: C not read), M packed by f32_pack or
+// f32_pack_transposed; X [rows, K], ldx per row. Needs f32_own_products().
+void f32_gemm_packed(const float* X, int64_t rows, int64_t ldx, const float* packed, int64_t N, int64_t K,
+                     float beta, float* C, int64_t ldc);
+
+// How many products f32_gemm_packed has taken in this process (tests: that the passes reach it).
+int64_t f32_gemm_count();
+
+}  // namespace rnnkit

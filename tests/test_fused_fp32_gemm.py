@@ -1,0 +1,127 @@
+"""The float32 GEMMs of the fused passes (fgemm.cpp): the kernels' own, on weights packed once per
+pass into panels of 16 columns (AVX-512: 4 panels x 6 rows a block; AVX2: 1 x 6), or MKL's packed
+sgemm. Each own kernel against float64 on awkward shapes (row, column and depth tails, the depth
+split at 512, strided rows), and whole passes, forward and backward, on every kernel this CPU runs
+against the reference. Kernel buffers are NaN-poisoned, as in test_fused.py, so a panel's padding
+or a block's tail left unwritten fails.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rnnkit
+from rnnkit import fused
+from rnnkit.fused import build
+from helpers import assert_close, make_module, run_backend
+from test_fused import CASES, assert_fused_matches
+
+pytestmark = pytest.mark.usefixtures("poisoned_kernel_buffers")  # conftest.py
+
+# every float32 GEMM this CPU runs ("mkl" everywhere), and the kernels' own among them
+FP32_GEMMS = fused.fp32_gemms() if build.unavailable_reason() is None else ["mkl"]
+OWN = [name for name in FP32_GEMMS if name != "mkl"]
+
+
+@pytest.mark.skipif(not OWN, reason="no own float32 GEMM kernels on this CPU (AVX2 + FMA or AVX-512 needed)")
+@pytest.mark.parametrize("kernel", OWN or ["none"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 32, 37])  # row blocks: 1 of 1..6; 6 + 1; 6, 6, 5, 5, 5, 5; ...
+@pytest.mark.parametrize("transposed", [False, True], ids=["M", "M_t"])
+def test_own_gemm_matches_float64(kernel, rows, transposed):
+    """X · Mᵀ (M packed by rows) and X · M (M packed by columns, a backward's products)."""
+    torch.manual_seed(rows)
+    # N: one column, panel tails (15, 17, 100), whole blocks (64 = 4 panels); K: 1, odd, the 512 split
+    for N, K in [(1, 1), (15, 7), (17, 33), (64, 256), (100, 513), (70, 1100)]:
+        X, M = torch.randn(rows, K), torch.randn(N, K)
+        with fused.use_fp32_gemm(kernel):
+            packed = build.extension().f32_pack(M.t().contiguous() if transposed else M, transposed)
+            got = build.extension().f32_gemm_packed(X, packed, N)
+        assert_close(got, (X.double() @ M.double().t()).float(), f"{N}x{K}, {rows} rows")
+
+
+@pytest.mark.skipif(not OWN, reason="no own float32 GEMM kernels on this CPU (AVX2 + FMA or AVX-512 needed)")
+@pytest.mark.parametrize("kernel", OWN or ["none"])
+def test_own_gemm_reads_strided_rows_and_leaves_the_rest(kernel):
+    """X rows with a leading dimension past K (a slice of a wider buffer)."""
+    wide = torch.randn(9, 40)
+    X, M = wide[:, 3:30], torch.randn(50, 27)
+    with fused.use_fp32_gemm(kernel):
+        got = build.extension().f32_gemm_packed(X, build.extension().f32_pack(M, False), 50)
+    assert_close(got, (X.double() @ M.double().t()).float(), "strided X")
+
+
+@pytest.mark.parametrize("kernel", FP32_GEMMS)
+@pytest.mark.parametrize("mode, options", CASES)
+def test_training_pass_on_every_fp32_gemm_matches_reference(mode, options, kernel):
+    """Forward and every gradient in float32, on batches that split into several row blocks (13 rows:
+    6, 7 -> 5, 4, 4) and gates that end in a partial panel (4·37 = 148 = 9 panels + 4)."""
+    with fused.use_fp32_gemm(kernel):
+        assert_fused_matches(mode, dtype=torch.float32, T=7, B=13, I=21, H=37, lengths=[7, 3, 1, 6, 7, 2, 5, 7, 4, 1,
+                                                                                        6, 7, 3], training=True,
+                             **options)
+
+
+@pytest.mark.skipif(not OWN, reason="no own float32 GEMM kernels on this CPU (AVX2 + FMA or AVX-512 needed)")
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_the_choice_reaches_forward_and_backward(mode):
+    """The own kernels take the products of a training pass's forward (R·h each step, W·x in
+    chunks) and of its backward (· R each step, dx = dA · W); on "mkl" they take none."""
+    module = make_module(mode, 48, 64, torch.float32).train()
+    count = build.extension().f32_gemm_count
+    for kernel in ("mkl", OWN[0]):
+        x = torch.randn(6, 16, 48, requires_grad=True)
+        with fused.use_fp32_gemm(kernel):
+            module.backend = "fused"
+            start = count()
+            y, _ = module(x)
+            forward = count() - start
+            y.backward(torch.randn_like(y))
+            backward = count() - start - forward
+        if kernel == "mkl":
+            assert forward == backward == 0
+        else:
+            assert forward >= 7 and backward >= 7, (forward, backward)  # 6 steps + the projection, each way
+
+
+def test_choosing_a_kernel_that_cannot_run_says_which_can():
+    with pytest.raises(ValueError, match=r"expected 'auto' or one of .*mkl.*got 'fastest'"):
+        with fused.use_fp32_gemm("fastest"):
+            pass
+    with pytest.raises(TypeError, match="name: expected a str"):
+        with fused.use_fp32_gemm(None):
+            pass
+    assert fused.fp32_gemm() in fused.FP32_GEMMS  # the bad names left the choice as it was
+    if "avx512" not in FP32_GEMMS:
+        with pytest.raises(ValueError, match="needs instructions this CPU does not have"):
+            with fused.use_fp32_gemm("avx512"):
+                pass
+
+
+def test_auto_takes_the_own_kernels_on_avx512_and_mkl_elsewhere():
+    """The CPU's choice, as measured (benchmarks/README.md): the own kernels where there is AVX-512."""
+    with fused.use_fp32_gemm("auto"):
+        assert fused.fp32_gemm() == ("avx512" if "avx512" in FP32_GEMMS else "mkl")
+
+
+def test_a_bad_environment_value_fails_each_call_until_a_choice_is_set(tmp_path):
+    script = (
+        "import torch, rnnkit\n"
+        "from rnnkit import fused\n"
+        "lstm = rnnkit.LSTM(4, 8, backend='fused')\n"
+        "try:\n"
+        "    lstm(torch.randn(3, 2, 4))\n"
+        "except ValueError as error:\n"
+        "    print('refused:', error)\n"
+        "with fused.use_fp32_gemm('mkl'):\n"
+        "    lstm(torch.randn(3, 2, 4))\n"
+        "print('ran on', fused.fp32_gemm())\n"
+    )
+    env = dict(os.environ, RNNKIT_FP32_GEMM="fastest")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "refused: RNNKIT_FP32_GEMM: expected 'auto' or one of" in out.stdout and "got 'fastest'" in out.stdout
+    assert "ran on" in out.stdout
