@@ -619,13 +619,15 @@ def test_doctor_names_the_int8_kernels_that_run(capsys):
     assert f"{expected} kernels (in use)" in line and rnnkit.quantized.INT8_KERNELS[expected] in line
 
 
-def test_doctor_names_the_bf16_kernels_that_run(capsys):
+@pytest.mark.parametrize("prefix, ask, table", [("bf16", "bf16_kernel", "BF16_KERNELS"),
+                                                ("fp32", "fp32_gemm", "FP32_GEMMS")])
+def test_doctor_names_the_fused_gemm_kernels_that_run(capsys, prefix, ask, table):
     from rnnkit import fused
 
-    expected = fused.bf16_kernel()
+    expected = getattr(fused, ask)()  # builds the fused kernels if need be: the doctor then asks them
     status, out, _ = run(capsys, "doctor")
-    line = next(line for line in out.splitlines() if line.startswith("bf16"))
-    assert f"{expected} kernels (in use)" in line and fused.BF16_KERNELS[expected] in line
+    line = next(line for line in out.splitlines() if line.startswith(prefix))
+    assert f"{expected} kernels (in use)" in line and getattr(fused, table)[expected] in line
 
 
 def test_expected_bf16_kernel():
@@ -675,15 +677,6 @@ def test_machine_reads_the_cpu_model_and_its_simd_features(monkeypatch):
     assert machine.cpu_flags() == ["avx2"] and machine.has_bf16() is False
     CpuInfo.text = None  # not Linux: unknown, not "absent"
     assert machine.cpu_flags() is None and machine.has_bf16() is None and machine.cpu_model()
-
-
-def test_doctor_names_the_fp32_gemm_that_runs(capsys):
-    from rnnkit import fused
-
-    expected = fused.fp32_gemm()
-    status, out, _ = run(capsys, "doctor")
-    line = next(line for line in out.splitlines() if line.startswith("fp32"))
-    assert f"{expected} kernels (in use)" in line and fused.FP32_GEMMS[expected] in line
 
 
 def test_expected_fp32_gemm():

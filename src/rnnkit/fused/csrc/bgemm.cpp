@@ -278,11 +278,7 @@ void bf16_gemm_packed(const float* X, int64_t rows, int64_t ldx, const uint16_t*
   if (rows <= 0 || N <= 0) return;
   const Bf16Kernels& k = current();
   TORCH_CHECK(k.packed != nullptr, "rnnkit fused: no bfloat16 GEMM kernels here (bf16_kernel() is 'none')");
-  if (K <= 0) {  // empty sums
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t n = 0; n < N; ++n) C[r * ldc + n] = beta == 0 ? 0.0f : beta * C[r * ldc + n];
-    return;
-  }
+  if (K <= 0) return empty_sum(rows, N, beta, C, ldc);
   k.packed(X, rows, ldx, packed, N, K, beta, C, ldc);
 }
 

@@ -270,11 +270,7 @@ void f32_gemm_packed(const float* X, int64_t rows, int64_t ldx, const float* pac
   if (rows <= 0 || N <= 0) return;
   const F32Kernels& k = current();
   TORCH_CHECK(k.packed != nullptr, "rnnkit fused: f32_gemm_packed needs the own float32 kernels (fp32 GEMM is 'mkl')");
-  if (K <= 0) {  // empty sums
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t n = 0; n < N; ++n) C[r * ldc + n] = beta == 0 ? 0.0f : beta * C[r * ldc + n];
-    return;
-  }
+  if (K <= 0) return empty_sum(rows, N, beta, C, ldc);
   k.packed(X, rows, ldx, packed, N, K, beta, C, ldc);
   products().fetch_add(1, std::memory_order_relaxed);
 }

@@ -2,9 +2,10 @@
 // (per step R·h, the input projection W·x, the backward's products with R and W) and the weight
 // gradients: the right operand is packed once per pass into panels of 16 output columns, and a
 // block of panels times a few rows of X keeps its sums in registers (AVX-512: 4 panels x 6 rows,
-// 24 zmm; AVX2: 1 panel x 6 rows, 12 ymm pairs). Chosen over MKL's packed sgemm by measurement
-// (benchmarks/README.md): on the AVX-512 EPYC MKL reached 58-78% of the FMA peak on these
-// shapes, oneDNN (torch.nn's RNNs) more; these kernels run at oneDNN's rate. "mkl" keeps MKL.
+// 24 zmm; AVX2: 1 panel x 6 rows, 12 ymm). Chosen over MKL by measurement (benchmarks/fp32_gemm.py):
+// on an AVX-512 EPYC (Zen 4) MKL's sgemm reached 72-96 GFLOP/s on the per-step shapes, oneDNN's
+// 53-105, these kernels 106-116; the AVX2 kernel, 45 there, is for CPUs without AVX-512 to test
+// with ("auto" takes MKL on them). The weight gradients stay on MKL, as fast or faster there.
 #pragma once
 
 #include <cstdint>

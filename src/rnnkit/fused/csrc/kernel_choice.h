@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -79,5 +80,11 @@ class KernelChoice {
   std::atomic<const Kernels*> current_{nullptr};
   std::string error_;
 };
+
+// C[rows, N] = beta · C (beta 0: zeros, C not read): a GEMM family's product over an empty sum (K = 0).
+inline void empty_sum(int64_t rows, int64_t N, float beta, float* C, int64_t ldc) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = 0; n < N; ++n) C[r * ldc + n] = beta == 0 ? 0.0f : beta * C[r * ldc + n];
+}
 
 }  // namespace rnnkit
