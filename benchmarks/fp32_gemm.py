@@ -1,5 +1,6 @@
 """The float32 GEMMs the fused passes could run on, in one process, on the passes' own shapes: MKL
-(``torch.mm``), oneDNN (``torch.ops.mkldnn._linear_pointwise``, the library torch.nn's RNNs run on)
+(``torch.mm``: its sgemm on unpacked weights; the passes' "mkl" choice uses MKL's packed API,
+which ``rnnkit bench --runners fused fused-mkl`` measures in whole passes), oneDNN (``torch.ops.mkldnn._linear_pointwise``, the library torch.nn's RNNs run on)
 and rnnkit's own kernels on weights packed once (as a pass packs them: the packing is not in the
 timed product, and is reported on its own). The measurement behind ``rnnkit.fused.fp32_gemm``'s
 choice (docs/reference/backends.md).

@@ -87,6 +87,17 @@ def test_the_choice_reaches_forward_and_backward(mode):
             assert forward >= 7 and backward >= 7, (forward, backward)  # 6 steps + the projection, each way
 
 
+@pytest.mark.skipif(not OWN, reason="no own float32 GEMM kernels on this CPU (AVX2 + FMA or AVX-512 needed)")
+def test_a_matrix_packed_before_the_choice_changed_to_mkl_still_multiplies():
+    """Another thread's use_fp32_gemm("mkl") during a pass: the panels it packed still multiply."""
+    X, M = torch.randn(7, 33), torch.randn(40, 33)
+    with fused.use_fp32_gemm(OWN[0]):
+        packed = build.extension().f32_pack(M, False)
+    with fused.use_fp32_gemm("mkl"):
+        got = build.extension().f32_gemm_packed(X, packed, 40)
+    assert_close(got, (X.double() @ M.double().t()).float(), "after the switch")
+
+
 def test_choosing_a_kernel_that_cannot_run_says_which_can():
     with pytest.raises(ValueError, match=r"expected 'auto' or one of .*mkl.*got 'fastest'"):
         with fused.use_fp32_gemm("fastest"):
@@ -107,10 +118,15 @@ def test_auto_takes_the_own_kernels_on_avx512_and_mkl_elsewhere():
         assert fused.fp32_gemm() == ("avx512" if "avx512" in FP32_GEMMS else "mkl")
 
 
-def test_a_bad_environment_value_fails_each_call_until_a_choice_is_set(tmp_path):
+def test_a_bad_environment_value_fails_each_float32_call_until_a_choice_is_set():
+    """A bad $RNNKIT_FP32_GEMM fails the passes that multiply in float32, with the runnable names; float64
+    and int8 passes, which have no float32 GEMM, run."""
     script = (
         "import torch, rnnkit\n"
         "from rnnkit import fused\n"
+        "rnnkit.LSTM(4, 8, backend='fused', dtype=torch.float64)(torch.randn(3, 2, 4, dtype=torch.float64))\n"
+        "rnnkit.quantize(rnnkit.LSTM(4, 8).eval())(torch.randn(3, 2, 4))\n"
+        "print('float64 and int8 ran')\n"
         "lstm = rnnkit.LSTM(4, 8, backend='fused')\n"
         "try:\n"
         "    lstm(torch.randn(3, 2, 4))\n"
@@ -123,5 +139,6 @@ def test_a_bad_environment_value_fails_each_call_until_a_choice_is_set(tmp_path)
     env = dict(os.environ, RNNKIT_FP32_GEMM="fastest")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
+    assert "float64 and int8 ran" in out.stdout
     assert "refused: RNNKIT_FP32_GEMM: expected 'auto' or one of" in out.stdout and "got 'fastest'" in out.stdout
     assert "ran on" in out.stdout

@@ -875,6 +875,31 @@ def test_double_backward_fused_matches_reference(name, with_lengths):
     assert_close(list(fused[3]), [g.detach() for g in fused[0]], f"{name} C++ backward vs create_graph")
 
 
+class _NoGradientToY(torch.autograd.Function):
+    """w + 0·y whose backward sends y no gradient (None): autograd then hands the pass no gradient
+    on any of its outputs."""
+
+    @staticmethod
+    def forward(ctx, y, w):
+        return y.detach() * 0 + w
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, g.sum().reshape(())
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_a_pass_that_receives_no_gradient_gives_zeros(create_graph):
+    """The saved outputs' gradients are not materialized (zeros would cost a fill per output); a pass
+    whose outputs all receive None still gives zero gradients, with and without create_graph."""
+    layer = rnnkit.LSTM(3, 5, backend="fused", dtype=torch.float64)
+    x = torch.randn(4, 2, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
+    y, _ = layer(x)
+    dx, dw = torch.autograd.grad(_NoGradientToY.apply(y, w).sum(), [x, w], create_graph=create_graph)
+    assert torch.equal(dx, torch.zeros_like(x)) and float(dw) == 4 * 2 * 5
+
+
 def test_gradgradcheck_fused():
     """Second derivatives of the fused backend against finite differences (float64), through
     functional_call so every weight is an input."""

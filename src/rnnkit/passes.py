@@ -380,6 +380,8 @@ def _reference_backward(scalars: PassScalars, x, h0, c0, weights, mask_args, dy,
             upstream.append(dc_n)
         wanted = [t for t, need in zip(inputs, needs) if need and t is not None]
         pairs = [(o, g) for o, g in zip(outputs, upstream) if g is not None]
+        if not pairs:  # no gradient reached the pass's outputs (they are not materialized): zeros
+            return tuple(torch.zeros_like(t) if (need and t is not None) else None for t, need in zip(inputs, needs))
         grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,
                                          allow_unused=True))
     return tuple(next(grads) if (need and t is not None) else None for t, need in zip(inputs, needs))

@@ -204,7 +204,10 @@ def _fused_fp32_gemm():
     from rnnkit.fused import build
 
     extension = build.loaded()
-    return extension.fp32_gemm() if extension is not None else None
+    try:
+        return extension.fp32_gemm() if extension is not None else None
+    except ValueError as error:  # a bad $RNNKIT_FP32_GEMM: the runs that needed it failed and say so
+        return f"unavailable ({error})"
 
 
 def _write(plan: Plan, env: dict, records: List[dict], load_samples: list) -> str:

@@ -268,10 +268,14 @@ std::string set_f32_kernel(const std::string& name) { return choice().set(name, 
 void f32_gemm_packed(const float* X, int64_t rows, int64_t ldx, const float* packed, int64_t N, int64_t K, float beta,
                      float* C, int64_t ldc) {
   if (rows <= 0 || N <= 0) return;
-  const F32Kernels& k = current();
-  TORCH_CHECK(k.packed != nullptr, "rnnkit fused: f32_gemm_packed needs the own float32 kernels (fp32 GEMM is 'mkl')");
+  // The choice in use; or, where it changed to "mkl" since M was packed (another thread's
+  // use_fp32_gemm), the first own kernel that runs here: every own kernel reads the same panels.
+  const F32Kernels* k = &current();
+  for (const F32Kernels& other : kKernels)
+    if (k->packed == nullptr && other.packed != nullptr && other.runs_here()) k = &other;
+  TORCH_CHECK(k->packed != nullptr, "rnnkit fused: f32_gemm_packed: no own float32 kernels run on this CPU");
   if (K <= 0) return empty_sum(rows, N, beta, C, ldc);
-  k.packed(X, rows, ldx, packed, N, K, beta, C, ldc);
+  k->packed(X, rows, ldx, packed, N, K, beta, C, ldc);
   products().fetch_add(1, std::memory_order_relaxed);
 }
 

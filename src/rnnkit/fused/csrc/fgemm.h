@@ -1,6 +1,6 @@
 // float32 GEMMs on the kernels' own packed panels, for the passes' products with a weight matrix
-// (per step R·h, the input projection W·x, the backward's products with R and W) and the weight
-// gradients: the right operand is packed once per pass into panels of 16 output columns, and a
+// (per step R·h, the input projection W·x, the backward's products with R and W; not the weight
+// gradients, which stay on MKL): the right operand is packed once per pass into panels of 16 output columns, and a
 // block of panels times a few rows of X keeps its sums in registers (AVX-512: 4 panels x 6 rows,
 // 24 zmm; AVX2: 1 panel x 6 rows, 12 ymm). Chosen over MKL by measurement (benchmarks/fp32_gemm.py):
 // on an AVX-512 EPYC (Zen 4) MKL's sgemm reached 72-96 GFLOP/s on the per-step shapes, oneDNN's
@@ -40,7 +40,8 @@ void f32_pack(const float* M, int64_t ld, int64_t N, int64_t K, float* dest);
 void f32_pack_transposed(const float* M, int64_t ld, int64_t N, int64_t K, float* dest);
 
 // C[r, n] = Σ_k X[r, k] · M[n, k] + beta · C[r, n] (beta 0: C not read), M packed by f32_pack or
-// f32_pack_transposed; X [rows, K], ldx per row. Needs f32_own_products().
+// f32_pack_transposed; X [rows, K], ldx per row. On the own kernel in use, or (the choice changed to
+// "mkl" after M was packed) on the first own kernel this CPU runs.
 void f32_gemm_packed(const float* X, int64_t rows, int64_t ldx, const float* packed, int64_t N, int64_t K,
                      float beta, float* C, int64_t ldc);
 

@@ -151,8 +151,11 @@ InputSteps::InputSteps(const PassArgs& a, const Tensor& bias, bool training, Ten
       widen_rows(W, a.GH, a.I, float_W_.data_ptr<float>());
     }
   }
-  if (f32_own_products() && chunk_steps_ * a.B > kSmallBatch && a.x.scalar_type() == at::kFloat && !a.quantized() &&
-      !bf16_W_.defined()) {  // float32 W (or the widened one) into the own kernels' panels, once per pass
+  // float32 W (or the widened one) into the own kernels' panels, once per pass, for a pass of more
+  // than one step (as right_operand packs R): for one step of a batch (the step API) the packing
+  // costs more than it saves (measured 1.2-1.6x a one-step call's time at B 9-32)
+  if (a.x.scalar_type() == at::kFloat && !a.quantized() && !bf16_W_.defined() && a.T > 1 &&
+      chunk_steps_ * a.B > kSmallBatch && f32_own_products()) {
     const Tensor& W = float_W_.defined() ? float_W_ : a.W;
     f32_W_ = cached_empty({f32_packed_floats(a.GH, a.I)}, a.x);
     f32_pack(W.data_ptr<float>(), W.stride(0), a.GH, a.I, f32_W_.data_ptr<float>());
@@ -263,10 +266,11 @@ Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tens
     grads.slot[kW].zero_();
   }
   if (!needs.dx) return Tensor();
-  if (!a.half_weights() && (a.x.scalar_type() != at::kFloat || !f32_own_products())) {
-    return mm_cached(dA, a.W).view({a.T, a.B, a.I});
-  }
-  if (!a.half_weights()) {  // dA · W on the own float32 kernels, W [G·H, I] packed as [K, N]
+  // dA · W on the own float32 kernels, W [G·H, I] packed as [K, N], when the product has rows enough
+  // to pay for the packing (as right_operand's: more than one step)
+  const bool own = a.x.scalar_type() == at::kFloat && a.T > 1 && f32_own_products();
+  if (!a.half_weights() && !own) return mm_cached(dA, a.W).view({a.T, a.B, a.I});
+  if (!a.half_weights()) {
     Tensor dx = cached_empty({a.T * a.B, a.I}, dA);
     const PackedRight<float> W(a.W.data_ptr<float>(), a.W.stride(0), false, a.T * a.B, a.I, a.GH, dA);
     W.multiply(dA.data_ptr<float>(), dA.stride(0), 0, dx.data_ptr<float>(), a.I);
