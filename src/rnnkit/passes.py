@@ -185,6 +185,13 @@ def _vmap_by_loop(op) -> Callable:
 
 # ---- the ops of one backend --------------------------------------------------------------------
 
+def _any_batched(values) -> bool:
+    """Whether a value is a vmap-batched tensor (functorch's, or autograd's is_grads_batched one)."""
+    functorch = torch._C._functorch
+    return any(functorch.is_batchedtensor(v) or functorch.is_legacy_batchedtensor(v)
+               for v in values if isinstance(v, torch.Tensor))
+
+
 def _direct(x: torch.Tensor) -> bool:
     """Whether an op's implementation can be called without the dispatcher: eager, plain tensors,
     no torch.func transform, no dispatch mode (fake tensors, export), no tracing."""
@@ -236,8 +243,9 @@ class PassOps:
         return self.forward_op(*values)
 
     def backward(self, *values):
-        """The backward op on its arguments in schema order."""
-        if _direct(values[0]):
+        """The backward op on its arguments in schema order. The upstream gradients can be batched
+        where x is not (``torch.autograd.grad(..., is_grads_batched=True)``): the dispatcher then."""
+        if _direct(values[0]) and not _any_batched(values):
             return self.backward_impl(*values)
         return self.backward_op(*values)
 
@@ -287,6 +295,20 @@ class PassFunction(torch.autograd.Function):
         return (None, None) + grads[:3] + (None,) * 4 + grads[3:]
 
 
+def _outlived_transform(t) -> bool:
+    """Whether ``t`` wraps a torch.func transform level that has exited (functorch marks it -2)."""
+    functorch = torch._C._functorch
+    return isinstance(t, torch.Tensor) and functorch.is_functorch_wrapped_tensor(t) and functorch.maybe_get_level(t) == -2
+
+
+def _unwrapped(t):
+    """The plain tensor under a dead level's wrappers (None and plain tensors as they are)."""
+    functorch = torch._C._functorch
+    while isinstance(t, torch.Tensor) and functorch.is_functorch_wrapped_tensor(t) and functorch.maybe_get_level(t) == -2:
+        t = functorch.get_unwrapped(t)
+    return t
+
+
 def pass_gradients(ops: "PassOps", scalars: PassScalars, x, h0, c0, weights, mask_args, y, saved, dy, dh_n, dc_n,
                    needs) -> tuple:
     """(dx, dh0, dc0, *one gradient per weight slot) of one pass, None where not needed or absent.
@@ -297,6 +319,15 @@ def pass_gradients(ops: "PassOps", scalars: PassScalars, x, h0, c0, weights, mas
     """
     need_x, need_h0, need_c0 = needs[:3]
     need_weights = needs[3:]
+    if not torch.compiler.is_compiling() and _outlived_transform(x):
+        # torch.func.vjp / jacrev call their vjp_fn after the forward's transform has exited: the saved
+        # tensors are then wrappers of a dead level, on which recomputing the pass (the create_graph
+        # path they ask for) gave wrong gradients. Their values are the forward's: the exact backward
+        # runs on them (first order; nothing on a dead level can be differentiated again).
+        x, h0, c0, y, dy, dh_n, dc_n = map(_unwrapped, (x, h0, c0, y, dy, dh_n, dc_n))
+        weights, mask_args, saved = ([_unwrapped(t) for t in group] for group in (weights, mask_args, saved))
+        with torch.no_grad():
+            return pass_gradients(ops, scalars, x, h0, c0, weights, mask_args, y, saved, dy, dh_n, dc_n, needs)
     if torch.is_grad_enabled():  # create_graph: gradients that are themselves differentiable
         return _reference_backward(scalars, x, h0, c0, weights, mask_args, dy, dh_n, dc_n, tuple(needs))
     dy = torch.zeros_like(y) if dy is None else dy
