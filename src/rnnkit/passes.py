@@ -303,9 +303,8 @@ def _outlived_transform(t) -> bool:
 
 def _unwrapped(t):
     """The plain tensor under a dead level's wrappers (None and plain tensors as they are)."""
-    functorch = torch._C._functorch
-    while isinstance(t, torch.Tensor) and functorch.is_functorch_wrapped_tensor(t) and functorch.maybe_get_level(t) == -2:
-        t = functorch.get_unwrapped(t)
+    while _outlived_transform(t):
+        t = torch._C._functorch.get_unwrapped(t)
     return t
 
 

@@ -9,8 +9,8 @@ use by build.py).
 
 float32 and float64 compute natively. float32's products with a weight matrix run on the kernels'
 own GEMM where the CPU has AVX-512 (the weights packed once per pass; `fp32_gemm`, `use_fp32_gemm`),
-on MKL's elsewhere and for the weight gradients, where MKL measured faster. bfloat16 and float16 tensors are computed in float32 (the
-weights and inputs as given, accumulation, pointwise math and the carried state in float32) and
+on MKL's elsewhere and for the weight gradients, where MKL measured as fast or faster. bfloat16
+and float16 tensors are computed in float32 (the weights and inputs as given, accumulation, pointwise math and the carried state in float32) and
 the outputs rounded back. The kernels read a half-precision module's matrices (W, R, W_hr) as
 they are: in inference a batch of one (and a step of a few rows) widens each value as it is
 loaded, reading half of float32's bytes a step. The GEMMs of batches, and of training's forward

@@ -266,11 +266,12 @@ Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tens
     grads.slot[kW].zero_();
   }
   if (!needs.dx) return Tensor();
-  // dA · W on the own float32 kernels, W [G·H, I] packed as [K, N], when the product has rows enough
-  // to pay for the packing (as right_operand's: more than one step)
-  const bool own = a.x.scalar_type() == at::kFloat && a.T > 1 && f32_own_products();
-  if (!a.half_weights() && !own) return mm_cached(dA, a.W).view({a.T, a.B, a.I});
   if (!a.half_weights()) {
+    // dA · W on the own float32 kernels, W [G·H, I] packed as [K, N], when the product has rows
+    // enough to pay for the packing (as right_operand's: more than one step); else ATen's mm
+    if (a.x.scalar_type() != at::kFloat || a.T <= 1 || !f32_own_products()) {
+      return mm_cached(dA, a.W).view({a.T, a.B, a.I});
+    }
     Tensor dx = cached_empty({a.T * a.B, a.I}, dA);
     const PackedRight<float> W(a.W.data_ptr<float>(), a.W.stride(0), false, a.T * a.B, a.I, a.GH, dA);
     W.multiply(dA.data_ptr<float>(), dA.stride(0), 0, dx.data_ptr<float>(), a.I);
