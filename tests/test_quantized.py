@@ -205,7 +205,9 @@ def test_one_step_calls_of_a_stack_equal_one_call(mode, options):
 def test_qgemm_is_exact():
     """The int8 GEMM against an int64 computation of the same quantization, odd shapes, zero rows."""
     extension = build.extension()
-    for rows, N, K in [(1, 5, 37), (3, 37, 33), (5, 148, 100), (64, 1024, 256), (2, 3, 1)]:
+    # one row: blocks of 8 panels (64 columns) and a partial one (200 = 3 · 64 + 8)
+    for rows, N, K in [(1, 5, 37), (1, 200, 70), (1, 1024, 256), (3, 37, 33), (5, 148, 100), (64, 1024, 256),
+                       (2, 3, 1)]:
         X = torch.randn(rows, K) * 3
         X[0, :] = 0  # a zero row: scale 0, zeros out
         M = torch.randint(-127, 128, (N, K), dtype=torch.int8)
@@ -215,6 +217,7 @@ def test_qgemm_is_exact():
         for name in extension.int8_kernels():  # every kernel this CPU runs, emulated VNNI among them
             with int8_kernel(name):
                 assert torch.equal(extension.qgemm(X, M, scale), C), name
+                assert torch.equal(extension.qgemm_packed(X, extension.q_pack(M, scale), scale), C), name
                 assert torch.equal(extension.qgemv(X[-1].contiguous(), M, scale), C[-1]), name
                 assert torch.equal(extension.qgemm_unpacked(X, M, scale), C), name
         amax = X.abs().amax(1, keepdim=True)

@@ -265,6 +265,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "X · Mᵀ through the int8 kernel (X quantized per row)");
   m.def(
+      "q_pack",
+      [](const at::Tensor& M, const at::Tensor& scale) {  // for benchmarks/int8_gemm.py and tests
+        const rnnkit::QuantizedRows q = rnnkit::int8_operands("q_pack", at::empty({0, M.size(1)}, scale.options()), M,
+                                                              scale);
+        at::Tensor packed = at::empty({rnnkit::qgemm_packed_bytes(M.size(0), M.size(1))}, M.options());
+        rnnkit::qgemm_pack(q, M.size(0), M.size(1), packed.data_ptr<int8_t>());
+        return packed;
+      },
+      py::arg("M"), py::arg("scale"), "int8 M [N, K] in the int8 kernels' panels (qgemm_pack)");
+  m.def(
+      "qgemm_packed",
+      [](const at::Tensor& X, const at::Tensor& packed, const at::Tensor& scale) {
+        TORCH_CHECK(X.dim() == 2 && X.scalar_type() == at::kFloat && X.stride(1) == 1,
+                    "qgemm_packed: X: expected float32 [rows, K] with unit stride, got ", X.scalar_type(), " ",
+                    X.sizes());
+        const int64_t N = scale.numel(), K = X.size(1);
+        TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                        packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                        packed.numel() == rnnkit::qgemm_packed_bytes(N, K),
+                    "qgemm_packed: packed: expected q_pack of an M with N = ", N, " and K = ", K, " (",
+                    rnnkit::qgemm_packed_bytes(N, K), " bytes), got ", packed.numel());
+        at::Tensor C = at::empty({X.size(0), N}, X.options());
+        rnnkit::qgemm_nt_packed(X.data_ptr<float>(), X.size(0), X.stride(0), packed.data_ptr<int8_t>(),
+                                scale.data_ptr<float>(), N, K, 0, C.data_ptr<float>(), N);
+        return C;
+      },
+      py::arg("X"), py::arg("packed"), py::arg("scale"), "X · Mᵀ on M packed by q_pack, through the int8 kernels");
+  m.def(
       "qgemv",
       [](const at::Tensor& x, const at::Tensor& M, const at::Tensor& scale) {  // x · Mᵀ, one row, unpacked (tests)
         TORCH_CHECK(x.dim() == 1 && x.is_contiguous(), "qgemv: x: expected a contiguous vector [K], got ",

@@ -83,6 +83,15 @@ inline void packed_block(int np, int xr, const RowsX& qx, int64_t r0, const int8
   }
 }
 
+// One row of X (a batch of one) against np ≤ NP panels: each accumulator takes one product per
+// group, so kNR panels would wait on vpdpbusd's latency; kOneRowPanels keep that many chains going.
+template <int NP = kOneRowPanels>
+inline void one_row_block(int np, const RowsX& qx, const int8_t* w, int64_t panel_bytes, int64_t groups,
+                          const int32_t* wsum, const float* scale, int64_t width, float beta, float* C, int64_t ldc) {
+  if (np == NP) return packed_kernel<NP, 1>(qx, 0, w, panel_bytes, groups, wsum, scale, width, beta, C, ldc);
+  if constexpr (NP > 1) one_row_block<NP - 1>(np, qx, w, panel_bytes, groups, wsum, scale, width, beta, C, ldc);
+}
+
 // qgemm_nt_packed for rows, N, K > 0.
 void packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, const float* scale, int64_t N, int64_t K,
             float beta, float* C, int64_t ldc) {
@@ -95,6 +104,15 @@ void packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, con
   const int64_t tile = std::max<int64_t>(kNR, kTileBytes / panel_bytes);  // panels per N tile (L2)
   const int64_t grain = std::max<int64_t>(1, kGrain / (kPanel * K * rows));
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    if (rows == 1) {
+      for (int64_t p = begin; p < end; p += kOneRowPanels) {
+        const int np = int(std::min<int64_t>(kOneRowPanels, end - p));
+        const int64_t n = kPanel * p;
+        one_row_block(np, qx, packed + p * panel_bytes, panel_bytes, groups, wsum + n, scale + n,
+                      std::min(kPanel * np, N - n), beta, C + n, ldc);
+      }
+      return;
+    }
     for (int64_t t0 = begin; t0 < end; t0 += tile) {
       const int64_t t1 = std::min(end, t0 + tile);
       for (int64_t r0 = 0; r0 < rows; r0 += kXR) {
