@@ -49,12 +49,13 @@ inline void put(float* c, float value, float beta) { *c = beta == 0 ? value : va
 
 }  // namespace
 
-// C[n] = Σ_k x[k]·M[n, k] + beta·C[n] for n in [0, N): dot products, four rows of M at a time.
-void gemv_rows(const float* M, int64_t ldm, int64_t N, int64_t K, const float* x, float beta, float* C) {
+// C[n] = Σ_k x[k]·M[n, k] + beta·C[n] for n in [0, N): dot products, four rows of M at a time; from
+// the last row back to the first when `backwards` (the same values, bit for bit).
+void gemv_rows(const float* M, int64_t ldm, int64_t N, int64_t K, const float* x, float beta, float* C,
+               bool backwards) {
   at::parallel_for(0, (N + 3) / 4, std::max<int64_t>(1, kGemvGrain / (4 * K)), [&](int64_t begin, int64_t end) {
-    const int64_t stop = std::min(N, 4 * end);
-    int64_t n = 4 * begin;
-    for (; n + 4 <= stop; n += 4) {
+    const int64_t first = 4 * begin, stop = std::min(N, 4 * end), full = first + (stop - first) / 4 * 4;
+    auto four = [&](int64_t n) {
       const float* m = M + n * ldm;
       FVec s0(0), s1(0), s2(0), s3(0);
       vec_loop<float>(K, [&](int64_t k, int64_t count) {
@@ -66,13 +67,20 @@ void gemv_rows(const float* M, int64_t ldm, int64_t N, int64_t K, const float* x
       });
       put(C + n, hsum(s0), beta), put(C + n + 1, hsum(s1), beta);
       put(C + n + 2, hsum(s2), beta), put(C + n + 3, hsum(s3), beta);
-    }
-    for (; n < stop; ++n) {
+    };
+    auto one = [&](int64_t n) {
       FVec s(0);
       vec_loop<float>(K, [&](int64_t k, int64_t count) {
         s = at::vec::fmadd(FVec::loadu(M + n * ldm + k, count), FVec::loadu(x + k, count), s);
       });
       put(C + n, hsum(s), beta);
+    };
+    if (backwards) {
+      for (int64_t n = stop - 1; n >= full; --n) one(n);
+      for (int64_t n = full - 4; n >= first; n -= 4) four(n);
+    } else {
+      for (int64_t n = first; n < full; n += 4) four(n);
+      for (int64_t n = full; n < stop; ++n) one(n);
     }
   });
 }
@@ -200,11 +208,14 @@ namespace {
 
 // C[n] = Σ_k x[k]·M[k, n] + beta·C[n]: rows of M scaled and summed into four SIMD registers'
 // worth of columns at a time.
-void gemv_columns(const float* M, int64_t ldm, int64_t N, int64_t K, const float* x, float beta, float* C) {
+// From the last block of columns back to the first when `backwards` (the same values, bit for bit).
+void gemv_columns(const float* M, int64_t ldm, int64_t N, int64_t K, const float* x, float beta, float* C,
+                  bool backwards) {
   constexpr int64_t w = FVec::size(), block = 4 * w;
   at::parallel_for(0, (N + block - 1) / block, std::max<int64_t>(1, kGemvGrain / (block * K)),
                    [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin * block; n < std::min(N, end * block); n += block) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = (backwards ? begin + end - 1 - i : i) * block;
       const int64_t width = std::min(block, N - n);
       FVec acc[4] = {FVec(0), FVec(0), FVec(0), FVec(0)};
       if (width == block) {
@@ -336,7 +347,11 @@ void PackedRight<float>::multiply(const float* X, int64_t ldx, float beta, float
   }
   if (rows_ == 1) {
     // op(M) = Mᵀ: M is [N, K] and C[n] = M[n, :]·x; otherwise M is [K, N] and C = Σ_k x[k]·M[k, :].
-    (trans_ ? gemv_rows : gemv_columns)(matrix_, ldm_, N_, K_, X, beta, C);
+    // Each call reads M the other way: M beyond L2 (float32 R of H = 256 is 1 MB) then finds in L2
+    // the part the last call read last, where reading in one order would evict every line before
+    // its reuse.
+    backwards_ = !backwards_;
+    (trans_ ? gemv_rows : gemv_columns)(matrix_, ldm_, N_, K_, X, beta, C, backwards_);
     return;
   }
   const int m = int(N_), n = int(rows_), k = int(K_), lda = int(ldm_), ldb = int(ldx), lc = int(ldc);

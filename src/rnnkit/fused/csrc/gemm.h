@@ -58,10 +58,13 @@ class PackedRight {
   HalfRows half_;                            // half M read as it is (gemv_small_batch) where data is set
   const uint16_t* bf16_packed_ = nullptr;    // bfloat16 M packed by bf16_pack (in storage_)
   const float* f32_packed_ = nullptr;        // float32 M packed by f32_pack for the own kernels (in storage_)
+  mutable bool backwards_ = false;           // the direction of the last one-row product (gemv_rows / columns)
 };
 
 // C[N] = M[N, K] · x[K] (+ beta · C): one row times Mᵀ, the matrix-vector loop of PackedRight.
-void gemv_rows(const float* M, int64_t ldm, int64_t N, int64_t K, const float* x, float beta, float* C);
+// backwards: rows of M from the last to the first (the same values).
+void gemv_rows(const float* M, int64_t ldm, int64_t N, int64_t K, const float* x, float beta, float* C,
+               bool backwards);
 
 // One product of at most this many rows by an unpacked M goes through gemv_small_batch, not sgemm.
 constexpr int64_t kSmallBatch = 8;

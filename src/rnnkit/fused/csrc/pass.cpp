@@ -193,7 +193,7 @@ void InputSteps::compute_chunk(int64_t s) {
     } else if (half) {  // bfloat16 / float16 W, a few rows: read once for four rows at a time
       gemv_small_batch(a_.half_rows(kW, 0), a_.GH, a_.I, x2, a_.I, rows, 0, raw, a_.GH);
     } else if (rows == 1) {  // a batch of one: the matrix-vector loop reads W once, without BLAS's packing
-      gemv_rows(W.data_ptr<float>(), a_.I, a_.GH, a_.I, x2, 0, raw);
+      gemv_rows(W.data_ptr<float>(), a_.I, a_.GH, a_.I, x2, 0, raw, false);
     } else {  // a few rows (one step of a small batch): W read once for four rows at a time
       gemv_small_batch(W.data_ptr<float>(), a_.I, a_.GH, a_.I, x2, a_.I, rows, 0, raw, a_.GH);
     }
