@@ -34,24 +34,49 @@ def best_seconds(call, repeats: int) -> float:
     return best
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(doc: str, argv=None) -> argparse.Namespace:
+    """--threads, --repeats, --out (set torch's thread count)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--out", help="also write the markdown table here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    return args
+
+
+def grid_products() -> list[tuple[str, int, int, int]]:
+    """(label, rows, K, N): each CPU grid shape's per-step R·h and a 128-row W·x chunk."""
+    gemms = []
+    for name in ("small", "medium", "fastrnns", "wide"):
+        s = SHAPES[name]
+        gemms += [(f"{name} R·h", s.B, s.H, 4 * s.H), (f"{name} W·x chunk", 128, s.I, 4 * s.H)]
+    return gemms
+
+
+def machine(args: argparse.Namespace) -> str:
+    """The table header's conditions: CPU, flags, threads, torch, platform."""
+    return (f"{cpu_model()} ({' '.join(cpu_flags() or [])}), {args.threads} thread(s), torch {torch.__version__}, "
+            f"{platform.platform()}")
+
+
+def write(lines: list[str], args: argparse.Namespace) -> None:
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+
+
+def main(argv=None) -> int:
+    args = arguments(__doc__, argv)
     extension = build.extension()
     own = [name for name in fp32_gemms() if name != "mkl"]
     if not own:
         print("no own float32 kernels on this CPU: nothing to compare", file=sys.stderr)
         return 1
-    gemms = []
-    for name in ("small", "medium", "fastrnns", "wide"):
-        s = SHAPES[name]
-        gemms += [(f"{name} R·h", s.B, s.H, 4 * s.H), (f"{name} W·x chunk", 128, s.I, 4 * s.H)]
-    header = (f"float32 GEMM, GFLOP/s (best of {args.repeats}), {cpu_model()} ({' '.join(cpu_flags() or [])}), "
-              f"{args.threads} thread(s), torch {torch.__version__}, {platform.platform()}")
+    gemms = grid_products()
+    header = f"float32 GEMM, GFLOP/s (best of {args.repeats}), {machine(args)}"
     lines = [header, "", "| product | rows × K × N | MKL | oneDNN | " + " | ".join(f"rnnkit {k}" for k in own)
              + " | packing once (µs) |", "|---|---|---|---|" + "---|" * len(own) + "---|"]
     generator = torch.Generator().manual_seed(0)
@@ -69,11 +94,7 @@ def main(argv=None) -> int:
                 pack_us = best_seconds(lambda: extension.f32_pack(w, False), 5) * 1e6
                 rates.append(flop / best_seconds(lambda: extension.f32_gemm_packed(x, packed, N), args.repeats))
         lines.append(f"| {label} | {M} × {K} × {N} | " + " | ".join(f"{r:.1f}" for r in rates) + f" | {pack_us:.0f} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table)
+    write(lines, args)
     return 0
 
 

@@ -6,6 +6,9 @@ No timing assertions here (BENCH.md); these are smoke tests of the harness on a 
 import importlib.util
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -474,3 +477,25 @@ def test_the_fused_mkl_runner_times_the_fused_passes_on_mkl(tmp_path, monkeypatc
     assert seen and set(seen) == {"mkl"}
     assert report_["environment"]["fp32_gemm"] == fused.fp32_gemm()
     assert f"fused float32 GEMM: {fused.fp32_gemm()}" in (out / "bench.md").read_text()
+
+
+@pytest.mark.parametrize("script, columns", [("fp32_gemm.py", "| MKL | oneDNN |"),
+                                             ("int8_gemm.py", "| MKL fp32 | oneDNN fp32 |")])
+def test_gemm_benchmark_scripts_write_their_tables(tmp_path, script, columns):
+    """benchmarks/fp32_gemm.py and int8_gemm.py (the README's GEMM rates) run and write a row per
+    product of the grid, every rate a positive number."""
+    require_fused_kernels()
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / script
+    out = tmp_path / "table.md"
+    done = subprocess.run([sys.executable, str(path), "--repeats", "1", "--out", str(out)], capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode == 1 and "no own float32 kernels" in done.stderr:
+        pytest.skip("this CPU runs no own float32 kernels")
+    assert done.returncode == 0, done.stderr
+    lines = out.read_text().splitlines()
+    assert columns in lines[2]
+    rows = [line for line in lines[4:] if line.startswith("| ")]
+    assert len(rows) == 8
+    for row in rows:
+        rates = [float(cell) for cell in row.strip("|").split("|")[2:]]
+        assert rates and all(rate > 0 for rate in rates), row
