@@ -58,10 +58,10 @@ void f32_pack(const float* M, int64_t ld, int64_t N, int64_t K, float* dest) {
   pack_panels(N, K, dest, [&](float* panel, int64_t n0, int64_t width) {
     if (width < kPanel) std::memset(panel, 0, K * kPanel * sizeof(float));
 #if defined(CPU_CAPABILITY_AVX512)
-    // 16 × 16 blocks transposed in zmm registers (ATen's, FBGEMM's method): 5-8x the scalar loop
+    // 16 × 16 blocks transposed in zmm registers (ATen's; masked stores leave the padding's zeros):
+    // 4096 × 1024 in 2.3 ms against the loop's 2.7 on Zen 4
     at::vec::transpose_mxn<float>(M + n0 * ld, ld, panel, kPanel, int(width), int(K));
-    return;
-#endif
+#else
     constexpr int64_t kSpan = 64;  // k per span: its 4 KB of the panel stay in L1 while 16 rows fill it
     for (int64_t k0 = 0; k0 < K; k0 += kSpan) {
       const int64_t k1 = std::min(K, k0 + kSpan);
@@ -70,6 +70,7 @@ void f32_pack(const float* M, int64_t ld, int64_t N, int64_t K, float* dest) {
         for (int64_t k = k0; k < k1; ++k) panel[k * kPanel + j] = m[k];
       }
     }
+#endif
   });
 }
 
