@@ -233,12 +233,11 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512vl");
 }
 bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
-bool always() { return true; }
 
 const Bf16Kernels kKernels[] = {
     {"avx512-bf16", avx512_bf16::packed, has_avx512_bf16, true},
     {"emulated-bf16", emulated_bf16::packed, has_avx512, false},
-    {"none", nullptr, always, true},
+    {"none", nullptr, runs_everywhere, true},
 };
 
 }  // namespace
@@ -246,8 +245,7 @@ const Bf16Kernels kKernels[] = {
 #else
 
 namespace {
-bool always() { return true; }
-const Bf16Kernels kKernels[] = {{"none", nullptr, always, true}};
+const Bf16Kernels kKernels[] = {{"none", nullptr, runs_everywhere, true}};
 }  // namespace
 
 #endif
@@ -255,11 +253,7 @@ const Bf16Kernels kKernels[] = {{"none", nullptr, always, true}};
 namespace {
 
 // The kernels in use: the CPU's choice, or $RNNKIT_BF16_KERNEL's (read at the first use).
-auto& choice() {
-  static KernelChoice<Bf16Kernels, sizeof(kKernels) / sizeof(kKernels[0])> c(kKernels, "RNNKIT_BF16_KERNEL",
-                                                                            "bfloat16");
-  return c;
-}
+auto& choice() { return kernel_choice(kKernels, "RNNKIT_BF16_KERNEL", "bfloat16"); }
 
 const Bf16Kernels& current() { return choice().current(); }
 

@@ -230,12 +230,11 @@ namespace {
 
 bool has_avx512() { return __builtin_cpu_supports("avx512f"); }
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
-bool always() { return true; }
 
 const F32Kernels kKernels[] = {
     {"avx512", avx512::packed, has_avx512, true},
     {"avx2", avx2::packed, has_avx2, false},
-    {"mkl", nullptr, always, true},
+    {"mkl", nullptr, runs_everywhere, true},
 };
 
 }  // namespace
@@ -243,18 +242,14 @@ const F32Kernels kKernels[] = {
 #else
 
 namespace {
-bool always() { return true; }
-const F32Kernels kKernels[] = {{"mkl", nullptr, always, true}};
+const F32Kernels kKernels[] = {{"mkl", nullptr, runs_everywhere, true}};
 }  // namespace
 
 #endif
 
 namespace {
 
-auto& choice() {
-  static KernelChoice<F32Kernels, sizeof(kKernels) / sizeof(kKernels[0])> c(kKernels, "RNNKIT_FP32_GEMM", "float32");
-  return c;
-}
+auto& choice() { return kernel_choice(kKernels, "RNNKIT_FP32_GEMM", "float32"); }
 
 const F32Kernels& current() { return choice().current(); }
 

@@ -1,5 +1,5 @@
 // The run-time choice among a family of kernels compiled per instruction set (qgemm.cpp's int8,
-// bgemm.cpp's bfloat16): the CPU's choice ("auto": the first automatic entry that runs here), or
+// bgemm.cpp's bfloat16, fgemm.cpp's float32): the CPU's choice ("auto": the first automatic entry that runs here), or
 // the one an environment variable names (read once, at the first use), or set_kernels' choice.
 // A bad name in the variable is an error that every use raises until a choice is set.
 #pragma once
@@ -80,6 +80,17 @@ class KernelChoice {
   std::atomic<const Kernels*> current_{nullptr};
   std::string error_;
 };
+
+// A table entry's runs_here for kernels every CPU the build targets runs.
+inline bool runs_everywhere() { return true; }
+
+// The one choice of a family (a kernels struct type), made at its first use: `env` names the
+// environment variable, `what` the family in messages.
+template <typename Kernels, size_t N>
+KernelChoice<Kernels, N>& kernel_choice(const Kernels (&table)[N], const char* env, const char* what) {
+  static KernelChoice<Kernels, N> choice(table, env, what);
+  return choice;
+}
 
 // C[rows, N] = beta · C (beta 0: zeros, C not read): a GEMM family's product over an empty sum (K = 0).
 inline void empty_sum(int64_t rows, int64_t N, float beta, float* C, int64_t ldc) {

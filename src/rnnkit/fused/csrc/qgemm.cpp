@@ -244,7 +244,6 @@ bool has_avx512_vnni() {
 bool has_avx_vnni() { return __builtin_cpu_supports("avxvnni"); }
 #endif
 
-bool always() { return true; }
 
 // In the order `auto` tries them; emulated-vnni only on request (tests).
 const Int8Kernels kKernels[] = {
@@ -252,8 +251,8 @@ const Int8Kernels kKernels[] = {
     {"avx512-vnni", avx512_vnni::unpacked, avx512_vnni::packed, has_avx512_vnni, true},
     {"avx-vnni", avx_vnni::unpacked, avx_vnni::packed, has_avx_vnni, true},
 #endif
-    {"avx2", avx2::unpacked, avx2::packed, always, true},
-    {"emulated-vnni", emulated_vnni::unpacked, emulated_vnni::packed, always, false},
+    {"avx2", avx2::unpacked, avx2::packed, runs_everywhere, true},
+    {"emulated-vnni", emulated_vnni::unpacked, emulated_vnni::packed, runs_everywhere, false},
 };
 
 }  // namespace
@@ -309,9 +308,8 @@ void unpacked(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M,
 
 }  // namespace scalar
 
-bool always() { return true; }
 
-const Int8Kernels kKernels[] = {{"scalar", scalar::unpacked, scalar::packed, always, true}};
+const Int8Kernels kKernels[] = {{"scalar", scalar::unpacked, scalar::packed, runs_everywhere, true}};
 
 }  // namespace
 
@@ -320,10 +318,7 @@ const Int8Kernels kKernels[] = {{"scalar", scalar::unpacked, scalar::packed, alw
 namespace {
 
 // The kernels in use: the CPU's choice, or $RNNKIT_INT8_KERNEL's (read at the first int8 product).
-auto& choice() {
-  static KernelChoice<Int8Kernels, sizeof(kKernels) / sizeof(kKernels[0])> c(kKernels, "RNNKIT_INT8_KERNEL", "int8");
-  return c;
-}
+auto& choice() { return kernel_choice(kKernels, "RNNKIT_INT8_KERNEL", "int8"); }
 
 const Int8Kernels& current() { return choice().current(); }
 
