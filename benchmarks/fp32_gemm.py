@@ -9,6 +9,12 @@ choice (docs/reference/backends.md).
 
 Shapes: for each shape of the CPU grid with a batch, the per-step product R·h (B rows, K = H,
 N = 4H) and a projection chunk W·x (128 rows, K = I, N = 4H). Best of ``--repeats`` calls.
+
+With ``--weight-gradients``: each grid shape's two LSTM weight gradients Aᵀ · B over all T·B rows
+(dW: A the gates' gradient [T·B, 4H], B the input [T·B, I]; dR: B the hidden state [T·B, H]):
+MKL (``torch.mm(A.t(), B)``) against the own kernels reading both in place (``f32_gemm_at_b``),
+and which of the two a pass takes (pass.cpp's ``weight_gradient``: the own kernel while A is at
+most 2²¹ floats).
 """
 from __future__ import annotations
 
@@ -34,12 +40,15 @@ def best_seconds(call, repeats: int) -> float:
     return best
 
 
-def arguments(doc: str, argv=None) -> argparse.Namespace:
-    """--threads, --repeats, --out (set torch's thread count)."""
+def arguments(doc: str, argv=None, weight_gradients: bool = False) -> argparse.Namespace:
+    """--threads, --repeats, --out (set torch's thread count); --weight-gradients where asked."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--out", help="also write the markdown table here")
+    if weight_gradients:
+        parser.add_argument("--weight-gradients", action="store_true",
+                            help="the LSTM weight gradients Aᵀ · B of each grid shape instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     return args
@@ -68,13 +77,42 @@ def write(lines: list[str], args: argparse.Namespace) -> None:
             f.write(table)
 
 
+IN_PLACE_FLOATS = 1 << 21  # pass.cpp's kInPlaceFloats: the largest A a pass's weight gradient reads in place
+
+
+def weight_gradients(args: argparse.Namespace, extension, own: list[str]) -> list[str]:
+    """The table of each grid shape's dW and dR, Aᵀ · B: MKL against the own kernels in place."""
+    header = f"float32 weight gradients Aᵀ · B, GFLOP/s (best of {args.repeats}), {machine(args)}"
+    lines = [header, "", "| gradient | A rows × N, B's K | MKL | " + " | ".join(f"rnnkit {k} in place" for k in own)
+             + " | a pass takes |", "|---|---|---|" + "---|" * len(own) + "---|"]
+    generator = torch.Generator().manual_seed(0)
+    for name in ("stream", "small", "medium", "fastrnns", "wide"):
+        s = SHAPES[name]
+        rows, N = s.T * s.B, 4 * s.H
+        A = torch.randn(rows, N, generator=generator)
+        for label, K in (("dW", s.I), ("dR", s.H)):
+            B = torch.randn(rows, K, generator=generator)
+            flop = 2 * rows * N * K / 1e9
+            rates = [flop / best_seconds(lambda: torch.mm(A.t(), B), args.repeats)]
+            for kernel in own:
+                with use_fp32_gemm(kernel):
+                    rates.append(flop / best_seconds(lambda: extension.f32_gemm_at_b(A, B), args.repeats))
+            taken = "rnnkit" if rows * N <= IN_PLACE_FLOATS else "MKL"
+            lines.append(f"| {name} {label} | {rows} × {N}, {K} | " + " | ".join(f"{r:.1f}" for r in rates)
+                         + f" | {taken} |")
+    return lines
+
+
 def main(argv=None) -> int:
-    args = arguments(__doc__, argv)
+    args = arguments(__doc__, argv, weight_gradients=True)
     extension = build.extension()
     own = [name for name in fp32_gemms() if name != "mkl"]
     if not own:
         print("no own float32 kernels on this CPU: nothing to compare", file=sys.stderr)
         return 1
+    if args.weight_gradients:
+        write(weight_gradients(args, extension, own), args)
+        return 0
     gemms = grid_products()
     header = f"float32 GEMM, GFLOP/s (best of {args.repeats}), {machine(args)}"
     lines = [header, "", "| product | rows × K × N | MKL | oneDNN | " + " | ".join(f"rnnkit {k}" for k in own)

@@ -479,23 +479,28 @@ def test_the_fused_mkl_runner_times_the_fused_passes_on_mkl(tmp_path, monkeypatc
     assert f"fused float32 GEMM: {fused.fp32_gemm()}" in (out / "bench.md").read_text()
 
 
-@pytest.mark.parametrize("script, columns", [("fp32_gemm.py", "| MKL | oneDNN |"),
-                                             ("int8_gemm.py", "| MKL fp32 | oneDNN fp32 |")])
-def test_gemm_benchmark_scripts_write_their_tables(tmp_path, script, columns):
+@pytest.mark.parametrize("script, columns, options, count", [
+    ("fp32_gemm.py", "| MKL | oneDNN |", [], 8),
+    ("fp32_gemm.py", "| MKL | rnnkit", ["--weight-gradients"], 10),
+    ("int8_gemm.py", "| MKL fp32 | oneDNN fp32 |", [], 8)])
+def test_gemm_benchmark_scripts_write_their_tables(tmp_path, script, columns, options, count):
     """benchmarks/fp32_gemm.py and int8_gemm.py (the README's GEMM rates) run and write a row per
     product of the grid, every rate a positive number."""
     require_fused_kernels()
     path = Path(__file__).resolve().parent.parent / "benchmarks" / script
     out = tmp_path / "table.md"
-    done = subprocess.run([sys.executable, str(path), "--repeats", "1", "--out", str(out)], capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(path), "--repeats", "1", "--out", str(out), *options],
+                          capture_output=True, text=True, timeout=300)
     if done.returncode == 1 and "no own float32 kernels" in done.stderr:
         pytest.skip("this CPU runs no own float32 kernels")
     assert done.returncode == 0, done.stderr
     lines = out.read_text().splitlines()
     assert columns in lines[2]
     rows = [line for line in lines[4:] if line.startswith("| ")]
-    assert len(rows) == 8
+    assert len(rows) == count
     for row in rows:
-        rates = [float(cell) for cell in row.strip("|").split("|")[2:]]
+        cells = row.strip("|").split("|")[2:]
+        if options:  # the last cell: which kernel a pass takes
+            assert cells.pop().strip() in ("rnnkit", "MKL"), row
+        rates = [float(cell) for cell in cells]
         assert rates and all(rate > 0 for rate in rates), row

@@ -32,6 +32,8 @@ struct F32Kernels {
   const char* name;
   void (*packed)(const float* X, int64_t rows, int64_t ldx, const float* packed, int64_t N, int64_t K, float beta,
                  float* C, int64_t ldc);
+  void (*strided)(const float* X, int64_t rows, int64_t ldx, int64_t xk, const float* w, int64_t panel_floats,
+                  int64_t wk, int64_t N, int64_t K, float beta, float* C, int64_t ldc);
   bool (*runs_here)();
   bool automatic;  // chosen by "auto" when it runs here (the first such in kKernels' order)
 };
@@ -90,7 +92,8 @@ namespace {
 
 constexpr int64_t kGrain = 1 << 16;      // multiply-adds per thread, at least
 constexpr int64_t kTileBytes = 1 << 18;  // bytes of packed M per N tile: stays in L2 while every X row block passes
-constexpr int64_t kDepth = 512;          // k per pass over C: a block's panels stay in L1 / L2 across its rows
+constexpr int64_t kDepth = 512;
+constexpr int64_t kAhead = 24;          // k per pass over C: a block's panels stay in L1 / L2 across its rows
 
 // Rows [first, first + count) of the i-th of `blocks` row blocks that split `rows` as evenly as
 // possible (32 rows in blocks of at most 6: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2).
@@ -107,18 +110,23 @@ inline void row_block(int64_t rows, int64_t blocks, int64_t i, int64_t& first, i
 #define RNNKIT_F32_KERNEL_BODY                                                                                   \
   constexpr int kVecs = int(kPanel / kLanes); /* vectors per panel */                                         \
                                                                                                                \
-  /* C[XR rows, NR panels (the last cut at `width`)] (+)= X[XR rows, depth] · the panels' depth rows. */      \
-  template <int NR, int XR>                                                                           \
-  void block(const float* x, int64_t ldx, const float* w, int64_t panel_floats, int64_t depth, int64_t width,  \
-             float beta, float* C, int64_t ldc) {                                                              \
+  /* C[XR rows, NR panels (the last cut at `width`)] (+)= X[XR rows, depth] · the panels' depth rows.  \
+     Packed (S false): X's k at unit stride, a panel's k at kPanel floats. Strided (S true): X's k   \
+     at xk floats, a panel's k at wk (the weight gradients, read in place).                         */ \
+  template <int NR, int XR, bool S>                                                                            \
+  void block(const float* x, int64_t ldx, int64_t xk, const float* w, int64_t panel_floats, int64_t wk,        \
+             int64_t depth, int64_t width, float beta, float* C, int64_t ldc) {                                \
     V acc[XR][NR * kVecs];                                                                                     \
     for (int r = 0; r < XR; ++r)                                                                               \
       for (int i = 0; i < NR * kVecs; ++i) acc[r][i] = vzero();                                                \
     for (int64_t k = 0; k < depth; ++k) {                                                                      \
       V wv[NR * kVecs];                                                                                        \
-      for (int i = 0; i < NR * kVecs; ++i) wv[i] = vload(w + (i / kVecs) * panel_floats + k * kPanel + (i % kVecs) * kLanes); \
+      const float* wk_row = w + k * (S ? wk : kPanel);                                                         \
+      for (int i = 0; i < NR * kVecs; ++i) wv[i] = vload(wk_row + (i / kVecs) * panel_floats + (i % kVecs) * kLanes); \
+      const float* xk_col = x + k * (S ? xk : 1);                                                              \
+      if (S) _mm_prefetch(reinterpret_cast<const char*>(xk_col + kAhead * xk), _MM_HINT_T0);                   \
       for (int r = 0; r < XR; ++r) {                                                                           \
-        const V xb = vbroadcast(x + r * ldx + k);                                \
+        const V xb = vbroadcast(xk_col + r * ldx);                                                             \
         for (int i = 0; i < NR * kVecs; ++i) acc[r][i] = vfmadd(wv[i], xb, acc[r][i]);                         \
       }                                                                                                        \
     }                                                                                                          \
@@ -132,23 +140,26 @@ inline void row_block(int64_t rows, int64_t blocks, int64_t i, int64_t& first, i
     }                                                                                                          \
   }                                                                                                            \
                                                                                                                \
-  template <int NR>                                                                                   \
-  void rows_of(int64_t xr, const float* x, int64_t ldx, const float* w, int64_t panel_floats, int64_t depth,   \
-               int64_t width, float beta, float* C, int64_t ldc) {                                             \
+  template <int NR, bool S>                                                                                    \
+  void rows_of(int64_t xr, const float* x, int64_t ldx, int64_t xk, const float* w, int64_t panel_floats,      \
+               int64_t wk, int64_t depth, int64_t width, float beta, float* C, int64_t ldc) {                  \
     static_assert(kXR == 6, "rows_of covers 1..6 rows");                                                       \
     switch (xr) {                                                                                              \
-      case 1: return block<NR, 1>(x, ldx, w, panel_floats, depth, width, beta, C, ldc);                        \
-      case 2: return block<NR, 2>(x, ldx, w, panel_floats, depth, width, beta, C, ldc);                        \
-      case 3: return block<NR, 3>(x, ldx, w, panel_floats, depth, width, beta, C, ldc);                        \
-      case 4: return block<NR, 4>(x, ldx, w, panel_floats, depth, width, beta, C, ldc);                        \
-      case 5: return block<NR, 5>(x, ldx, w, panel_floats, depth, width, beta, C, ldc);                        \
-      default: return block<NR, 6>(x, ldx, w, panel_floats, depth, width, beta, C, ldc);                       \
+      case 1: return block<NR, 1, S>(x, ldx, xk, w, panel_floats, wk, depth, width, beta, C, ldc);             \
+      case 2: return block<NR, 2, S>(x, ldx, xk, w, panel_floats, wk, depth, width, beta, C, ldc);             \
+      case 3: return block<NR, 3, S>(x, ldx, xk, w, panel_floats, wk, depth, width, beta, C, ldc);             \
+      case 4: return block<NR, 4, S>(x, ldx, xk, w, panel_floats, wk, depth, width, beta, C, ldc);             \
+      case 5: return block<NR, 5, S>(x, ldx, xk, w, panel_floats, wk, depth, width, beta, C, ldc);             \
+      default: return block<NR, 6, S>(x, ldx, xk, w, panel_floats, wk, depth, width, beta, C, ldc);            \
     }                                                                                                          \
   }                                                                                                            \
                                                                                                                \
-  void packed(const float* X, int64_t rows, int64_t ldx, const float* w, int64_t N, int64_t K, float beta,      \
-              float* C, int64_t ldc) {                                                                         \
-    const int64_t panel_floats = K * kPanel, panels = panels_of(N);                                            \
+  /* C[rows, N] (+)= X · M over K: X's (r, k) at X + r·ldx + k·xk, M's (n, k) at panel n / 16's        \
+     w + (n / 16)·panel_floats + k·wk + n % 16 (S false: xk 1, wk kPanel). */                                  \
+  template <bool S>                                                                                            \
+  void drive(const float* X, int64_t rows, int64_t ldx, int64_t xk, const float* w, int64_t panel_floats,      \
+             int64_t wk, int64_t N, int64_t K, float beta, float* C, int64_t ldc) {                            \
+    const int64_t panels = panels_of(N);                                                                       \
     const int64_t blocks = (rows + kXR - 1) / kXR;                                                             \
     const int64_t depth_step = std::min(K, kDepth);                                                            \
     const int64_t tile = std::max<int64_t>(kNR, kTileBytes / (int64_t(sizeof(float)) * kPanel * depth_step));  \
@@ -165,20 +176,30 @@ inline void row_block(int64_t rows, int64_t blocks, int64_t i, int64_t& first, i
             for (int64_t p = t0; p < t1; p += kNR) {                                                           \
               const int64_t np = std::min<int64_t>(kNR, t1 - p);                                               \
               const int64_t n = kPanel * p, width = std::min(kPanel * np, N - n);                              \
-              const float* x = X + r0 * ldx + k0;                                 \
-              const float* wp = w + p * panel_floats + k0 * kPanel;                                            \
+              const float* x = X + r0 * ldx + k0 * (S ? xk : 1);                                               \
+              const float* wp = w + p * panel_floats + k0 * (S ? wk : kPanel);                                 \
               float* c = C + r0 * ldc + n;                                                                     \
               switch (np) {                                                                                    \
-                case 1: rows_of<1>(xr, x, ldx, wp, panel_floats, depth, width, b, c, ldc); break;              \
-                case 2: rows_of<kNR < 2 ? 1 : 2>(xr, x, ldx, wp, panel_floats, depth, width, b, c, ldc); break; \
-                case 3: rows_of<kNR < 3 ? 1 : 3>(xr, x, ldx, wp, panel_floats, depth, width, b, c, ldc); break; \
-                default: rows_of<kNR>(xr, x, ldx, wp, panel_floats, depth, width, b, c, ldc); break;           \
+                case 1: rows_of<1, S>(xr, x, ldx, xk, wp, panel_floats, wk, depth, width, b, c, ldc); break;   \
+                case 2: rows_of<kNR < 2 ? 1 : 2, S>(xr, x, ldx, xk, wp, panel_floats, wk, depth, width, b, c, ldc); break; \
+                case 3: rows_of<kNR < 3 ? 1 : 3, S>(xr, x, ldx, xk, wp, panel_floats, wk, depth, width, b, c, ldc); break; \
+                default: rows_of<kNR, S>(xr, x, ldx, xk, wp, panel_floats, wk, depth, width, b, c, ldc); break; \
               }                                                                                                \
             }                                                                                                  \
           }                                                                                                    \
         }                                                                                                      \
       }                                                                                                        \
     });                                                                                                        \
+  }                                                                                                            \
+                                                                                                               \
+  void packed(const float* X, int64_t rows, int64_t ldx, const float* w, int64_t N, int64_t K, float beta,      \
+              float* C, int64_t ldc) {                                                                         \
+    drive<false>(X, rows, ldx, 1, w, K * kPanel, kPanel, N, K, beta, C, ldc);                                  \
+  }                                                                                                            \
+                                                                                                               \
+  void strided(const float* X, int64_t rows, int64_t ldx, int64_t xk, const float* w, int64_t panel_floats,    \
+               int64_t wk, int64_t N, int64_t K, float beta, float* C, int64_t ldc) {                          \
+    drive<true>(X, rows, ldx, xk, w, panel_floats, wk, N, K, beta, C, ldc);                                    \
   }
 
 #pragma GCC push_options
@@ -232,9 +253,9 @@ bool has_avx512() { return __builtin_cpu_supports("avx512f"); }
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
 const F32Kernels kKernels[] = {
-    {"avx512", avx512::packed, has_avx512, true},
-    {"avx2", avx2::packed, has_avx2, false},
-    {"mkl", nullptr, runs_everywhere, true},
+    {"avx512", avx512::packed, avx512::strided, has_avx512, true},
+    {"avx2", avx2::packed, avx2::strided, has_avx2, false},
+    {"mkl", nullptr, nullptr, runs_everywhere, true},
 };
 
 }  // namespace
@@ -242,7 +263,7 @@ const F32Kernels kKernels[] = {
 #else
 
 namespace {
-const F32Kernels kKernels[] = {{"mkl", nullptr, runs_everywhere, true}};
+const F32Kernels kKernels[] = {{"mkl", nullptr, nullptr, runs_everywhere, true}};
 }  // namespace
 
 #endif
@@ -279,6 +300,26 @@ void f32_gemm_packed(const float* X, int64_t rows, int64_t ldx, const float* pac
   TORCH_CHECK(k->packed != nullptr, "rnnkit fused: f32_gemm_packed: no own float32 kernels run on this CPU");
   if (K <= 0) return empty_sum(rows, N, beta, C, ldc);
   k->packed(X, rows, ldx, packed, N, K, beta, C, ldc);
+  products().fetch_add(1, std::memory_order_relaxed);
+}
+
+void f32_gemm_at_b(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t rows, int64_t N, int64_t K,
+                   float* C, int64_t ldc) {
+  if (N <= 0 || K <= 0) return;
+  const F32Kernels& k = current();
+  TORCH_CHECK(k.strided != nullptr, "rnnkit fused: f32_gemm_at_b: the float32 GEMM in use is MKL's");
+  if (rows <= 0) return empty_sum(N, K, 0, C, ldc);
+  // Aᵀ's (n, r) is A[r, n]: the X operand at row stride 1 and k stride lda. B's whole panels are
+  // read in place (16 columns of a row, k stride ldb); the columns past the last whole panel are
+  // copied into one zero-padded panel, since a panel's loads read all 16 columns.
+  const int64_t whole = K / kPanel * kPanel;
+  if (whole > 0) k.strided(A, N, 1, lda, B, kPanel, ldb, whole, rows, 0, C, ldc);
+  if (whole < K) {
+    const int64_t tail = K - whole;
+    std::vector<float> panel(size_t(f32_packed_floats(tail, rows)));
+    f32_pack_transposed(B + whole, ldb, tail, rows, panel.data());
+    k.strided(A, N, 1, lda, panel.data(), rows * kPanel, kPanel, tail, rows, 0, C + whole, ldc);
+  }
   products().fetch_add(1, std::memory_order_relaxed);
 }
 

@@ -1,11 +1,11 @@
 // float32 GEMMs on the kernels' own packed panels, for the passes' products with a weight matrix
-// (per step R·h, the input projection W·x, the backward's products with R and W; not the weight
-// gradients, which stay on MKL): the right operand is packed once per pass into panels of 16 output columns, and a
-// block of panels times a few rows of X keeps its sums in registers (AVX-512: 4 panels x 6 rows,
+// (per step R·h, the input projection W·x, the backward's products with R and W), and for the weight
+// gradients up to 2²¹ floats of A (f32_gemm_at_b: both operands read in place, no panels). The
+// right operand is packed once per pass into panels of 16 output columns, and a block of panels times a few rows of X keeps its sums in registers (AVX-512: 4 panels x 6 rows,
 // 24 zmm; AVX2: 1 panel x 6 rows, 12 ymm). Chosen over MKL by measurement (benchmarks/fp32_gemm.py):
 // on an AVX-512 EPYC (Zen 4) MKL's sgemm reached 72-96 GFLOP/s on the per-step shapes, oneDNN's
 // 53-105, these kernels 106-116; the AVX2 kernel, 45 there, is for CPUs without AVX-512 to test
-// with ("auto" takes MKL on them). The weight gradients stay on MKL, as fast or faster there.
+// with ("auto" takes MKL on them). Larger weight gradients stay on MKL, faster there (pass.cpp).
 #pragma once
 
 #include <cstdint>
@@ -45,7 +45,13 @@ void f32_pack_transposed(const float* M, int64_t ld, int64_t N, int64_t K, float
 void f32_gemm_packed(const float* X, int64_t rows, int64_t ldx, const float* packed, int64_t N, int64_t K,
                      float beta, float* C, int64_t ldc);
 
-// How many products f32_gemm_packed has taken in this process (tests: that the passes reach it).
+// C[n, k] = Σ_r A[r, n] · B[r, k] (C [N, K] = Aᵀ · B, the weight gradients) on the own kernel in use,
+// reading A [rows, N] (lda per row) and B [rows, K] (ldb per row) in place; C not read. Only
+// where f32_own_products().
+void f32_gemm_at_b(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t rows, int64_t N, int64_t K,
+                   float* C, int64_t ldc);
+
+// How many products f32_gemm_packed and f32_gemm_at_b have taken in this process (tests: that the passes reach it).
 int64_t f32_gemm_count();
 
 }  // namespace rnnkit

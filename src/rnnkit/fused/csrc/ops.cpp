@@ -361,6 +361,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return C;
       },
       py::arg("X"), py::arg("packed"), py::arg("N"), "X · Mᵀ on M packed by f32_pack, through the own float32 kernels");
+  m.def(
+      "f32_gemm_at_b",
+      [](const at::Tensor& A, const at::Tensor& B) {
+        TORCH_CHECK(A.dim() == 2 && B.dim() == 2 && A.scalar_type() == at::kFloat && B.scalar_type() == at::kFloat &&
+                        A.stride(1) == 1 && B.stride(1) == 1 && A.size(0) == B.size(0),
+                    "f32_gemm_at_b: expected float32 A [rows, N] and B [rows, K] with unit-stride rows, got ",
+                    A.scalar_type(), " ", A.sizes(), " and ", B.scalar_type(), " ", B.sizes());
+        TORCH_CHECK(rnnkit::f32_own_products(), "f32_gemm_at_b: the float32 GEMM in use is MKL's");
+        at::Tensor C = rnnkit::cached_empty({A.size(1), B.size(1)}, A);  // NaN under set_poison
+        rnnkit::f32_gemm_at_b(A.data_ptr<float>(), A.stride(0), B.data_ptr<float>(), B.stride(0), A.size(0),
+                              A.size(1), B.size(1), C.data_ptr<float>(), C.stride(0));
+        return C;
+      },
+      py::arg("A"), py::arg("B"), "Aᵀ · B (a weight gradient) on the own float32 kernels, both read in place");
   m.def("f32_gemm_count", &rnnkit::f32_gemm_count, "products the own float32 kernels have taken (tests)");
   m.def("fp32_gemm", [] { return std::string(rnnkit::f32_kernel()); },
         "the float32 GEMM kernels in use: avx512, avx2 (the kernels' own) or mkl");
