@@ -3,12 +3,16 @@ batches return empty results, bad `lengths` are named, and the compiled kernels'
 keyed by everything that changes the build."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import rnnkit
-from helpers import MODULES, flatten, make_module
+from helpers import MODULES, flatten, make_module, require_fused_kernels
 
 T, B, I, H = 5, 3, 4, 6
 LENGTHS = [5, 2, 3]
@@ -106,3 +110,46 @@ def test_the_build_cache_is_keyed_by_what_changes_the_build(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(build, "_flags", lambda: ["-O2"])
     assert build.cache_dir() != first
+
+
+LOAD = "from rnnkit.fused import build; build.extension(); print('loaded')"
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_process():
+    """torch's cpp_extension waits on its `lock` file for as long as the file exists, and a build
+    killed midway leaves it behind: the next process removes it (it holds build.flock, which the
+    OS released when the killed process died) and loads."""
+    from rnnkit.fused import build
+
+    require_fused_kernels()
+    stale = build.cache_dir() / "lock"
+    stale.touch()
+    try:
+        done = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
+
+
+def test_a_process_waits_for_another_ones_build_and_says_so(tmp_path):
+    """While another process builds (holds build.flock), a second one says it waits, once, and
+    loads when the first is done."""
+    fcntl = pytest.importorskip("fcntl")
+    from rnnkit.fused import build
+
+    require_fused_kernels()
+    log = tmp_path / "stderr.txt"
+    with open(build.cache_dir() / "build.flock", "a+") as handle, open(log, "w") as err:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            child = subprocess.Popen([sys.executable, "-c", LOAD], stdout=subprocess.PIPE, stderr=err, text=True)
+            deadline = time.monotonic() + 120
+            while "waiting for another process's build" not in log.read_text() and time.monotonic() < deadline:
+                assert child.poll() is None, log.read_text()  # it must not load while the lock is held
+                time.sleep(0.2)
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+    out, _ = child.communicate(timeout=240)
+    assert child.returncode == 0 and out.strip() == "loaded", log.read_text()
+    assert log.read_text().count("waiting for another process's build") == 1

@@ -9,6 +9,7 @@ then on, so that ``backend="auto"`` moves on and ``backend="fused"`` raises with
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -96,22 +97,49 @@ def _copy_sources(folder: Path) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _builder(folder: Path):
+    """This process as the folder's only builder, across processes: an OS lock on ``build.flock``
+    (released by the OS when its holder exits, however it exits). Its holder first removes torch's
+    own ``lock`` file, which a build killed midway leaves behind: torch waits on that file for as
+    long as it exists, so every later process would hang in silence. Another process's build in
+    progress is waited for, with one line saying so. Where there are no POSIX locks (Windows),
+    torch's file alone."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - POSIX everywhere the tests run
+        yield
+        return
+    with open(folder / "build.flock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            print(f"rnnkit: waiting for another process's build of the fused CPU kernels in {folder}", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (folder / "lock").unlink(missing_ok=True)  # only a holder of build.flock builds here
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _compile():
     from torch.utils import cpp_extension
 
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    csrc = _copy_sources(folder)
-    if not any(folder.glob(f"{_NAME}*.so")):
-        print(f"rnnkit: compiling the fused CPU kernels into {folder} (once; a minute or two)", file=sys.stderr)
-    return cpp_extension.load(
-        name=_NAME,
-        sources=[str(csrc / s) for s in _SOURCES],
-        build_directory=str(folder),
-        extra_cflags=_flags(),
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    with _builder(folder):
+        csrc = _copy_sources(folder)
+        if not any(folder.glob(f"{_NAME}*.so")):
+            print(f"rnnkit: compiling the fused CPU kernels into {folder} (once; a minute or two)", file=sys.stderr)
+        return cpp_extension.load(
+            name=_NAME,
+            sources=[str(csrc / s) for s in _SOURCES],
+            build_directory=str(folder),
+            extra_cflags=_flags(),
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
 
 
 def _flags() -> list:
