@@ -153,3 +153,44 @@ def test_a_process_waits_for_another_ones_build_and_says_so(tmp_path):
     out, _ = child.communicate(timeout=240)
     assert child.returncode == 0 and out.strip() == "loaded", log.read_text()
     assert log.read_text().count("waiting for another process's build") == 1
+
+
+def test_a_build_killed_midway_is_started_again_from_the_sources(tmp_path, monkeypatch):
+    """A folder without build.done holds a build that never finished: its objects, library and
+    ninja logs (a truncated .ninja_deps made ninja recompile on every load) are removed before the
+    build runs; once it has loaded, build.done keeps later loads from touching anything. A
+    failed build writes no build.done."""
+    from torch.utils import cpp_extension
+
+    from rnnkit.fused import build
+
+    folder = tmp_path / "key"
+    (folder / "csrc").mkdir(parents=True)
+    leftovers = [".ninja_deps", ".ninja_log", "ops.o", "lock", "rnnkit_fused_cpu.so"]
+    for name in leftovers:
+        (folder / name).write_text("partial")
+    seen = []
+
+    def load(**kwargs):
+        seen.append(sorted(p.name for p in folder.iterdir()))
+        (folder / "rnnkit_fused_cpu.so").write_text("built")
+        return "module"
+
+    monkeypatch.setattr(build, "cache_dir", lambda: folder)
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert build._compile() == "module"
+    assert seen == [["build.flock", "csrc"]]  # the sources (copied in by then) and the lock alone
+    assert (folder / "build.done").exists() and (folder / "csrc" / "ops.cpp").exists()
+    (folder / "ops.o").write_text("finished")
+    assert build._compile() == "module"
+    assert (folder / "ops.o").read_text() == "finished"  # a finished build is left as it is
+
+    (folder / "build.done").unlink()
+
+    def fail(**kwargs):
+        raise RuntimeError("error: the compiler failed")
+
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    with pytest.raises(RuntimeError, match="compiler failed"):
+        build._compile()
+    assert not (folder / "build.done").exists()

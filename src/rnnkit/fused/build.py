@@ -102,7 +102,8 @@ def _builder(folder: Path):
     """This process as the folder's only builder, across processes: an OS lock on ``build.flock``
     (released by the OS when its holder exits, however it exits). Its holder first removes torch's
     own ``lock`` file, which a build killed midway leaves behind: torch waits on that file for as
-    long as it exists, so every later process would hang in silence. Another process's build in
+    long as it exists, so every later process would hang in silence (and `_compile` clears the
+    rest of such a build). Another process's build in
     progress is waited for, with one line saying so. Where there are no POSIX locks (Windows),
     torch's file alone."""
     try:
@@ -123,16 +124,35 @@ def _builder(folder: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+_DONE = "build.done"  # written once a build in the folder has loaded
+
+
+def _clear_unfinished(folder: Path) -> None:
+    """What a build killed midway left in `folder` (objects, the library, ninja's logs, torch's
+    lock), removed: a truncated ``.ninja_deps`` makes ninja recompile a file on every later load,
+    20 s each time and without a word. Kept: the sources and the lock file."""
+    for path in folder.iterdir():
+        if path.name in ("csrc", "build.flock"):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def _compile():
     from torch.utils import cpp_extension
 
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     with _builder(folder):
+        done = folder / _DONE
+        if not done.exists():  # never built, or a build was killed: start from the sources alone
+            _clear_unfinished(folder)
         csrc = _copy_sources(folder)
         if not any(folder.glob(f"{_NAME}*.so")):
             print(f"rnnkit: compiling the fused CPU kernels into {folder} (once; a minute or two)", file=sys.stderr)
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name=_NAME,
             sources=[str(csrc / s) for s in _SOURCES],
             build_directory=str(folder),
@@ -140,6 +160,9 @@ def _compile():
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
+        if not done.exists():
+            done.touch()
+        return module
 
 
 def _flags() -> list:
