@@ -13,8 +13,8 @@ N = 4H) and a projection chunk W·x (128 rows, K = I, N = 4H). Best of ``--repea
 With ``--weight-gradients``: each grid shape's two LSTM weight gradients Aᵀ · B over all T·B rows
 (dW: A the gates' gradient [T·B, 4H], B the input [T·B, I]; dR: B the hidden state [T·B, H]):
 MKL (``torch.mm(A.t(), B)``) against the own kernels reading both in place (``f32_gemm_at_b``),
-and which of the two a pass takes (pass.cpp's ``weight_gradient``: the own kernel while A is at
-most 2²¹ floats).
+and which of the two a pass takes (``f32_at_b_in_place``: the own kernel while A is at most 2²¹
+floats).
 """
 from __future__ import annotations
 
@@ -77,9 +77,6 @@ def write(lines: list[str], args: argparse.Namespace) -> None:
             f.write(table)
 
 
-IN_PLACE_FLOATS = 1 << 21  # pass.cpp's kInPlaceFloats: the largest A a pass's weight gradient reads in place
-
-
 def weight_gradients(args: argparse.Namespace, extension, own: list[str]) -> list[str]:
     """The table of each grid shape's dW and dR, Aᵀ · B: MKL against the own kernels in place."""
     header = f"float32 weight gradients Aᵀ · B, GFLOP/s (best of {args.repeats}), {machine(args)}"
@@ -97,7 +94,7 @@ def weight_gradients(args: argparse.Namespace, extension, own: list[str]) -> lis
             for kernel in own:
                 with use_fp32_gemm(kernel):
                     rates.append(flop / best_seconds(lambda: extension.f32_gemm_at_b(A, B), args.repeats))
-            taken = "rnnkit" if rows * N <= IN_PLACE_FLOATS else "MKL"
+            taken = "rnnkit" if extension.f32_at_b_in_place(rows, N) else "MKL"
             lines.append(f"| {name} {label} | {rows} × {N}, {K} | " + " | ".join(f"{r:.1f}" for r in rates)
                          + f" | {taken} |")
     return lines

@@ -9,9 +9,10 @@ use by build.py).
 
 float32 and float64 compute natively. float32's products with a weight matrix run on the kernels'
 own GEMM where the CPU has AVX-512 (the weights packed once per pass; `fp32_gemm`, `use_fp32_gemm`),
-on MKL's elsewhere and for the weight gradients, where MKL measured as fast or faster. bfloat16
-and float16 tensors are computed in float32 (the weights and inputs as given, accumulation, pointwise math and the carried state in float32) and
-the outputs rounded back. The kernels read a half-precision module's matrices (W, R, W_hr) as
+on MKL's elsewhere. There the weight gradients run on it too while the gates' gradient is at most
+2²¹ floats (both operands read in place), and on MKL, measured faster, beyond. bfloat16 and
+float16 tensors are computed in float32 (the weights and inputs as given, accumulation, pointwise
+math and the carried state in float32) and the outputs rounded back. The kernels read a half-precision module's matrices (W, R, W_hr) as
 they are: in inference a batch of one (and a step of a few rows) widens each value as it is
 loaded, reading half of float32's bytes a step. The GEMMs of batches, and of training's forward
 and backward, run on the CPU's bfloat16 dot products where it has them (AVX512_BF16,
@@ -86,7 +87,7 @@ def bf16_kernel() -> str:
 FP32_GEMMS = {
     "avx512": "the kernels' own float32 GEMM on AVX-512 (weights packed once per pass into panels of 16 columns, "
               "4 panels x 6 rows of sums in zmm registers) for the per-step products, the input projection and dx; "
-              "MKL for the weight gradients",
+              "and the weight gradients up to 2²¹ floats of the gates' gradient (read in place); MKL for larger ones",
     "avx2": "the kernels' own float32 GEMM on AVX2 + FMA (1 panel x 6 rows of sums in ymm registers): for testing "
             "the own kernels on CPUs without AVX-512, never chosen by auto (about half MKL's rate on a Zen 4)",
     "mkl": "MKL's packed sgemm (as torch links it) for the per-step products, MKL for the rest",

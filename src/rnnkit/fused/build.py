@@ -102,10 +102,9 @@ def _builder(folder: Path):
     """This process as the folder's only builder, across processes: an OS lock on ``build.flock``
     (released by the OS when its holder exits, however it exits). Its holder first removes torch's
     own ``lock`` file, which a build killed midway leaves behind: torch waits on that file for as
-    long as it exists, so every later process would hang in silence (and `_compile` clears the
-    rest of such a build). Another process's build in
-    progress is waited for, with one line saying so. Where there are no POSIX locks (Windows),
-    torch's file alone."""
+    long as it exists, so every later process would hang in silence (`_compile` clears the rest
+    of such a build). Another process's build in progress is waited for, with one line saying so.
+    Where there are no POSIX locks (Windows), torch's file alone."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - POSIX everywhere the tests run
@@ -147,7 +146,8 @@ def _compile():
     folder.mkdir(parents=True, exist_ok=True)
     with _builder(folder):
         done = folder / _DONE
-        if not done.exists():  # never built, or a build was killed: start from the sources alone
+        finished = done.exists()
+        if not finished:  # never built, or a build was killed: start from the sources alone
             _clear_unfinished(folder)
         csrc = _copy_sources(folder)
         if not any(folder.glob(f"{_NAME}*.so")):
@@ -160,7 +160,7 @@ def _compile():
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-        if not done.exists():
+        if not finished:
             done.touch()
         return module
 

@@ -92,8 +92,8 @@ namespace {
 
 constexpr int64_t kGrain = 1 << 16;      // multiply-adds per thread, at least
 constexpr int64_t kTileBytes = 1 << 18;  // bytes of packed M per N tile: stays in L2 while every X row block passes
-constexpr int64_t kDepth = 512;
-constexpr int64_t kAhead = 24;          // k per pass over C: a block's panels stay in L1 / L2 across its rows
+constexpr int64_t kDepth = 512;          // k per pass over C: a block's panels stay in L1 / L2 across its rows
+constexpr int64_t kAhead = 24;           // strided blocks: X's column prefetched this many k ahead
 
 // Rows [first, first + count) of the i-th of `blocks` row blocks that split `rows` as evenly as
 // possible (32 rows in blocks of at most 6: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2).
@@ -301,6 +301,14 @@ void f32_gemm_packed(const float* X, int64_t rows, int64_t ldx, const float* pac
   if (K <= 0) return empty_sum(rows, N, beta, C, ldc);
   k->packed(X, rows, ldx, packed, N, K, beta, C, ldc);
   products().fetch_add(1, std::memory_order_relaxed);
+}
+
+bool f32_at_b_in_place(int64_t rows, int64_t N) {
+  // Measured on Zen 4 (1 thread, GFLOP/s own / MKL, benchmarks/fp32_gemm.py --weight-gradients):
+  // the stream and small grid shapes' 102-112 / 83-93, [1600, 1024] by [1600, 256] 100 / 89; from
+  // medium's A [3200, 1024] on 82-92 / 90-96, where MKL's copies into its panels pay off.
+  constexpr int64_t kInPlaceFloats = int64_t(1) << 21;
+  return f32_own_products() && rows * N <= kInPlaceFloats;
 }
 
 void f32_gemm_at_b(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t rows, int64_t N, int64_t K,

@@ -1,11 +1,11 @@
 // float32 GEMMs on the kernels' own packed panels, for the passes' products with a weight matrix
-// (per step R·h, the input projection W·x, the backward's products with R and W), and for the weight
-// gradients up to 2²¹ floats of A (f32_gemm_at_b: both operands read in place, no panels). The
-// right operand is packed once per pass into panels of 16 output columns, and a block of panels times a few rows of X keeps its sums in registers (AVX-512: 4 panels x 6 rows,
-// 24 zmm; AVX2: 1 panel x 6 rows, 12 ymm). Chosen over MKL by measurement (benchmarks/fp32_gemm.py):
+// (per step R·h, the input projection W·x, the backward's products with R and W), and for the
+// weight gradients up to 2²¹ floats of A (f32_gemm_at_b: both operands read in place, no panels).
+// The right operand is packed once per pass into panels of 16 output columns, and a block of
+// panels times a few rows of X keeps its sums in registers (AVX-512: 4 panels x 6 rows, 24 zmm; AVX2: 1 panel x 6 rows, 12 ymm). Chosen over MKL by measurement (benchmarks/fp32_gemm.py):
 // on an AVX-512 EPYC (Zen 4) MKL's sgemm reached 72-96 GFLOP/s on the per-step shapes, oneDNN's
 // 53-105, these kernels 106-116; the AVX2 kernel, 45 there, is for CPUs without AVX-512 to test
-// with ("auto" takes MKL on them). Larger weight gradients stay on MKL, faster there (pass.cpp).
+// with ("auto" takes MKL on them). Larger weight gradients stay on MKL, faster there.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +44,10 @@ void f32_pack_transposed(const float* M, int64_t ld, int64_t N, int64_t K, float
 // "mkl" after M was packed) on the first own kernel this CPU runs.
 void f32_gemm_packed(const float* X, int64_t rows, int64_t ldx, const float* packed, int64_t N, int64_t K,
                      float beta, float* C, int64_t ldc);
+
+// Whether a weight gradient Aᵀ · B with A [rows, N] goes to f32_gemm_at_b (the own kernels are in
+// use and A is at most 2²¹ floats: measured faster there than MKL), or to MKL.
+bool f32_at_b_in_place(int64_t rows, int64_t N);
 
 // C[n, k] = Σ_r A[r, n] · B[r, k] (C [N, K] = Aᵀ · B, the weight gradients) on the own kernel in use,
 // reading A [rows, N] (lda per row) and B [rows, K] (ldb per row) in place; C not read. Only

@@ -375,6 +375,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return C;
       },
       py::arg("A"), py::arg("B"), "Aᵀ · B (a weight gradient) on the own float32 kernels, both read in place");
+  m.def("f32_at_b_in_place", &rnnkit::f32_at_b_in_place, py::arg("rows"), py::arg("N"),
+        "whether a pass's weight gradient Aᵀ · B with A [rows, N] runs on f32_gemm_at_b (else MKL)");
   m.def("f32_gemm_count", &rnnkit::f32_gemm_count, "products the own float32 kernels have taken (tests)");
   m.def("fp32_gemm", [] { return std::string(rnnkit::f32_kernel()); },
         "the float32 GEMM kernels in use: avx512, avx2 (the kernels' own) or mkl");

@@ -225,15 +225,10 @@ void InputSteps::compute_chunk(int64_t s) {
 }
 
 void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B) {
-  // Aᵀ · B on the own kernels, both operands read in place, where A (read down its columns) is at
-  // most 2²¹ floats. Measured on Zen 4 (1 thread, GFLOP/s own / MKL, benchmarks/fp32_gemm.py
-  // --weight-gradients): the stream and small grid shapes' 102-112 / 83-93, [1600, 1024] by
-  // [1600, 256] 100 / 89; from medium's A [3200, 1024] on 82-92 / 90-96, where MKL's copies into
-  // its panels pay off.
-  constexpr int64_t kInPlaceFloats = int64_t(1) << 21;
+  // Aᵀ · B on the own kernels, both operands read in place, where fgemm measured that faster
   if (a.W.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && A.scalar_type() == at::kFloat &&
-      B.scalar_type() == at::kFloat && f32_own_products() && A.size(0) * A.size(1) <= kInPlaceFloats &&
-      out.stride(1) == 1 && A.stride(1) == 1 && B.stride(1) == 1) {
+      B.scalar_type() == at::kFloat && f32_at_b_in_place(A.size(0), A.size(1)) && out.stride(1) == 1 &&
+      A.stride(1) == 1 && B.stride(1) == 1) {
     f32_gemm_at_b(A.data_ptr<float>(), A.stride(0), B.data_ptr<float>(), B.stride(0), A.size(0), A.size(1),
                   B.size(1), out.data_ptr<float>(), out.stride(0));
     return;

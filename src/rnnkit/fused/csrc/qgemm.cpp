@@ -244,7 +244,6 @@ bool has_avx512_vnni() {
 bool has_avx_vnni() { return __builtin_cpu_supports("avxvnni"); }
 #endif
 
-
 // In the order `auto` tries them; emulated-vnni only on request (tests).
 const Int8Kernels kKernels[] = {
 #ifdef RNNKIT_VNNI_KERNELS
@@ -307,7 +306,6 @@ void unpacked(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M,
 }
 
 }  // namespace scalar
-
 
 const Int8Kernels kKernels[] = {{"scalar", scalar::unpacked, scalar::packed, runs_everywhere, true}};
 
