@@ -267,6 +267,38 @@ def test_autocast_inference_hands_bf16_matrices_to_the_kernels(monkeypatch):
     assert seen and seen[0][:2] == (torch.bfloat16, torch.bfloat16), seen
 
 
+def test_auto_trains_half_lstms_on_fused_and_leaves_their_inference_to_onednn():
+    """backend="auto" with a bfloat16 LSTM: a call that records a graph (weights, input or state
+    needing gradients) runs on `fused` (faster than oneDNN's bfloat16 training, backend.select),
+    a no_grad call on `native` where torch has oneDNN bfloat16 kernels; GRUs always on `fused`."""
+    native_ok = rnnkit.backend.get("native").unsupported_reason(
+        rnnkit.LSTM(3, 4).spec, torch.device("cpu"), torch.bfloat16) is None
+    torch.manual_seed(0)
+    lstm = rnnkit.LSTM(3, 4).to(torch.bfloat16)
+    x = torch.randn(5, 2, 3, dtype=torch.bfloat16)
+    lstm(x)
+    assert lstm.last_backend == "fused"
+    with torch.no_grad():
+        lstm(x)
+    assert lstm.last_backend == ("native" if native_ok else "fused")
+    lstm.requires_grad_(False)
+    lstm(x)  # nothing needs a gradient: inference
+    assert lstm.last_backend == ("native" if native_ok else "fused")
+    lstm(x, (torch.zeros(1, 2, 4, dtype=torch.bfloat16, requires_grad=True), torch.zeros(1, 2, 4, dtype=torch.bfloat16)))
+    assert lstm.last_backend == "fused"  # a state needing its gradient
+    gru = rnnkit.GRU(3, 4).to(torch.bfloat16)
+    with torch.no_grad():
+        gru(x)
+    assert gru.last_backend == "fused"
+    float_lstm = rnnkit.LSTM(3, 4)
+    with torch.autocast("cpu", torch.bfloat16):
+        float_lstm(x.float())
+        assert float_lstm.last_backend == "fused"
+        with torch.no_grad():
+            float_lstm(x.float())
+        assert float_lstm.last_backend == ("native" if native_ok else "fused")
+
+
 CELLS = {"lstm": (rnnkit.LSTMCell, dict(peephole=True, layer_norm=True, proj_size=5)),
          "gru": (rnnkit.GRUCell, {}), "rnn": (rnnkit.RNNCell, dict(nonlinearity="relu"))}
 

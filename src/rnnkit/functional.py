@@ -351,7 +351,12 @@ def run(
     x, unbatched = check_input(spec, input, like, batch_first)
     lengths = check_lengths(lengths, x.shape[0], x.shape[1], unbatched)
     h0s, c0s = split_states(spec, hx, x, unbatched)
-    chosen = backends_.select(backend, spec, x.device, x.dtype, steps=x.shape[0]) if named else backend
+    if named:
+        tensors = (x, *h0s, *(c0s or ()), *(t for w in weights for t in w))
+        grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+        chosen = backends_.select(backend, spec, x.device, x.dtype, steps=x.shape[0], grad=grad)
+    else:
+        chosen = backend
     if low is not None:
         with torch.autocast(x.device.type, enabled=False):
             y, h_ns, c_ns = run_stack(chosen, spec, weights, x, h0s, c0s, lengths, training)
