@@ -71,6 +71,25 @@ def test_half_gemm_matches_float32_on_the_widened_matrix(rows, pack, dtype, kern
             assert_close(got, (operand.double() @ M.double().t()).float(), f"{N}x{K}, {rows} rows")
 
 
+@pytest.mark.parametrize("kernel", [k for k in BF16_KERNELS if k != "none"] or
+                         [pytest.param("none", marks=pytest.mark.skip(reason="no bfloat16 GEMM kernels on this CPU"))])
+def test_bf16_weight_gradient_matches_float64_on_rounded_operands(kernel):
+    """Aᵀ · B as a bfloat16 module's weight gradient: A transposed as it is rounded (16 × 16 blocks
+    and their tails), B packed in pairs of rows (an odd count's last pair half zero), A also a
+    column slice of a wider matrix (a GRU's dA narrowed), both read in place. Each product of two
+    bfloat16 values is exact in float32, so only the float32 sums' order separates it from float64."""
+    torch.manual_seed(0)
+    with bf16_kernel(kernel):
+        for rows, N, K in [(1, 1, 1), (7, 5, 3), (33, 37, 11), (40, 64, 48), (201, 130, 17), (1600, 512, 128)]:
+            wide, B = torch.randn(rows, N + 9), torch.randn(rows, K)
+            before = (wide.clone(), B.clone())
+            for A in (wide[:, :N].contiguous(), wide[:, 4:4 + N]):
+                got = build.extension().bf16_gemm_at_b(A, B)
+                expected = A.bfloat16().double().t() @ B.bfloat16().double()
+                assert_close(got, expected.float(), f"{rows} rows, N {N}, K {K}, A strided {not A.is_contiguous()}")
+            assert torch.equal(wide, before[0]) and torch.equal(B, before[1])  # read, not rounded in place
+
+
 def rounded_module(mode, options, dtype, T, B):
     """A float32 module whose weights are ``dtype`` values, and lengths for a batch of T steps
     (None at T = 1)."""

@@ -50,4 +50,9 @@ void bf16_pack_float_transposed(const float* M, int64_t ld, int64_t N, int64_t K
 void bf16_gemm_packed(const float* X, int64_t rows, int64_t ldx, const uint16_t* packed, int64_t N, int64_t K,
                       float beta, float* C, int64_t ldc);
 
+// The same with X given transposed, read in place: X[r, k] = A[k, r] for float32 A [K, rows] (lda
+// per row of A). A weight gradient's dGᵀ · (h or x), dG [T·B, G·H] as the passes keep it.
+void bf16_gemm_packed_t(const float* A, int64_t rows, int64_t lda, const uint16_t* packed, int64_t N, int64_t K,
+                        float beta, float* C, int64_t ldc);
+
 }  // namespace rnnkit

@@ -375,6 +375,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return C;
       },
       py::arg("A"), py::arg("B"), "Aᵀ · B (a weight gradient) on the own float32 kernels, both read in place");
+  m.def(
+      "bf16_gemm_at_b",
+      [](const at::Tensor& A, const at::Tensor& B) {
+        TORCH_CHECK(A.dim() == 2 && B.dim() == 2 && A.scalar_type() == at::kFloat && B.scalar_type() == at::kFloat &&
+                        A.stride(1) == 1 && B.stride(1) == 1 && A.size(0) == B.size(0),
+                    "bf16_gemm_at_b: expected float32 A [rows, N] and B [rows, K] with unit-stride rows, got ",
+                    A.scalar_type(), " ", A.sizes(), " and ", B.scalar_type(), " ", B.sizes());
+        TORCH_CHECK(rnnkit::bf16_products(), "bf16_gemm_at_b: no bfloat16 GEMM kernels in use ('none')");
+        at::Tensor C = rnnkit::cached_empty({A.size(1), B.size(1)}, A);  // NaN under set_poison
+        rnnkit::bf16_weight_gradient(C, A, B);
+        return C;
+      },
+      py::arg("A"), py::arg("B"), "Aᵀ · B as a bfloat16 module's weight gradient: operands rounded to bfloat16");
   m.def("f32_at_b_in_place", &rnnkit::f32_at_b_in_place, py::arg("rows"), py::arg("N"),
         "whether a pass's weight gradient Aᵀ · B with A [rows, N] runs on f32_gemm_at_b (else MKL)");
   m.def("f32_gemm_count", &rnnkit::f32_gemm_count, "products the own float32 kernels have taken (tests)");

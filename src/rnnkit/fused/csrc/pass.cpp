@@ -224,6 +224,17 @@ void InputSteps::compute_chunk(int64_t s) {
   });
 }
 
+void bf16_weight_gradient(const Tensor& out, const Tensor& A, const Tensor& B) {
+  TORCH_CHECK(out.stride(1) == 1 && A.stride(1) == 1 && B.stride(1) == 1,
+              "rnnkit fused: bf16_weight_gradient: rows with unit stride");
+  const int64_t rows = A.size(0), N = A.size(1), K = B.size(1);
+  Tensor packed = cached_empty({bf16_packed_bytes(K, rows) / int64_t(sizeof(float))}, A);
+  uint16_t* panels = reinterpret_cast<uint16_t*>(packed.data_ptr<float>());
+  bf16_pack_float_transposed(B.data_ptr<float>(), B.stride(0), K, rows, panels);
+  // Aᵀ's rows (N of T·B) read from A in place, transposed as they are rounded
+  bf16_gemm_packed_t(A.data_ptr<float>(), N, A.stride(0), panels, K, rows, 0, out.data_ptr<float>(), out.stride(0));
+}
+
 void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B) {
   // Aᵀ · B on the own kernels, both operands read in place, where fgemm measured that faster
   if (a.W.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && A.scalar_type() == at::kFloat &&
@@ -237,13 +248,7 @@ void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, cons
     at::mm_out(const_cast<Tensor&>(out), A.t(), B);
     return;
   }
-  TORCH_CHECK(out.stride(1) == 1 && B.stride(1) == 1, "rnnkit fused: weight_gradient: rows with unit stride");
-  const int64_t rows = A.size(0), N = A.size(1), K = B.size(1);
-  const Tensor At = A.t().contiguous();  // [N, T·B]: the GEMM's left rows
-  Tensor packed = cached_empty({bf16_packed_bytes(K, rows) / int64_t(sizeof(float))}, At);
-  uint16_t* panels = reinterpret_cast<uint16_t*>(packed.data_ptr<float>());
-  bf16_pack_float_transposed(B.data_ptr<float>(), B.stride(0), K, rows, panels);
-  bf16_gemm_packed(At.data_ptr<float>(), N, rows, panels, K, rows, 0, out.data_ptr<float>(), out.stride(0));
+  bf16_weight_gradient(out, A, B);
 }
 
 Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tensor& raw, const Tensor& mean,

@@ -152,6 +152,11 @@ PackedRight<scalar_t> backward_operand(const PassArgs& a, WeightSlot slot, int64
 // the float GEMM.
 void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B);
 
+// out = Aᵀ · B on the bfloat16 kernels (bf16_products()): both float32 operands read in place and
+// rounded to bfloat16 (A transposed as it is rounded, B packed), sums in float32. A [rows, N], B
+// [rows, K], out [N, K], each with unit-stride rows: a bfloat16 module's weight gradient.
+void bf16_weight_gradient(const Tensor& out, const Tensor& A, const Tensor& B);
+
 // Which gradients a backward computes; the others' work is skipped (their block slices are zero).
 struct GradNeeds {
   bool dx = true, dW = true, dR = true, dW_hr = true;
