@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("poisoned_kernel_buffers")  # conftest.py
 
 # Which product path each shape takes (gemm.cpp, PackedRight's half constructor; pass.cpp, InputSteps):
 SHAPES = {
-    "T7-B1": (7, 1),    # one row a step: the widening matrix-vector loop (8 chains), W per chunk of rows
+    "T7-B1": (7, 1),    # one row a step: R packed for the bf16 products (float16: the widening loop), W per chunk of rows
     "T1-B1": (1, 1),    # one step of one row: W and R both through the widening loop
     "T1-B5": (1, 5),    # one step of a few rows: the four-row widening loops, 4 + 1
     "T1-B9": (1, 9),    # one step of more rows: widened once, sgemm unpacked
@@ -51,7 +51,7 @@ def bf16_kernel(name):
 def bf16_products(rows, pack, dtype):
     """Whether a pass multiplies X by bfloat16 M with the CPU's bfloat16 kernels (X then rounded to
     bfloat16): gemm.cpp, PackedRight's half constructor."""
-    read_as_is = rows == 1 or (not pack and rows <= 8)
+    read_as_is = not pack and rows <= 8  # one row of a matrix that multiplies more than once is packed too
     return dtype == torch.bfloat16 and build.extension().bf16_kernel() != "none" and not read_as_is
 
 
@@ -286,10 +286,11 @@ def test_autocast_inference_hands_bf16_matrices_to_the_kernels(monkeypatch):
     assert seen and seen[0][:2] == (torch.bfloat16, torch.bfloat16), seen
 
 
-def test_auto_trains_half_lstms_on_fused_and_leaves_their_inference_to_onednn():
+def test_auto_trains_half_lstms_on_fused_and_leaves_their_batched_inference_to_onednn():
     """backend="auto" with a bfloat16 LSTM: a call that records a graph (weights, input or state
-    needing gradients) runs on `fused` (faster than oneDNN's bfloat16 training, backend.select),
-    a no_grad call on `native` where torch has oneDNN bfloat16 kernels; GRUs always on `fused`."""
+    needing gradients) or runs a batch of one goes to `fused` (faster than oneDNN's bfloat16 there,
+    backend.select), a no_grad call of a batch to `native` where torch has oneDNN bfloat16
+    kernels; GRUs always to `fused`."""
     native_ok = rnnkit.backend.get("native").unsupported_reason(
         rnnkit.LSTM(3, 4).spec, torch.device("cpu"), torch.bfloat16) is None
     torch.manual_seed(0)
@@ -305,6 +306,8 @@ def test_auto_trains_half_lstms_on_fused_and_leaves_their_inference_to_onednn():
     assert lstm.last_backend == ("native" if native_ok else "fused")
     lstm(x, (torch.zeros(1, 2, 4, dtype=torch.bfloat16, requires_grad=True), torch.zeros(1, 2, 4, dtype=torch.bfloat16)))
     assert lstm.last_backend == "fused"  # a state needing its gradient
+    lstm(x[:, :1])
+    assert lstm.last_backend == "fused"  # a batch of one, in inference too
     gru = rnnkit.GRU(3, 4).to(torch.bfloat16)
     with torch.no_grad():
         gru(x)

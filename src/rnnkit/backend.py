@@ -59,7 +59,7 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 def select(name: str, spec: RNNSpec, device: torch.device, dtype: torch.dtype, steps: Optional[int] = None,
-           grad: bool = False):
+           grad: bool = False, batch: Optional[int] = None):
     """The backend that will run this call; raises BackendUnavailableError for a named one that can't.
 
     ``"auto"`` tries the backends by priority, except that on the CPU the fused kernels go first
@@ -67,16 +67,18 @@ def select(name: str, spec: RNNSpec, device: torch.device, dtype: torch.dtype, s
     matrix-vector loops beat oneDNN's; README, "Speed": the step-API rows), for bfloat16 /
     float16 GRUs and RNNs (oneDNN's bfloat16 GRU took 1.0-1.4x torch.nn's float32 time where the
     fused kernels took 0.34-0.43x on an AVX512_BF16 CPU) and for bfloat16 / float16 LSTMs that
-    record a graph (``grad``: training; oneDNN's bfloat16 LSTM training took 0.77-0.98x torch.nn's
-    float32 time at stream and wide where the fused kernels took 0.41-0.56x, and ~0.6x on the
-    other shapes as theirs; in inference oneDNN's is as fast or faster and keeps its place). A backend
+    record a graph (``grad``: training; oneDNN's bfloat16 LSTM trained in 0.76-0.92x torch.nn's
+    float32 time at stream and wide where the fused kernels took 0.34-0.37x, and 0.45-0.52x
+    against its 0.47-0.61x on the other shapes) or run a batch of one (0.41x against 0.52x at
+    stream); oneDNN's bfloat16 LSTM inference of batches is 5-15% faster and keeps its place. A backend
     that must be built is built here, by the first call that chooses it (never when it is only
     asked about, as ``backends()`` does); if that fails, ``"auto"`` moves on to the next one.
     """
     check_name(name)
     if name == "auto":
         order = _REGISTRY
-        if torch.device(device).type == "cpu" and (steps == 1 or (dtype in _HALF and (spec.mode != "lstm" or grad))):
+        half_first = dtype in _HALF and (spec.mode != "lstm" or grad or batch == 1)
+        if torch.device(device).type == "cpu" and (steps == 1 or half_first):
             order = sorted(_REGISTRY, key=lambda b: b.name != "fused")  # stable: the rest keep their order
         for backend in order:
             if (backend.unavailable_reason() is None and backend.unsupported_reason(spec, device, dtype) is None

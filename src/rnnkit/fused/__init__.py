@@ -13,9 +13,9 @@ on MKL's elsewhere. There the weight gradients run on it too while the gates' gr
 2²¹ floats (both operands read in place), and on MKL, measured faster, beyond. bfloat16 and
 float16 tensors are computed in float32 (the weights and inputs as given, accumulation, pointwise
 math and the carried state in float32) and the outputs rounded back. The kernels read a half-precision module's matrices (W, R, W_hr) as
-they are: in inference a batch of one (and a step of a few rows) widens each value as it is
-loaded, reading half of float32's bytes a step. The GEMMs of batches, and of training's forward
-and backward, run on the CPU's bfloat16 dot products where it has them (AVX512_BF16,
+they are: one step of a few rows widens each value as it is loaded, reading half of float32's
+bytes a step (so does a batch of one over many steps on a CPU without bfloat16 products). The
+GEMMs of batches, a batch of one over many steps, and training's forward and backward run on the CPU's bfloat16 dot products where it has them (AVX512_BF16,
 `bf16_kernel`: both operands in bfloat16, so h, and in the backward the gradients entering a
 product with a weight matrix, are rounded to bfloat16 as operands, while sums, the carried state
 and the weight gradients stay float32); otherwise each matrix is widened to float32 once per pass.
@@ -69,7 +69,8 @@ def release_cached_buffers() -> None:
 
 BF16_KERNELS = {
     "avx512-bf16": "AVX512_BF16: vdpbf16ps on bfloat16 weights and inputs (h rounded to bfloat16 as R's operand), "
-                   "float32 sums, for the GEMMs of batches; a batch of one reads the bfloat16 weights as they are",
+                   "float32 sums, for every pass's GEMMs (a batch of one included); one step of up to 8 rows "
+                   "reads the bfloat16 weights as they are",
     "emulated-bf16": "vdpbf16ps's arithmetic in AVX-512F instructions (for tests on CPUs without AVX512_BF16)",
     "none": "bfloat16 weights read as they are for a batch of one and for one step of up to 8 rows in inference, "
             "widened to float32 once per pass for larger batches and for training's backward (float32's GEMMs)",

@@ -35,6 +35,7 @@ struct Bf16Kernels {
   void (*packed)(const float* X, int64_t rows, int64_t ldx, bool transposed, const uint16_t* packed, int64_t N,
                  int64_t K, float beta, float* C, int64_t ldc);
   void (*pack_float_transposed)(const float* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest);
+  void (*pack_transposed)(const uint16_t* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest);
   bool (*runs_here)();
   bool automatic;  // chosen by "auto" when it runs here (the first such in kKernels' order)
 };
@@ -69,14 +70,32 @@ void pack_panels(int64_t N, int64_t K, uint16_t* dest, const Value& value) {
 void bf16_pack(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest) {
   TORCH_CHECK(M.bf16, "rnnkit fused: bf16_pack takes bfloat16 rows");
   const uint16_t* m = static_cast<const uint16_t*>(M.data);
+  if (K % 2 == 0 && M.ld % 2 == 0) {
+    // A panel is the transpose of 16 rows of M taken as 32-bit pairs of k: ATen's float transposes
+    // (bits moved, never computed on; 16 x 16 blocks in registers with AVX-512)
+    const int64_t groups = K / 2, panels = panels_of(N);
+    at::parallel_for(0, panels, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1))),
+                     [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        float* panel = reinterpret_cast<float*>(dest + p * groups * 2 * kPanel);
+        const int64_t width = std::min(kPanel, N - kPanel * p);
+        if (width < kPanel) std::memset(panel, 0, groups * kPanel * sizeof(float));
+        at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(m + kPanel * p * M.ld), M.ld / 2, panel, kPanel,
+                                      int(width), int(groups));
+      }
+    });
+    return;
+  }
   pack_panels(N, K, dest, [&](int64_t n, int64_t k) { return m[n * M.ld + k]; });
 }
 
-void bf16_pack_transposed(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest) {
-  TORCH_CHECK(M.bf16, "rnnkit fused: bf16_pack_transposed takes bfloat16 rows");
-  const uint16_t* m = static_cast<const uint16_t*>(M.data);
-  pack_panels(N, K, dest, [&](int64_t n, int64_t k) { return m[k * M.ld + n]; });
+namespace {
+
+void pack_transposed_loop(const uint16_t* m, int64_t ld, int64_t N, int64_t K, uint16_t* dest) {
+  pack_panels(N, K, dest, [&](int64_t n, int64_t k) { return m[k * ld + n]; });
 }
+
+}  // namespace
 
 namespace {
 
@@ -164,6 +183,26 @@ constexpr int kNR = 4, kXR = 6;          // a block: 4 panels (64 columns) times
           const __m512i even = _mm512_cvtepu16_epi32(round16(_mm512_maskz_loadu_ps(m, col + 2 * g * ld)));    \
           const __m512i odd = 2 * g + 1 < K                                                                    \
               ? _mm512_cvtepu16_epi32(round16(_mm512_maskz_loadu_ps(m, col + (2 * g + 1) * ld)))               \
+              : _mm512_setzero_si512();                                                                        \
+          _mm512_storeu_si512(panel + 2 * kPanel * g, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));      \
+        }                                                                                                      \
+      }                                                                                                        \
+    });                                                                                                        \
+  }                                                                                                            \
+                                                                                                               \
+  /* bf16_pack_transposed: the same interleaving of bfloat16 rows, as they are. */                             \
+  void pack_transposed(const uint16_t* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest) {                  \
+    const int64_t groups = pairs_of(K), panels = panels_of(N);                                                 \
+    at::parallel_for(0, panels, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1))), \
+                     [&](int64_t begin, int64_t end) {                                                         \
+      for (int64_t p = begin; p < end; ++p) {                                                                  \
+        uint16_t* panel = dest + p * groups * 2 * kPanel;                                                      \
+        const __mmask16 m = __mmask16((1u << std::min(kPanel, N - kPanel * p)) - 1); /* zeros past N */        \
+        const uint16_t* col = M + kPanel * p;                                                                  \
+        for (int64_t g = 0; g < groups; ++g) {                                                                 \
+          const __m512i even = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, col + 2 * g * ld));           \
+          const __m512i odd = 2 * g + 1 < K                                                                    \
+              ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, col + (2 * g + 1) * ld))                     \
               : _mm512_setzero_si512();                                                                        \
           _mm512_storeu_si512(panel + 2 * kPanel * g, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));      \
         }                                                                                                      \
@@ -284,9 +323,11 @@ bool has_avx512() {
 bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 
 const Bf16Kernels kKernels[] = {
-    {"avx512-bf16", avx512_bf16::packed, avx512_bf16::pack_float_transposed, has_avx512_bf16, true},
-    {"emulated-bf16", emulated_bf16::packed, emulated_bf16::pack_float_transposed, has_avx512, false},
-    {"none", nullptr, nullptr, runs_everywhere, true},
+    {"avx512-bf16", avx512_bf16::packed, avx512_bf16::pack_float_transposed, avx512_bf16::pack_transposed,
+     has_avx512_bf16, true},
+    {"emulated-bf16", emulated_bf16::packed, emulated_bf16::pack_float_transposed, emulated_bf16::pack_transposed,
+     has_avx512, false},
+    {"none", nullptr, nullptr, nullptr, runs_everywhere, true},
 };
 
 }  // namespace
@@ -294,7 +335,7 @@ const Bf16Kernels kKernels[] = {
 #else
 
 namespace {
-const Bf16Kernels kKernels[] = {{"none", nullptr, nullptr, runs_everywhere, true}};
+const Bf16Kernels kKernels[] = {{"none", nullptr, nullptr, nullptr, runs_everywhere, true}};
 }  // namespace
 
 #endif
@@ -332,6 +373,12 @@ void bf16_gemm_packed_t(const float* A, int64_t rows, int64_t lda, const uint16_
   TORCH_CHECK(k.packed != nullptr, "rnnkit fused: no bfloat16 GEMM kernels here (bf16_kernel() is 'none')");
   if (K <= 0) return empty_sum(rows, N, beta, C, ldc);
   k.packed(A, rows, lda, true, packed, N, K, beta, C, ldc);
+}
+
+void bf16_pack_transposed(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest) {
+  TORCH_CHECK(M.bf16, "rnnkit fused: bf16_pack_transposed takes bfloat16 rows");
+  const Bf16Kernels& k = current();
+  (k.pack_transposed ? k.pack_transposed : pack_transposed_loop)(static_cast<const uint16_t*>(M.data), M.ld, N, K, dest);
 }
 
 void bf16_pack_float_transposed(const float* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest) {
