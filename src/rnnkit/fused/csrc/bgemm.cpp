@@ -70,9 +70,10 @@ void pack_panels(int64_t N, int64_t K, uint16_t* dest, const Value& value) {
 void bf16_pack(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest) {
   TORCH_CHECK(M.bf16, "rnnkit fused: bf16_pack takes bfloat16 rows");
   const uint16_t* m = static_cast<const uint16_t*>(M.data);
+#if defined(CPU_CAPABILITY_AVX512)  // where the bfloat16 kernels run (AVX-512 builds)
   if (K % 2 == 0 && M.ld % 2 == 0) {
     // A panel is the transpose of 16 rows of M taken as 32-bit pairs of k: ATen's float transposes
-    // (bits moved, never computed on; 16 x 16 blocks in registers with AVX-512)
+    // (bits moved in registers, never computed on: 16 x 16 blocks)
     const int64_t groups = K / 2, panels = panels_of(N);
     at::parallel_for(0, panels, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1))),
                      [&](int64_t begin, int64_t end) {
@@ -86,6 +87,7 @@ void bf16_pack(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest) {
     });
     return;
   }
+#endif
   pack_panels(N, K, dest, [&](int64_t n, int64_t k) { return m[n * M.ld + k]; });
 }
 
