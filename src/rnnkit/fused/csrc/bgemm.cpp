@@ -30,6 +30,11 @@ constexpr int64_t kPanel = 16;  // rows of M per panel: one float32 vector of ou
 inline int64_t pairs_of(int64_t K) { return (K + 1) / 2; }
 inline int64_t panels_of(int64_t N) { return (N + kPanel - 1) / kPanel; }
 
+// Panels a thread packs at least: ~64 K values of M each.
+inline int64_t pack_grain(int64_t K) {
+  return std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1)));
+}
+
 struct Bf16Kernels {
   const char* name;
   void (*packed)(const float* X, int64_t rows, int64_t ldx, bool transposed, const uint16_t* packed, int64_t N,
@@ -51,7 +56,7 @@ namespace {
 template <typename Value>
 void pack_panels(int64_t N, int64_t K, uint16_t* dest, const Value& value) {
   const int64_t groups = pairs_of(K), panels = panels_of(N);
-  at::parallel_for(0, panels, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1))),
+  at::parallel_for(0, panels, pack_grain(K),
                    [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       uint16_t* panel = dest + p * groups * 2 * kPanel;
@@ -75,7 +80,7 @@ void bf16_pack(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest) {
     // A panel is the transpose of 16 rows of M taken as 32-bit pairs of k: ATen's float transposes
     // (bits moved in registers, never computed on: 16 x 16 blocks)
     const int64_t groups = K / 2, panels = panels_of(N);
-    at::parallel_for(0, panels, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1))),
+    at::parallel_for(0, panels, pack_grain(K),
                      [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         float* panel = reinterpret_cast<float*>(dest + p * groups * 2 * kPanel);
@@ -171,45 +176,37 @@ constexpr int kNR = 4, kXR = 6;          // a block: 4 panels (64 columns) times
     return out.data();                                                                                         \
   }                                                                                                            \
                                                                                                                \
-  /* bf16_pack_float_transposed: rows 2g and 2g + 1 of M, 16 columns each, rounded and interleaved into */     \
-  /* one 64-byte group (k = 2g in each 32-bit lane's low half), as pack_panels lays them out. */              \
-  void pack_float_transposed(const float* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest) {              \
+  /* bf16_pack_float_transposed's and bf16_pack_transposed's layout from M [K, N] (ld per row): rows */      \
+  /* 2g and 2g + 1, 16 columns each as bfloat16 bits (`bits16(row, mask)`, zeros past N), interleaved */       \
+  /* into one 64-byte group (k = 2g in each 32-bit lane's low half), as pack_panels lays them out. */          \
+  template <typename T, typename Bits>                                                                         \
+  void interleave_pairs(const T* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest, const Bits& bits16) {    \
     const int64_t groups = pairs_of(K), panels = panels_of(N);                                                 \
-    at::parallel_for(0, panels, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1))), \
-                     [&](int64_t begin, int64_t end) {                                                         \
+    at::parallel_for(0, panels, pack_grain(K), [&](int64_t begin, int64_t end) {                               \
       for (int64_t p = begin; p < end; ++p) {                                                                  \
         uint16_t* panel = dest + p * groups * 2 * kPanel;                                                      \
-        const __mmask16 m = __mmask16((1u << std::min(kPanel, N - kPanel * p)) - 1); /* zeros past N */        \
-        const float* col = M + kPanel * p;                                                                     \
+        const __mmask16 m = __mmask16((1u << std::min(kPanel, N - kPanel * p)) - 1);                          \
+        const T* col = M + kPanel * p;                                                                         \
         for (int64_t g = 0; g < groups; ++g) {                                                                 \
-          const __m512i even = _mm512_cvtepu16_epi32(round16(_mm512_maskz_loadu_ps(m, col + 2 * g * ld)));    \
-          const __m512i odd = 2 * g + 1 < K                                                                    \
-              ? _mm512_cvtepu16_epi32(round16(_mm512_maskz_loadu_ps(m, col + (2 * g + 1) * ld)))               \
-              : _mm512_setzero_si512();                                                                        \
+          const __m512i even = _mm512_cvtepu16_epi32(bits16(col + 2 * g * ld, m));                             \
+          const __m512i odd = 2 * g + 1 < K ? _mm512_cvtepu16_epi32(bits16(col + (2 * g + 1) * ld, m))        \
+                                            : _mm512_setzero_si512();                                          \
           _mm512_storeu_si512(panel + 2 * kPanel * g, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));      \
         }                                                                                                      \
       }                                                                                                        \
     });                                                                                                        \
   }                                                                                                            \
                                                                                                                \
-  /* bf16_pack_transposed: the same interleaving of bfloat16 rows, as they are. */                             \
+  /* float32 rows rounded to bfloat16 (nearest even) as they are read */                                       \
+  void pack_float_transposed(const float* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest) {              \
+    interleave_pairs(M, ld, N, K, dest,                                                                        \
+                     [](const float* row, __mmask16 m) { return round16(_mm512_maskz_loadu_ps(m, row)); });    \
+  }                                                                                                            \
+                                                                                                               \
+  /* bfloat16 rows as they are */                                                                              \
   void pack_transposed(const uint16_t* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest) {                  \
-    const int64_t groups = pairs_of(K), panels = panels_of(N);                                                 \
-    at::parallel_for(0, panels, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(K, 1))), \
-                     [&](int64_t begin, int64_t end) {                                                         \
-      for (int64_t p = begin; p < end; ++p) {                                                                  \
-        uint16_t* panel = dest + p * groups * 2 * kPanel;                                                      \
-        const __mmask16 m = __mmask16((1u << std::min(kPanel, N - kPanel * p)) - 1); /* zeros past N */        \
-        const uint16_t* col = M + kPanel * p;                                                                  \
-        for (int64_t g = 0; g < groups; ++g) {                                                                 \
-          const __m512i even = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, col + 2 * g * ld));           \
-          const __m512i odd = 2 * g + 1 < K                                                                    \
-              ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, col + (2 * g + 1) * ld))                     \
-              : _mm512_setzero_si512();                                                                        \
-          _mm512_storeu_si512(panel + 2 * kPanel * g, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));      \
-        }                                                                                                      \
-      }                                                                                                        \
-    });                                                                                                        \
+    interleave_pairs(M, ld, N, K, dest,                                                                        \
+                     [](const uint16_t* row, __mmask16 m) { return _mm256_maskz_loadu_epi16(m, row); });       \
   }                                                                                                            \
                                                                                                                \
   /* C[XR rows, NR panels of 16 columns (the last cut at `width`)]. */                                         \
@@ -359,22 +356,27 @@ std::vector<std::string> bf16_kernels() { return choice().names(); }
 
 std::string set_bf16_kernel(const std::string& name) { return choice().set(name, "set_bf16_kernel"); }
 
-void bf16_gemm_packed(const float* X, int64_t rows, int64_t ldx, const uint16_t* packed, int64_t N, int64_t K,
-                      float beta, float* C, int64_t ldc) {
+namespace {
+
+void multiply(const float* X, int64_t rows, int64_t ldx, bool transposed, const uint16_t* packed, int64_t N,
+              int64_t K, float beta, float* C, int64_t ldc) {
   if (rows <= 0 || N <= 0) return;
   const Bf16Kernels& k = current();
   TORCH_CHECK(k.packed != nullptr, "rnnkit fused: no bfloat16 GEMM kernels here (bf16_kernel() is 'none')");
   if (K <= 0) return empty_sum(rows, N, beta, C, ldc);
-  k.packed(X, rows, ldx, false, packed, N, K, beta, C, ldc);
+  k.packed(X, rows, ldx, transposed, packed, N, K, beta, C, ldc);
+}
+
+}  // namespace
+
+void bf16_gemm_packed(const float* X, int64_t rows, int64_t ldx, const uint16_t* packed, int64_t N, int64_t K,
+                      float beta, float* C, int64_t ldc) {
+  multiply(X, rows, ldx, false, packed, N, K, beta, C, ldc);
 }
 
 void bf16_gemm_packed_t(const float* A, int64_t rows, int64_t lda, const uint16_t* packed, int64_t N, int64_t K,
                         float beta, float* C, int64_t ldc) {
-  if (rows <= 0 || N <= 0) return;
-  const Bf16Kernels& k = current();
-  TORCH_CHECK(k.packed != nullptr, "rnnkit fused: no bfloat16 GEMM kernels here (bf16_kernel() is 'none')");
-  if (K <= 0) return empty_sum(rows, N, beta, C, ldc);
-  k.packed(A, rows, lda, true, packed, N, K, beta, C, ldc);
+  multiply(A, rows, lda, true, packed, N, K, beta, C, ldc);
 }
 
 void bf16_pack_transposed(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest) {

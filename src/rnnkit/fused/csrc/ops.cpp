@@ -361,13 +361,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return C;
       },
       py::arg("X"), py::arg("packed"), py::arg("N"), "X · Mᵀ on M packed by f32_pack, through the own float32 kernels");
+  // The weight-gradient bindings' operands: float32 A [rows, N] and B [rows, K], unit-stride rows.
+  const auto check_at_b = [](const char* name, const at::Tensor& A, const at::Tensor& B) {
+    TORCH_CHECK(A.dim() == 2 && B.dim() == 2 && A.scalar_type() == at::kFloat && B.scalar_type() == at::kFloat &&
+                    A.stride(1) == 1 && B.stride(1) == 1 && A.size(0) == B.size(0),
+                name, ": expected float32 A [rows, N] and B [rows, K] with unit-stride rows, got ", A.scalar_type(),
+                " ", A.sizes(), " and ", B.scalar_type(), " ", B.sizes());
+  };
   m.def(
       "f32_gemm_at_b",
-      [](const at::Tensor& A, const at::Tensor& B) {
-        TORCH_CHECK(A.dim() == 2 && B.dim() == 2 && A.scalar_type() == at::kFloat && B.scalar_type() == at::kFloat &&
-                        A.stride(1) == 1 && B.stride(1) == 1 && A.size(0) == B.size(0),
-                    "f32_gemm_at_b: expected float32 A [rows, N] and B [rows, K] with unit-stride rows, got ",
-                    A.scalar_type(), " ", A.sizes(), " and ", B.scalar_type(), " ", B.sizes());
+      [check_at_b](const at::Tensor& A, const at::Tensor& B) {
+        check_at_b("f32_gemm_at_b", A, B);
         TORCH_CHECK(rnnkit::f32_own_products(), "f32_gemm_at_b: the float32 GEMM in use is MKL's");
         at::Tensor C = rnnkit::cached_empty({A.size(1), B.size(1)}, A);  // NaN under set_poison
         rnnkit::f32_gemm_at_b(A.data_ptr<float>(), A.stride(0), B.data_ptr<float>(), B.stride(0), A.size(0),
@@ -377,11 +381,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("A"), py::arg("B"), "Aᵀ · B (a weight gradient) on the own float32 kernels, both read in place");
   m.def(
       "bf16_gemm_at_b",
-      [](const at::Tensor& A, const at::Tensor& B) {
-        TORCH_CHECK(A.dim() == 2 && B.dim() == 2 && A.scalar_type() == at::kFloat && B.scalar_type() == at::kFloat &&
-                        A.stride(1) == 1 && B.stride(1) == 1 && A.size(0) == B.size(0),
-                    "bf16_gemm_at_b: expected float32 A [rows, N] and B [rows, K] with unit-stride rows, got ",
-                    A.scalar_type(), " ", A.sizes(), " and ", B.scalar_type(), " ", B.sizes());
+      [check_at_b](const at::Tensor& A, const at::Tensor& B) {
+        check_at_b("bf16_gemm_at_b", A, B);
         TORCH_CHECK(rnnkit::bf16_products(), "bf16_gemm_at_b: no bfloat16 GEMM kernels in use ('none')");
         at::Tensor C = rnnkit::cached_empty({A.size(1), B.size(1)}, A);  // NaN under set_poison
         rnnkit::bf16_weight_gradient(C, A, B);
