@@ -208,27 +208,55 @@ def test_a_rebound_weight_warns_once_computes_right_and_flatten_packs_again():
         assert_close(module(x)[0], y, "y after flatten_parameters")
 
 
+DDP_SCRIPT = r"""
+import copy, sys
+import torch
+import torch.distributed as dist
+import rnnkit
+from rnnkit.testing import assert_close
+
+I, H = {I}, {H}
+torch.manual_seed(0)
+store = dist.FileStore(sys.argv[1], 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+module = rnnkit.LSTM(I, H, 2, bidirectional=True, backend="reference")
+twin = copy.deepcopy(module)
+wrapped = torch.nn.parallel.DistributedDataParallel(module)
+x = torch.randn(5, 3, I)
+upstream = torch.randn(5, 3, 2 * H)
+y, (h, c) = wrapped(x)
+(y * upstream).sum().add(h.sum()).backward()
+y_ref, (h_ref, _) = twin(x)
+(y_ref * upstream).sum().add(h_ref.sum()).backward()
+assert_close(y, y_ref, "y")
+assert_close(module.flat_weights.grad, twin.flat_weights.grad, "dW")
+assert module.flat_weights.grad.abs().sum() > 0
+print("CHECKED", flush=True)
+dist.destroy_process_group()
+""".format(I=I, H=H)
+
+
 def test_distributed_data_parallel_single_process(tmp_path):
+    """DDP around an rnnkit LSTM: the same outputs and gradients as the bare module. Run in a child
+    process: torch's Gloo process group can deadlock in its destructor at interpreter teardown (seen
+    once in six suite runs, a GIL wait inside ~ProcessGroupGloo), which must not hang the suite. The
+    check itself has passed once the child prints CHECKED; a hang after that is torch's teardown,
+    reported as a warning, not a pass of an unfinished check."""
+    import subprocess
+    import sys
     import torch.distributed as dist
 
     if not dist.is_available():
         pytest.skip("torch.distributed is not built into this torch")
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        module = rnnkit.LSTM(I, H, 2, bidirectional=True, backend=REF)
-        twin = copy.deepcopy(module)
-        wrapped = torch.nn.parallel.DistributedDataParallel(module)
-        x = torch.randn(5, 3, I)
-        upstream = torch.randn(5, 3, 2 * H)
-        y, (h, c) = wrapped(x)
-        (y * upstream).sum().add(h.sum()).backward()
-        y_ref, (h_ref, _) = twin(x)
-        (y_ref * upstream).sum().add(h_ref.sum()).backward()
-        assert_close(y, y_ref, "y")
-        assert_close(module.flat_weights.grad, twin.flat_weights.grad, "dW")
-    finally:
-        dist.destroy_process_group()
+        result = subprocess.run([sys.executable, "-c", DDP_SCRIPT, str(tmp_path / "store")],
+                                capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired as hung:
+        out = hung.stdout.decode() if isinstance(hung.stdout, bytes) else (hung.stdout or "")
+        assert "CHECKED" in out, f"the DDP check hung before finishing:\n{out}"
+        warnings.warn("torch.distributed's Gloo teardown hung after the DDP check passed; the child was killed")
+        return
+    assert result.returncode == 0 and "CHECKED" in result.stdout, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize(

@@ -2,22 +2,27 @@
 (W, R, W_hr) as they are and compute in float32. With the matrices widened (bf16 kernels "none") a
 pass, forward and backward, equals float32's on the same values up to float32's summation order:
 float32's tolerance. On the bfloat16 kernels (AVX512_BF16, or their emulation) the GEMM operands
-are rounded to bfloat16: bfloat16's tolerance, and not float32's bits (they ran). Kernel buffers
-are NaN-poisoned, as in test_fused.py.
+are rounded to bfloat16: bfloat16's tolerance, and not float32's bits (they ran); a single-layer
+bfloat16 module equals the reference on the same roundings (`rnnkit.testing.RoundedProducts`) up
+to float32 ties. Kernel buffers are NaN-poisoned, as in test_fused.py.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+from unittest import mock
 
 import pytest
 import torch
 
 import rnnkit
+from rnnkit import masks
 from rnnkit.fused import FusedCPUBackend, build
 from rnnkit.fused import ops as fused_ops
 from rnnkit.masks import draw_pass
-from helpers import TOLERANCE, assert_close, flatten, make_module
-from test_fused import CASES
+from helpers import TOLERANCE, assert_close, flatten, make_module, rel_rms
+from rnnkit.testing import RoundedProducts
+from test_fused import CASES, TRAINING_CASES
 
 HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 # the bfloat16 GEMM kernels this CPU runs ("none" everywhere: bfloat16 weights widened to float32)
@@ -423,3 +428,111 @@ def test_the_kernels_refuse_half_matrices_where_they_cannot_take_them():
         forward(x, half._replace(R=w.R.detach().half()), False)
     with pytest.raises(RuntimeError, match="biases, gains, states and masks are float32"):
         forward(x, half._replace(b_W=w.b_W.detach().bfloat16()), False)
+
+
+def _bf16_dropout_mask(shape, p, like, draw=masks._dropout_mask):
+    """A bfloat16 module's dropout mask for a float32 run: drawn alike, its scale 1/(1-p) rounded to
+    bfloat16 as a bfloat16 module's masks are (rnnkit/masks.py draws in the input's dtype, as
+    torch.nn.functional.dropout scales in it)."""
+    return draw(shape, p, like).bfloat16().to(like.dtype)
+
+
+def _rounded_products_runs(mode, options, training, T=9, B=4, lengths=(9, 3, 1, 6)):
+    """(outputs, gradients) of one module twice: float32 on the reference backend under
+    `RoundedProducts` (every product's operands and, in backward, the gradient entering it rounded
+    to bfloat16), then in bfloat16 on the fused kernels; the same bfloat16 weights, input, initial
+    states, upstream gradients and masks. The reference's results are rounded to bfloat16 as the
+    bfloat16 module returns them."""
+    torch.manual_seed(0)
+    module = make_module(mode, 11, 37, torch.float32, **options)
+    with torch.no_grad():
+        module.flat_weights.copy_(module.flat_weights.bfloat16().float())
+    spec = module.spec
+    x = torch.randn(T, B, 11).bfloat16()
+    states = [torch.randn(spec.num_layers * spec.num_directions, B, spec.output_size(0)).bfloat16()]
+    if mode == "lstm":
+        states.append(torch.randn(spec.num_layers * spec.num_directions, B, 37).bfloat16())
+    lengths = None if lengths is None else torch.tensor(lengths)
+    runs = []
+    for dtype, backend in ((torch.float32, "reference"), (torch.bfloat16, "fused")):
+        m = copy.deepcopy(module).to(dtype)
+        m.backend = backend
+        m.train(training)
+        leaves = [t.to(dtype).requires_grad_() for t in [x] + states]
+        hx = tuple(leaves[1:]) if mode == "lstm" else leaves[1]
+        with contextlib.ExitStack() as scope:
+            if dtype == torch.float32:
+                scope.enter_context(RoundedProducts(torch.bfloat16))
+                scope.enter_context(mock.patch.object(masks, "_dropout_mask", _bf16_dropout_mask))
+            torch.manual_seed(1)  # the same masks
+            y, hy = m(leaves[0], hx, lengths)
+            outputs = [y] + flatten(hy)
+            generator = torch.Generator().manual_seed(2)
+            upstream = [torch.randn(o.shape, generator=generator).bfloat16().to(dtype) for o in outputs]
+            grads = torch.autograd.grad(outputs, leaves + list(m.parameters()), upstream)
+        runs.append([t.detach().bfloat16() for t in outputs + list(grads)])
+    return runs
+
+
+# The fused bfloat16 kernels round what a bfloat16 GEMM with float32 accumulation must (x, h entering
+# R, the projection's input, the gates' gradient entering the backward's products) and nothing else:
+# the reference on the same roundings (`RoundedProducts`) returns the same bfloat16 values but where a
+# float32 sum, in another order, lands within an ulp of a bfloat16 rounding boundary. Measured over
+# these cases on Zen 4: identical, bit for bit. A rounding left out or added (h not rounded, or the
+# gradient entering a product left in float32) moves most elements: 1e-3 to 3e-3 relative RMS
+# (measured), so 7.5e-4 tells them apart and leaves room for a few ties (one ulp, 2^-8, in an element).
+ROUNDED_PRODUCTS_TOLERANCE = 7.5e-4
+# Two results are rounded twice in a bfloat16 module and once in the reference: dx through the input
+# dropout mask (the gradient of x·mask is a bfloat16 tensor, then multiplied by the mask and rounded
+# again) and R's gradient through DropConnect's (likewise). A second rounding moves an element by at
+# most half an ulp (2^-9 relative); measured 2.6-2.8e-3 relative RMS. Those two compare within 2^-8.
+TWICE_ROUNDED_TOLERANCE = 2.0 ** -8
+# Stacks (layers, directions) are left to the pass-level tests above: a bfloat16 module hands its
+# passes' outputs on as bfloat16 tensors (as torch.nn's bfloat16 LSTM does), so a bidirectional
+# sum, an inter-layer dropout and every gradient flowing back between passes round once more than in
+# the reference (measured 1e-3 to 5e-3 without clips, 5e-2 with cell and projection clips, whose kinks
+# a flipped ulp crosses).
+ROUNDED_PRODUCTS_CASES = [pytest.param(mode, options, False, id=case.id) for case in CASES
+                          for mode, options in [case.values]
+                          if not (options.get("num_layers", 1) > 1 or options.get("bidirectional"))] + \
+                         [pytest.param(mode, options, True, id=f"training-{name}") for name, (mode, options)
+                          in TRAINING_CASES.items() if not (options.get("num_layers", 1) > 1 or options.get("bidirectional"))]
+
+
+@pytest.mark.skipif(BF16_KERNELS == ["none"], reason="no bfloat16 GEMM kernels on this CPU (AVX-512 needed)")
+@pytest.mark.parametrize("mode, options, training", ROUNDED_PRODUCTS_CASES)
+def test_bf16_module_is_the_reference_on_rounded_products(mode, options, training):
+    """A bfloat16 module on the fused kernels (each bfloat16 kernel this CPU runs) against the
+    float32 reference whose products round their operands as a bfloat16 GEMM does (``rnnkit.testing``'s
+    RoundedProducts): outputs, final states, the gradients of the input, the initial states and
+    every weight, in training with the bfloat16 module's masks."""
+    states = ["h_0", "c_0"] if mode == "lstm" else ["h_0"]
+    names = ["y"] + [f"{s} final" for s in states] + ["dx"] + [f"d {s}" for s in states] + \
+        [name for name, _ in make_module(mode, 11, 37, torch.float32, **options).named_parameters()]
+    twice = {name for name, on in (("dx", training and options.get("input_dropout")),
+                                   ("weight_hh_l0", training and options.get("dropconnect"))) if on}
+    for kernel in BF16_KERNELS:
+        if kernel == "none":
+            continue
+        with bf16_kernel(kernel):
+            reference, fused = _rounded_products_runs(mode, options, training)
+        assert len(fused) == len(reference) == len(names)
+        for name, a, e in zip(names, fused, reference):
+            tolerance = TWICE_ROUNDED_TOLERANCE if name in twice else ROUNDED_PRODUCTS_TOLERANCE
+            assert_close(a.float(), e.float(), f"{kernel}: {name}", tol=tolerance)
+
+
+def test_rounded_products_round_both_operands_and_the_gradient_entering_them():
+    """`RoundedProducts`: a @ b on a and b rounded to bfloat16; in backward the gradient entering the
+    product rounded too, then passed straight through the roundings; everything else untouched."""
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 7, requires_grad=True), torch.randn(7, 3, requires_grad=True)
+    g = torch.randn(5, 3)
+    r = lambda t: t.bfloat16().float()  # noqa: E731
+    with RoundedProducts(torch.bfloat16):
+        out = a @ b
+        other = a * 1.0001  # not a product: float32
+        da, db = torch.autograd.grad(out, [a, b], g)
+    assert torch.equal(out, r(a.detach()) @ r(b.detach()))
+    assert torch.equal(da, r(g) @ r(b.detach()).T) and torch.equal(db, r(a.detach()).T @ r(g))
+    assert torch.equal(other, a.detach() * 1.0001) and not torch.equal(out, a.detach() @ b.detach())

@@ -51,6 +51,56 @@ def assert_close(actual, expected, name: str = "tensor", dtype=None, tol=None) -
     assert err <= limit, f"{name}: relative RMS error {err:.3e} > {limit:.1e}"
 
 
+# ---- bfloat16 / float16 products ---------------------------------------------------------------
+
+class _Round(torch.autograd.Function):
+    """v rounded to ``dtype`` (returned in v's dtype); the gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx, v, dtype):
+        return v.to(dtype).to(v.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _RoundGradient(torch.autograd.Function):
+    """v unchanged; the gradient flowing back through it rounded to ``dtype``."""
+
+    @staticmethod
+    def forward(ctx, v, dtype):
+        ctx.dtype = dtype
+        return v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype).to(grad.dtype), None
+
+
+class RoundedProducts(torch.overrides.TorchFunctionMode):
+    """Within the block, every matrix product ``a @ b`` computes in its operands' (float) dtype on
+    both operands rounded to ``dtype`` — and, in backward, on the gradient entering it rounded to
+    ``dtype`` — which is what a half-precision GEMM with float32 accumulation computes: the rnnkit
+    reference backend run under it is what the fused bfloat16 kernels compute (their GEMM operands
+    bfloat16: x, h entering R, the projection's input, the gradient of the gates entering the
+    backward's products; the pointwise math and the carried state float32), up to float32's
+    summation order. The reference backend's products are all ``@`` (rnnkit/ref)."""
+
+    _PRODUCTS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._PRODUCTS and len(args) == 2 and not kwargs:
+            a, b = (_Round.apply(t, self.dtype) for t in args)
+            return _RoundGradient.apply(torch.matmul(a, b), self.dtype)
+        return func(*args, **kwargs)
+
+
 # ---- int8 (rnnkit.quantize) ---------------------------------------------------------------------
 
 def quantize_activation_rows(v: torch.Tensor) -> torch.Tensor:

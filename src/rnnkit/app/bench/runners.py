@@ -519,7 +519,7 @@ class LowPrecisionModel(Model):
 
 class Bf16Runner(Runner):
     """A bfloat16 runner: checked against the float64 reference within bfloat16's tolerance (or twice
-    the error of the reference on bfloat16-rounded weights and input, `Case.rounded_reference_errors`)."""
+    the error of the reference on bfloat16-rounded weights, input and products, `Case.rounded_reference_errors`)."""
 
     precision = "bfloat16"
     tolerance = TOLERANCE[torch.bfloat16]
