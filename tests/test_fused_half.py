@@ -21,7 +21,7 @@ from rnnkit.fused import FusedCPUBackend, build
 from rnnkit.fused import ops as fused_ops
 from rnnkit.masks import draw_pass
 from helpers import TOLERANCE, assert_close, flatten, make_module, rel_rms
-from rnnkit.testing import RoundedProducts
+from rnnkit.testing import BF16_ROUNDED_TOLERANCE, RoundedProducts
 from test_fused import CASES, TRAINING_CASES
 
 HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
@@ -475,18 +475,9 @@ def _rounded_products_runs(mode, options, training, T=9, B=4, lengths=(9, 3, 1, 
 
 
 # The fused bfloat16 kernels round what a bfloat16 GEMM with float32 accumulation must (x, h entering
-# R, the projection's input, the gates' gradient entering the backward's products) and nothing else:
-# the reference on the same roundings (`RoundedProducts`) returns the same bfloat16 values but where a
-# float32 sum, in another order, lands within an ulp of a bfloat16 rounding boundary. Measured over
-# these cases on Zen 4: identical, bit for bit. A rounding left out or added (h not rounded, or the
-# gradient entering a product left in float32) moves most elements: 1e-3 to 3e-3 relative RMS
-# (measured), so 7.5e-4 tells them apart and leaves room for a few ties (one ulp, 2^-8, in an element).
-ROUNDED_PRODUCTS_TOLERANCE = 7.5e-4
-# Two results are rounded twice in a bfloat16 module and once in the reference: dx through the input
-# dropout mask (the gradient of x·mask is a bfloat16 tensor, then multiplied by the mask and rounded
-# again) and R's gradient through DropConnect's (likewise). A second rounding moves an element by at
-# most half an ulp (2^-9 relative); measured 2.6-2.8e-3 relative RMS. Those two compare within 2^-8.
-TWICE_ROUNDED_TOLERANCE = 2.0 ** -8
+# R, the projection's input, the gates' gradient entering the backward's products) and nothing else,
+# so the reference on the same roundings returns the same bfloat16 values but for float32 ties, and
+# for two results a bfloat16 module rounds twice: rnnkit.testing.BF16_ROUNDED_TOLERANCE, measured.
 # Stacks (layers, directions) are left to the pass-level tests above: a bfloat16 module hands its
 # passes' outputs on as bfloat16 tensors (as torch.nn's bfloat16 LSTM does), so a bidirectional
 # sum, an inter-layer dropout and every gradient flowing back between passes round once more than in
@@ -518,7 +509,7 @@ def test_bf16_module_is_the_reference_on_rounded_products(mode, options, trainin
             reference, fused = _rounded_products_runs(mode, options, training)
         assert len(fused) == len(reference) == len(names)
         for name, a, e in zip(names, fused, reference):
-            tolerance = TWICE_ROUNDED_TOLERANCE if name in twice else ROUNDED_PRODUCTS_TOLERANCE
+            tolerance = BF16_ROUNDED_TOLERANCE["twice_rounded" if name in twice else "rounded_products"]
             assert_close(a.float(), e.float(), f"{kernel}: {name}", tol=tolerance)
 
 
