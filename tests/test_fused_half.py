@@ -527,3 +527,10 @@ def test_rounded_products_round_both_operands_and_the_gradient_entering_them():
     assert torch.equal(out, r(a.detach()) @ r(b.detach()))
     assert torch.equal(da, r(g) @ r(b.detach()).T) and torch.equal(db, r(a.detach()).T @ r(g))
     assert torch.equal(other, a.detach() * 1.0001) and not torch.equal(out, a.detach() @ b.detach())
+    bias = torch.randn(3)
+    with RoundedProducts(torch.bfloat16):
+        assert torch.equal(torch.nn.functional.linear(a, b.T, bias), r(a.detach()) @ r(b.detach()) + bias)
+        assert torch.equal(torch.addmm(bias, a, b, beta=0.5), 0.5 * bias + r(a.detach()) @ r(b.detach()))
+        assert torch.equal(torch.mm(a, b), out) and torch.equal(torch.bmm(a[None], b[None])[0], out)
+        with pytest.raises(NotImplementedError, match="einsum"):
+            torch.einsum("ik,kj->ij", a, b)  # a product it does not model: an error, not float32

@@ -93,25 +93,46 @@ class _RoundGradient(torch.autograd.Function):
 
 
 class RoundedProducts(torch.overrides.TorchFunctionMode):
-    """Within the block, every matrix product ``a @ b`` computes in its operands' (float) dtype on
-    both operands rounded to ``dtype`` — and, in backward, on the gradient entering it rounded to
+    """Within the block, every matrix product computes in its operands' (float) dtype on both
+    operands rounded to ``dtype`` — and, in backward, on the gradient entering it rounded to
     ``dtype`` — which is what a half-precision GEMM with float32 accumulation computes: the rnnkit
     reference backend run under it is what the fused bfloat16 kernels compute (their GEMM operands
     bfloat16: x, h entering R, the projection's input, the gradient of the gates entering the
     backward's products; the pointwise math and the carried state float32), up to float32's
-    summation order. The reference backend's products are all ``@`` (rnnkit/ref)."""
+    summation order. Products: ``@`` / matmul, mm, bmm, ``F.linear`` (its bias added after, in
+    float) and addmm; any other product (einsum, mv, baddbmm, ...) raises NotImplementedError
+    rather than run unrounded."""
 
-    _PRODUCTS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+    _PRODUCTS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
+                 torch.bmm, torch.Tensor.bmm)
+    _UNMODELLED = (torch.einsum, torch.mv, torch.Tensor.mv, torch.dot, torch.Tensor.dot, torch.addmv,
+                   torch.baddbmm, torch.Tensor.baddbmm, torch.addbmm, torch.Tensor.addbmm, torch.tensordot,
+                   torch.inner, torch.outer, torch.Tensor.addmm_, torch.Tensor.__rmatmul__)
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.dtype = dtype
 
+    def _product(self, a, b):
+        a, b = _Round.apply(a, self.dtype), _Round.apply(b, self.dtype)
+        return _RoundGradient.apply(torch.matmul(a, b), self.dtype)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in self._PRODUCTS and len(args) == 2 and not kwargs:
-            a, b = (_Round.apply(t, self.dtype) for t in args)
-            return _RoundGradient.apply(torch.matmul(a, b), self.dtype)
+            return self._product(*args)
+        if func is torch.nn.functional.linear:
+            bound = dict(zip(("input", "weight", "bias"), args), **kwargs)
+            out = self._product(bound["input"], bound["weight"].t())
+            return out if bound.get("bias") is None else out + bound["bias"]
+        if func in (torch.addmm, torch.Tensor.addmm):
+            bound = dict(zip(("input", "mat1", "mat2"), args), **kwargs)
+            if set(bound) - {"input", "mat1", "mat2", "beta", "alpha"}:
+                raise NotImplementedError(f"RoundedProducts: addmm with {sorted(set(bound) - {'input', 'mat1', 'mat2'})}")
+            return bound.get("beta", 1) * bound["input"] + bound.get("alpha", 1) * self._product(bound["mat1"], bound["mat2"])
+        if func in self._PRODUCTS or func in self._UNMODELLED:
+            raise NotImplementedError(f"RoundedProducts does not round {getattr(func, '__name__', func)} "
+                                      f"called this way ({len(args)} arguments, keywords {sorted(kwargs)})")
         return func(*args, **kwargs)
 
 
