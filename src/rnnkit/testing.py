@@ -127,8 +127,9 @@ class RoundedProducts(torch.overrides.TorchFunctionMode):
             return out if bound.get("bias") is None else out + bound["bias"]
         if func in (torch.addmm, torch.Tensor.addmm):
             bound = dict(zip(("input", "mat1", "mat2"), args), **kwargs)
-            if set(bound) - {"input", "mat1", "mat2", "beta", "alpha"}:
-                raise NotImplementedError(f"RoundedProducts: addmm with {sorted(set(bound) - {'input', 'mat1', 'mat2'})}")
+            unmodelled = set(bound) - {"input", "mat1", "mat2", "beta", "alpha"}  # out=, ...
+            if unmodelled:
+                raise NotImplementedError(f"RoundedProducts does not round addmm with {sorted(unmodelled)}")
             return bound.get("beta", 1) * bound["input"] + bound.get("alpha", 1) * self._product(bound["mat1"], bound["mat2"])
         if func in self._PRODUCTS or func in self._UNMODELLED:
             raise NotImplementedError(f"RoundedProducts does not round {getattr(func, '__name__', func)} "
