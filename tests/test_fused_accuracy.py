@@ -114,6 +114,42 @@ def test_fused_fp32_error_is_within_twice_the_references():
             f"fused {q_fused:.2e} > 2 × reference {q_reference:.2e}")
 
 
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_layer_norm_rows_away_from_zero_are_accurate_in_fp32(mode):
+    """Rows whose mean lies several standard deviations from zero lose bits in the one-pass
+    var = mean(v²) − mean(v)² the kernels' row statistics take first; they sum such rows again
+    about their mean (layer_norm.h, row_stats). Weights and inputs with a common offset make every
+    W x row such a row (checked here); over 4 seeds the 99th percentile of the fused float32 error
+    against float64 stays within 2× the reference's, as over item 4's sample (measured: 0.6-1.2×;
+    without the second pass the outputs' was 3.8-4.1×)."""
+    pooled = {backend: ([], []) for backend in ("reference", "fused")}
+    for seed in range(4):
+        torch.manual_seed(seed)
+        module32 = make_module(mode, 16, 24, torch.float32, layer_norm=True)
+        module64 = make_module(mode, 16, 24, torch.float64, layer_norm=True)
+        with torch.no_grad():
+            module32.flat_weights.add_(1.0)
+            module64.flat_weights.copy_(module32.flat_weights.double())
+        x = torch.randn(12, 5, 16) + 4
+        W = module32.layout.view(module32.flat_weights, "weight_ih_l0")
+        rows = x.reshape(-1, 16) @ W.t()
+        assert (rows.mean(1).pow(2) > 0.25 * rows.pow(2).mean(1)).all()  # the second pass's rows
+        states = random_states(module32, 5, torch.float32)
+        truth = run_backend(module64, "reference", x.double().requires_grad_(), cast_states(states, torch.float64),
+                            training=True)
+        for backend in ("reference", "fused"):
+            run = run_backend(module32, backend, x.clone().requires_grad_(), cast_states(states, torch.float32),
+                              training=True)
+            for kind in (0, 1):
+                pooled[backend][kind].append(torch.cat([
+                    ((got.double() - want) / want.pow(2).mean().sqrt().clamp_min(1e-30)).abs().flatten()
+                    for got, want in zip(run[kind], truth[kind])]))
+    for kind, name in ((0, "outputs"), (1, "gradients")):
+        reference, fused = (torch.cat(pooled[b][kind]) for b in ("reference", "fused"))
+        q_reference, q_fused = reference.quantile(0.99).item(), fused.quantile(0.99).item()
+        assert q_fused <= 2 * q_reference, f"{name}: fused {q_fused:.2e} > 2 × reference {q_reference:.2e}"
+
+
 # --- item 5: layer norm over one or two values ----------------------------------------------------
 
 def issue_case(training=True):

@@ -19,7 +19,7 @@ struct Lstm {
   bool proj, ln, peep;
   scalar_t cell_clip, proj_clip;
   const scalar_t *p_i, *p_f, *p_o, *rm;
-  const scalar_t *ln_h_gain, *ln_h_shift, *ln_c_gain, *ln_c_shift;
+  const scalar_t *ln_x_gain, *ln_x_shift, *ln_h_gain, *ln_h_shift, *ln_c_gain, *ln_c_shift;
   const bool* mask;
   Zoneout<scalar_t> zh, zc;
 
@@ -32,6 +32,8 @@ struct Lstm {
     p_f = peep && !a.coupled ? p_i + H : nullptr;
     p_o = peep ? p_i + (a.peephole.size(0) - 1) * H : nullptr;
     rm = a.recurrent_mask.defined() ? a.recurrent_mask.data_ptr<scalar_t>() : nullptr;
+    ln_x_gain = ln ? a.ln_x_gain.data_ptr<scalar_t>() : nullptr;
+    ln_x_shift = ln ? a.ln_x_shift.data_ptr<scalar_t>() : nullptr;
     ln_h_gain = ln ? a.ln_h_gain.data_ptr<scalar_t>() : nullptr;
     ln_h_shift = ln ? a.ln_h_shift.data_ptr<scalar_t>() : nullptr;
     ln_c_gain = ln ? a.ln_c_gain.data_ptr<scalar_t>() : nullptr;
@@ -87,7 +89,9 @@ struct Lstm {
     // slice in place: when training this buffer is the saved gates.
     const Tensor bias = sum_biases(a.b_W, a.b_R);
     const scalar_t* bias_p = bias.defined() ? bias.data_ptr<scalar_t>() : nullptr;
+    // Under layer norm the rows are W x as it is: the loop normalizes them (InputSteps).
     InputSteps steps(a, Tensor(), training, saved[kInputRaw], saved[kInputMean], saved[kInputRstd]);
+    TORCH_CHECK(!ln || steps.layer_norm(), "rnnkit fused: a layer-norm LSTM needs LN_x's gain and shift");
     Tensor y = new_buffer({T, B, Hr}, like);
     Tensor h = a.h0.clone(), c = a.c0.clone();  // the running state [B, Hr], [B, H]
     Tensor h_in = rm ? h * a.recurrent_mask : h;  // what enters R
@@ -155,19 +159,25 @@ struct Lstm {
         for (int64_t b = b0; b < b1; ++b) {
           scalar_t* cb = c_p + b * H;
           if (training) std::copy(cb, cb + H, cp_p + (t * B + b) * H);
-          if (!valid(t, b)) continue;
           scalar_t* gate = gx_t + b * GH;  // W x (+ R h) -> the gates, in place
+          if (!valid(t, b)) {
+            if (ln && training) {  // the backward reads LN_x's statistics of every row; the saved gates
+              steps.skipped_row<scalar_t>(t, b);  // of a step that did not run: zeros, not what
+              std::fill(gate, gate + GH, scalar_t(0));  // the buffer held
+            }
+            continue;
+          }
           scalar_t* mb = m_p + b * H;
-          if (ln) {  // gate += bias + LN_h(R h)
+          if (ln) {  // gate = LN_x(W x) + (bias + LN_h(R h))
             const scalar_t* ghb = gh_t + b * GH;
-            scalar_t mh, rh;
-            row_stats(ghb, GH, mh, rh);
-            st_p[k * B + b] = mh, st_p[stat_stride + k * B + b] = rh;
-            const Vec vm(mh), vr(rh);
+            const auto row = steps.normalized_row(t, b, ghb);
+            st_p[k * B + b] = row.h_mean, st_p[stat_stride + k * B + b] = row.h_rstd;
+            const Vec xm(row.x_mean), xr(row.x_rstd), vm(row.h_mean), vr(row.h_rstd);
             vec_loop<scalar_t>(GH, [&](int64_t q, int64_t n) {
               Vec v = layer_norm_apply(vload(ghb + q, n), vm, vr, ln_h_gain, ln_h_shift, q, n);
               if (bias_p) v = vload(bias_p + q, n) + v;
-              vstore(vload(gate + q, n) + v, gate + q, n);
+              const Vec x = layer_norm_apply(vload(row.raw + q, n), xm, xr, ln_x_gain, ln_x_shift, q, n);
+              vstore(x + v, gate + q, n);
             });
           } else if (bias_p) {
             vec_loop<scalar_t>(GH, [&](int64_t q, int64_t n) { vstore(vload(gate + q, n) + vload(bias_p + q, n), gate + q, n); });

@@ -124,7 +124,8 @@ Tensor sum_biases(const Tensor& first, const Tensor& second, int64_t second_coun
 
 InputSteps::InputSteps(const PassArgs& a, const Tensor& bias, bool training, Tensor& raw, Tensor& mean,
                        Tensor& rstd)
-    : a_(a), training_(training), bias_(bias) {
+    : a_(a), training_(training), ln_(a.ln_x_gain.defined()), bias_(bias) {
+  TORCH_CHECK(!ln_ || !bias.defined(), "rnnkit fused: under layer norm the cell adds the biases");
   // Chunks of ~256 KB of gates (they stay in L2 until their steps read them), but at least 128
   // rows and at least I rows, so each chunk's GEMM stays about as efficient as one big one
   // (measured: a wide layer, I = 1024, ran 20% slower with 128-row chunks). One batch row with
@@ -171,7 +172,7 @@ void InputSteps::compute_chunk(int64_t s) {
   const int64_t count = std::min(chunk_steps_, a_.T - s), B = a_.B, rows = count * B;
   first_ = a_.reverse ? a_.T - s - count : s;
   const int64_t row0 = training_ ? first_ * B : 0;
-  const bool ln = a_.ln_x_gain.defined();
+  const bool ln = ln_;
   const bool half = a_.half_weights() && !float_W_.defined() && !bf16_W_.defined() && !f32_W_.defined();  // as it is
   const Tensor& W = float_W_.defined() ? float_W_ : a_.W;
   const bool own_loops = a_.quantized() || half || bf16_W_.defined() || f32_W_.defined() ||
@@ -179,7 +180,7 @@ void InputSteps::compute_chunk(int64_t s) {
   if (own_loops) {  // float32 rows (int8 weights take float32 x): plain pointers, no ATen views a step
     const float* x2 = a_.x.data_ptr<float>() + first_ * B * a_.I;  // x is [T, B, I], contiguous
     float* out = out_.data_ptr<float>() + row0 * a_.GH;
-    float* raw = ln && raw_.defined() ? raw_.data_ptr<float>() + row0 * a_.GH : out;  // inference normalizes in place
+    float* raw = ln && raw_.defined() ? raw_.data_ptr<float>() + row0 * a_.GH : out;  // inference: the step's rows
     if (a_.quantized() && !packed_W_.defined()) {  // int8 W, a few rows once: W as it is
       qgemm_unpacked(x2, rows, a_.I, a_.quantized_rows(kW, 0), a_.GH, a_.I, 0, raw, a_.GH);
     } else if (a_.quantized()) {  // int8 W: x quantized per row
@@ -205,23 +206,13 @@ void InputSteps::compute_chunk(int64_t s) {
   } else {
     const Tensor x2 = a_.x.narrow(0, first_, count).view({rows, a_.I});
     Tensor out = out_.narrow(0, row0, rows);
-    Tensor raw = ln ? (raw_.defined() ? raw_.narrow(0, row0, rows) : out) : out;  // inference normalizes in place
+    Tensor raw = ln && raw_.defined() ? raw_.narrow(0, row0, rows) : out;  // inference: the step's rows
     if (!ln && bias_.defined()) {
       at::addmm_out(out, bias_, x2, W.t());
     } else {
       at::mm_out(raw, x2, W.t());
     }
   }
-  if (!ln) return;
-  Tensor out = out_.narrow(0, row0, rows);
-  Tensor raw = raw_.defined() ? raw_.narrow(0, row0, rows) : out;
-  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "rnnkit_input_layer_norm", [&] {
-    layer_norm_rows<scalar_t>(raw.data_ptr<scalar_t>(), rows, a_.GH, a_.ln_x_gain.data_ptr<scalar_t>(),
-                              a_.ln_x_shift.data_ptr<scalar_t>(),
-                              bias_.defined() ? bias_.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(),
-                              mean_.defined() ? mean_.data_ptr<scalar_t>() + row0 : nullptr,
-                              rstd_.defined() ? rstd_.data_ptr<scalar_t>() + row0 : nullptr);
-  });
 }
 
 void bf16_weight_gradient(const Tensor& out, const Tensor& A, const Tensor& B) {

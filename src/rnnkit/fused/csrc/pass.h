@@ -205,6 +205,9 @@ Tensor hidden_entering(const PassArgs& a, const Tensor& y) {
 // statistics; inference reuses one chunk buffer, so its memory does not grow with T.
 class InputSteps {
  public:
+  // The rows of step() are W x + bias; under layer norm W x as it is (no bias), which the cell's
+  // loop normalizes itself (normalized_row), in the pass that adds LN_h(R h) and the biases: one
+  // pass over the row instead of two, the two rows' statistics computed side by side.
   InputSteps(const PassArgs& a, const Tensor& bias, bool training, Tensor& raw, Tensor& mean, Tensor& rstd);
   // The [B, G·H] rows of time step t, the s-th step the loop runs (s = 0, 1, ... in order).
   template <typename scalar_t>
@@ -212,13 +215,40 @@ class InputSteps {
     if (s % chunk_steps_ == 0) compute_chunk(s);
     return out_.data_ptr<scalar_t>() + (training_ ? t : t - first_) * a_.B * a_.GH;
   }
+  // Under layer norm, row b of step t (after step(s, t)): W x as it is (in inference the step's
+  // own row, which the loop may overwrite), and the statistics of LN_x over it and of LN_h over
+  // `recurrent` (that row's R h), computed side by side; LN_x's are kept for the backward.
+  template <typename scalar_t>
+  struct NormalizedRow {
+    const scalar_t* raw;
+    scalar_t x_mean, x_rstd, h_mean, h_rstd;
+  };
+  template <typename scalar_t>
+  NormalizedRow<scalar_t> normalized_row(int64_t t, int64_t b, const scalar_t* recurrent) {
+    const int64_t row = (training_ ? t : t - first_) * a_.B + b;
+    NormalizedRow<scalar_t> r{(training_ ? raw_ : out_).template data_ptr<scalar_t>() + row * a_.GH};
+    row_stats(r.raw, a_.GH, r.x_mean, r.x_rstd);
+    row_stats(recurrent, a_.GH, r.h_mean, r.h_rstd);
+    if (training_) mean_.data_ptr<scalar_t>()[row] = r.x_mean, rstd_.data_ptr<scalar_t>()[row] = r.x_rstd;
+    return r;
+  }
+  // A row that does not run (lengths, masks) under layer norm in training: LN_x's statistics
+  // all the same, as the backward reads every row's.
+  template <typename scalar_t>
+  void skipped_row(int64_t t, int64_t b) {
+    if (!training_) return;
+    const int64_t row = t * a_.B + b;
+    row_stats(raw_.data_ptr<scalar_t>() + row * a_.GH, a_.GH, mean_.data_ptr<scalar_t>()[row],
+              rstd_.data_ptr<scalar_t>()[row]);
+  }
+  bool layer_norm() const { return ln_; }
   // Training: the whole [T·B, G·H] projection, complete once the loop has run every step.
   const Tensor& all() const { return out_; }
 
  private:
   void compute_chunk(int64_t s);
   const PassArgs& a_;
-  bool training_;
+  bool training_, ln_;
   Tensor bias_, out_, raw_, mean_, rstd_;
   Tensor packed_W_;  // int8 W packed by qgemm_pack, once per pass
   Tensor float_W_;   // half-precision W widened to float32 once per pass, when a chunk has many rows

@@ -10,7 +10,7 @@ struct Rnn {
   const PassArgs& a;
   int64_t T, B, H;
   bool ln, relu;
-  const scalar_t *rm, *ln_h_gain, *ln_h_shift;
+  const scalar_t *rm, *ln_x_gain, *ln_x_shift, *ln_h_gain, *ln_h_shift;
   const bool* mask;
   Zoneout<scalar_t> zh;
 
@@ -18,6 +18,8 @@ struct Rnn {
     T = a.T, B = a.B, H = a.H;
     ln = a.layer_norm(), relu = a.relu;
     rm = a.recurrent_mask.defined() ? a.recurrent_mask.data_ptr<scalar_t>() : nullptr;
+    ln_x_gain = ln ? a.ln_x_gain.data_ptr<scalar_t>() : nullptr;
+    ln_x_shift = ln ? a.ln_x_shift.data_ptr<scalar_t>() : nullptr;
     ln_h_gain = ln ? a.ln_h_gain.data_ptr<scalar_t>() : nullptr;
     ln_h_shift = ln ? a.ln_h_shift.data_ptr<scalar_t>() : nullptr;
     mask = a.mask_ptr();
@@ -30,8 +32,12 @@ struct Rnn {
   ForwardResult forward(bool training) {
     std::vector<Tensor> saved = saved_slots();
     const Tensor& like = a.x;
-    InputSteps steps(a, sum_biases(a.b_W, a.b_R), training, saved[kInputRaw], saved[kInputMean],
-                     saved[kInputRstd]);  // W x + biases, [B, H] a step
+    // W x + biases, [B, H] a step; under layer norm W x as it is, which the loop normalizes
+    // and adds the biases to (InputSteps).
+    const Tensor bias = sum_biases(a.b_W, a.b_R);
+    const scalar_t* bias_p = ln && bias.defined() ? bias.data_ptr<scalar_t>() : nullptr;
+    InputSteps steps(a, ln ? Tensor() : bias, training, saved[kInputRaw], saved[kInputMean], saved[kInputRstd]);
+    TORCH_CHECK(!ln || steps.layer_norm(), "rnnkit fused: a layer-norm RNN needs LN_x's gain and shift");
     Tensor y = new_buffer({T, B, H}, like);
     Tensor h = a.h0.clone();
     Tensor h_in = rm ? h * a.recurrent_mask : h;
@@ -64,18 +70,22 @@ struct Rnn {
           scalar_t* yb = y_p + (t * B + b) * H;
           if (!valid(t, b)) {
             std::fill(yb, yb + H, scalar_t(0));
+            if (ln) steps.skipped_row<scalar_t>(t, b);  // the backward reads LN_x's statistics of every row
             continue;
           }
           const scalar_t* ax = gx_t + b * H;
-          const scalar_t* ghb = ln ? gh_t + b * H : nullptr;
-          scalar_t mh = 0, rh = 0;
-          if (ln) {
-            row_stats(ghb, H, mh, rh);
-            st_p[k * B + b] = mh, st_p[keep * B + k * B + b] = rh;
-          }
           scalar_t* act = training ? ht_p + (t * B + b) * H : tmp_p + b * H;  // h̃ = act(a)
-          if (ln) {
-            for (int64_t j = 0; j < H; ++j) act[j] = ax[j] + (ghb[j] - mh) * rh * ln_h_gain[j] + ln_h_shift[j];
+          if (ln) {  // a = (LN_x(W x) + biases) + LN_h(R h)
+            using Vec = at::vec::Vectorized<scalar_t>;
+            const scalar_t* ghb = gh_t + b * H;
+            const auto row = steps.normalized_row(t, b, ghb);
+            st_p[k * B + b] = row.h_mean, st_p[keep * B + k * B + b] = row.h_rstd;
+            const Vec xm(row.x_mean), xr(row.x_rstd), vm(row.h_mean), vr(row.h_rstd);
+            vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) {
+              Vec x = layer_norm_apply(vload(row.raw + j, n), xm, xr, ln_x_gain, ln_x_shift, j, n);
+              if (bias_p) x = x + vload(bias_p + j, n);
+              vstore(x + layer_norm_apply(vload(ghb + j, n), vm, vr, ln_h_gain, ln_h_shift, j, n), act + j, n);
+            });
           } else {
             std::copy(ax, ax + H, act);
           }
