@@ -54,10 +54,11 @@ inline void shifted_sums(const scalar_t* v, int64_t n, scalar_t K, double& sum_d
 // took before). The loops use each row's statistics at once, so their latency counts: 39 / 66 ns
 // for rows of 128 / 512 floats in one pass, against 54 / 75 for the two (AMD EPYC of README's
 // tables; rows each waiting on the last). Rows whose values all sit away from zero, as W x's
-// rows of a biased input can, pay the two passes; pre-activation rows centred near zero take one. Where a float square overflows about the mean too (|v − mean| ≳ 1.8e19) the row is
-// summed again in double: LN is scale-invariant, so such a row still has a finite, exact answer
-// (rstd ≈ 1e-19 is a normal float); a row holding inf or NaN gives rstd NaN, so its whole output
-// is NaN (as the reference's).
+// rows of a biased input can, pay the two passes; pre-activation rows centred near zero take
+// one. Where a float square overflows about the mean too (|v − mean| ≳ 1.8e19) the row is summed
+// again in double: LN is scale-invariant, so such a row still has a finite, exact answer (rstd ≈
+// 1e-19 is a normal float); a row holding inf or NaN gives rstd NaN, so its whole output is NaN
+// (as the reference's).
 template <typename scalar_t>
 inline void row_stats(const scalar_t* v, int64_t n, scalar_t& mean, scalar_t& rstd) {
   const double inv_n = 1.0 / double(n);  // off the sums' critical path, unlike a division after them
@@ -121,7 +122,7 @@ inline void row_layer_norm_backward(const scalar_t* dout, const scalar_t* v, int
     vstore(at::vec::fmadd(d, xh, vload(dgain + k, c)), dgain + k, c);
     vstore(vload(dshift + k, c) + d, dshift + k, c);
   };
-  double sum_dxh = 0, sum_dxh_xh = 0;  // blocks of kLaneBlock values a lane, as vec_sum
+  double sum_dxh = 0, sum_dxh_xh = 0;  // blocks of kLaneBlock values a lane, as shifted_sums
   for (int64_t j = 0; j < n;) {
     const int64_t end = std::min(n, j + block);
     Vec s_dxh0(0), s_dxh1(0), s_x0(0), s_x1(0);

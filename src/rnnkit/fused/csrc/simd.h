@@ -282,23 +282,4 @@ inline double lane_sum<float>(const at::vec::Vectorized<float>& v) {
 // four accumulators were up to 2.2 ulp off in rstd; in blocks, under 1 ulp, as short rows).
 constexpr int64_t kLaneBlock = 16;
 
-// The sum of a row's values through four SIMD accumulators in blocks of kLaneBlock values a
-// lane, the blocks' lanes added in double; `term(j, count)` gives the Vec of terms at j.
-template <typename scalar_t, typename F>
-inline double vec_sum(int64_t n, const F& term) {
-  using Vec = at::vec::Vectorized<scalar_t>;
-  constexpr int64_t w = Vec::size(), block = kLaneBlock * 4 * w;
-  double total = 0;
-  for (int64_t j = 0; j < n;) {
-    const int64_t end = std::min(n, j + block);
-    Vec s0(0), s1(0), s2(0), s3(0);
-    for (; j + 4 * w <= end; j += 4 * w) {
-      s0 = s0 + term(j, w), s1 = s1 + term(j + w, w), s2 = s2 + term(j + 2 * w, w), s3 = s3 + term(j + 3 * w, w);
-    }
-    for (; j < end; j += w) s0 = s0 + term(j, std::min(w, end - j));
-    total += lane_sum<scalar_t>((s0 + s1) + (s2 + s3));
-  }
-  return total;
-}
-
 }  // namespace rnnkit
