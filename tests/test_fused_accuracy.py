@@ -71,9 +71,26 @@ def sample_config(rng: random.Random) -> dict:
     return dict(mode=mode, I=rng.randint(1, 12), H=H, T=T, B=B, lengths=lengths, options=options)
 
 
+def errors_against_float64(module32, module64, x, states, lengths=None, training=False):
+    """Per backend (reference, fused), the float32 run's |error| against float64 truth (module64 on
+    the same weights) of every output and gradient element, each tensor's errors divided by its
+    RMS: [outputs, gradients]."""
+    truth = run_backend(module64, "reference", x.double().requires_grad_(), cast_states(states, torch.float64),
+                        lengths, training)
+    errors = {}
+    for backend in ("reference", "fused"):
+        run = run_backend(module32, backend, x.clone().requires_grad_(), cast_states(states, torch.float32), lengths,
+                          training)
+        errors[backend] = [
+            torch.cat([((got.double() - want) / want.pow(2).mean().sqrt().clamp_min(1e-30)).abs().flatten()
+                       for got, want in zip(run[kind], truth[kind])])
+            for kind in (0, 1)
+        ]
+    return errors
+
+
 def scaled_errors(config: dict, seed: int):
-    """Per backend (reference, fused), the float32 run's |error| against float64 truth of every
-    output and gradient element, each tensor's errors divided by its RMS: [outputs, gradients]."""
+    """errors_against_float64 on a sampled configuration (sample_config)."""
     torch.manual_seed(seed)
     mode, I, H, T, B = config["mode"], config["I"], config["H"], config["T"], config["B"]
     module32 = make_module(mode, I, H, torch.float32, **config["options"])  # eval mode: zoneout's expectation
@@ -83,16 +100,19 @@ def scaled_errors(config: dict, seed: int):
     x = torch.randn(T, B, I)
     states = random_states(module32, B, torch.float32)
     lengths = None if config["lengths"] is None else torch.tensor(config["lengths"])
-    truth = run_backend(module64, "reference", x.double().requires_grad_(), cast_states(states, torch.float64), lengths)
-    errors = {}
-    for backend in ("reference", "fused"):
-        run = run_backend(module32, backend, x.clone().requires_grad_(), cast_states(states, torch.float32), lengths)
-        errors[backend] = [
-            torch.cat([((got.double() - want) / want.pow(2).mean().sqrt().clamp_min(1e-30)).abs().flatten()
-                       for got, want in zip(run[kind], truth[kind])])
-            for kind in (0, 1)
-        ]
-    return errors
+    return errors_against_float64(module32, module64, x, states, lengths)
+
+
+def assert_fused_error_within_twice_the_references(samples) -> None:
+    """Over errors_against_float64's results pooled, the 99th percentile of the fused float32 error
+    (outputs; gradients) is finite and at most 2× the reference's."""
+    for kind, name in ((0, "outputs"), (1, "gradients")):
+        reference, fused = (torch.cat([errors[b][kind] for errors in samples]) for b in ("reference", "fused"))
+        assert torch.isfinite(fused).all(), f"{name}: fused has non-finite values"
+        q_reference, q_fused = reference.quantile(0.99).item(), fused.quantile(0.99).item()
+        assert q_fused <= 2 * q_reference, (
+            f"{name}: 99th percentile of the float32 error (relative to each tensor's RMS): "
+            f"fused {q_fused:.2e} > 2 × reference {q_reference:.2e}")
 
 
 def test_fused_fp32_error_is_within_twice_the_references():
@@ -100,18 +120,7 @@ def test_fused_fp32_error_is_within_twice_the_references():
     both directions, per-layer sizes), the 99th percentile of the fused float32 error (outputs;
     gradients of x, the initial states and every weight) is at most 2× the reference's."""
     rng = random.Random(18)
-    pooled = {backend: ([], []) for backend in ("reference", "fused")}
-    for k in range(48):
-        for backend, (outputs, gradients) in scaled_errors(sample_config(rng), seed=k).items():
-            pooled[backend][0].append(outputs)
-            pooled[backend][1].append(gradients)
-    for kind, name in ((0, "outputs"), (1, "gradients")):
-        reference, fused = (torch.cat(pooled[b][kind]) for b in ("reference", "fused"))
-        assert torch.isfinite(fused).all(), f"{name}: fused has non-finite values"
-        q_reference, q_fused = reference.quantile(0.99).item(), fused.quantile(0.99).item()
-        assert q_fused <= 2 * q_reference, (
-            f"{name}: 99th percentile of the float32 error (relative to each tensor's RMS): "
-            f"fused {q_fused:.2e} > 2 × reference {q_reference:.2e}")
+    assert_fused_error_within_twice_the_references([scaled_errors(sample_config(rng), seed=k) for k in range(48)])
 
 
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
@@ -122,7 +131,7 @@ def test_layer_norm_rows_away_from_zero_are_accurate_in_fp32(mode):
     W x row such a row (checked here); over 4 seeds the 99th percentile of the fused float32 error
     against float64 stays within 2× the reference's, as over item 4's sample (measured: 0.6-1.2×;
     without the second pass the outputs' was 3.8-4.1×)."""
-    pooled = {backend: ([], []) for backend in ("reference", "fused")}
+    samples = []
     for seed in range(4):
         torch.manual_seed(seed)
         module32 = make_module(mode, 16, 24, torch.float32, layer_norm=True)
@@ -135,19 +144,8 @@ def test_layer_norm_rows_away_from_zero_are_accurate_in_fp32(mode):
         rows = x.reshape(-1, 16) @ W.t()
         assert (rows.mean(1).pow(2) > 0.25 * rows.pow(2).mean(1)).all()  # the second pass's rows
         states = random_states(module32, 5, torch.float32)
-        truth = run_backend(module64, "reference", x.double().requires_grad_(), cast_states(states, torch.float64),
-                            training=True)
-        for backend in ("reference", "fused"):
-            run = run_backend(module32, backend, x.clone().requires_grad_(), cast_states(states, torch.float32),
-                              training=True)
-            for kind in (0, 1):
-                pooled[backend][kind].append(torch.cat([
-                    ((got.double() - want) / want.pow(2).mean().sqrt().clamp_min(1e-30)).abs().flatten()
-                    for got, want in zip(run[kind], truth[kind])]))
-    for kind, name in ((0, "outputs"), (1, "gradients")):
-        reference, fused = (torch.cat(pooled[b][kind]) for b in ("reference", "fused"))
-        q_reference, q_fused = reference.quantile(0.99).item(), fused.quantile(0.99).item()
-        assert q_fused <= 2 * q_reference, f"{name}: fused {q_fused:.2e} > 2 × reference {q_reference:.2e}"
+        samples.append(errors_against_float64(module32, module64, x, states, training=True))
+    assert_fused_error_within_twice_the_references(samples)
 
 
 # --- item 5: layer norm over one or two values ----------------------------------------------------

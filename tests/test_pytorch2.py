@@ -784,6 +784,34 @@ def test_opcheck_fused_forward_and_backward(name, training, lengths):
         torch.library.opcheck(OPS.backward_op, backward_args(values))
 
 
+LN_ARGS = {"ln_x_gain": 9, "ln_x_shift": 10, "ln_h_gain": 11, "ln_h_shift": 12, "ln_c_gain": 13, "ln_c_shift": 14}
+
+
+@pytest.mark.parametrize("name, missing", [("lstm_ln", "ln_x_gain"), ("lstm_ln", "ln_c_shift"), ("gru_ln", "ln_h_shift"),
+                                           ("rnn_relu_ln", "ln_x_shift")])
+def test_fused_op_refuses_part_of_layer_norm(name, missing):
+    """Called directly, the op takes layer norm as all of its gains and shifts or none: one left out
+    is an error naming them (the passes would normalize with some and silently skip the rest)."""
+    values = list(forward_args(name, False))
+    assert [n.name for n in OPS.forward_op._schema.arguments][LN_ARGS[missing]] == missing
+    values[LN_ARGS[missing]] = None
+    with pytest.raises(RuntimeError, match="layer norm needs the gains and shifts"):
+        OPS.forward_op(*values)
+    OPS.forward_op(*forward_args(name, False))  # all of them: runs
+
+
+def test_fused_op_refuses_cell_norm_without_layer_norm_and_reset_before_with_it():
+    values = list(forward_args("lstm", False))
+    values[LN_ARGS["ln_c_gain"]], values[LN_ARGS["ln_c_shift"]] = torch.ones(6), torch.zeros(6)
+    with pytest.raises(RuntimeError, match="layer norm needs the gains and shifts"):
+        OPS.forward_op(*values)
+    values = list(forward_args("gru_ln", False))
+    reset_after = [n.name for n in OPS.forward_op._schema.arguments].index("reset_after")
+    values[reset_after] = False
+    with pytest.raises(RuntimeError, match="a layer-norm GRU needs reset_after"):
+        OPS.forward_op(*values)
+
+
 def tensor_meta(out):
     return [(tuple(t.shape), t.dtype) for t in out[:3]] + [[(tuple(t.shape), t.dtype) for t in out[3]]]
 

@@ -13,7 +13,7 @@ struct Gru {
   const PassArgs& a;
   int64_t T, B, H, GH;
   bool ln, after;
-  const scalar_t *rm, *b_Rn, *ln_x_gain, *ln_x_shift, *ln_h_gain, *ln_h_shift;
+  const scalar_t *rm, *b_Rn, *ln_h_gain, *ln_h_shift;
   const bool* mask;
   Zoneout<scalar_t> zh;
   // Saved gate row: r z n, and with reset_after the recurrent n term hn = LN_h(R h)_n + b_Rn.
@@ -24,8 +24,6 @@ struct Gru {
     ln = a.layer_norm(), after = a.reset_after;
     rm = a.recurrent_mask.defined() ? a.recurrent_mask.data_ptr<scalar_t>() : nullptr;
     b_Rn = (after && a.b_R.defined()) ? a.b_R.data_ptr<scalar_t>() + 2 * H : nullptr;
-    ln_x_gain = ln ? a.ln_x_gain.data_ptr<scalar_t>() : nullptr;
-    ln_x_shift = ln ? a.ln_x_shift.data_ptr<scalar_t>() : nullptr;
     ln_h_gain = ln ? a.ln_h_gain.data_ptr<scalar_t>() : nullptr;
     ln_h_shift = ln ? a.ln_h_shift.data_ptr<scalar_t>() : nullptr;
     mask = a.mask_ptr();
@@ -62,8 +60,6 @@ struct Gru {
     const Tensor bias = folded_bias();
     const scalar_t* fb = ln && bias.defined() ? bias.data_ptr<scalar_t>() : nullptr;
     InputSteps steps(a, ln ? Tensor() : bias, training, saved[kInputRaw], saved[kInputMean], saved[kInputRstd]);
-    TORCH_CHECK(!ln || (steps.layer_norm() && after),
-                "rnnkit fused: a layer-norm GRU needs LN_x's gain and shift, and reset_after (docs/spec.md)");
     Tensor y = new_buffer({T, B, H}, like);
     Tensor h = a.h0.clone();
     Tensor h_in = rm ? h * a.recurrent_mask : h;
@@ -118,18 +114,17 @@ struct Gru {
               scalar_t* gate = gates_p + (k * B + b) * GS;
               const auto row = steps.normalized_row(t, b, ghb);
               st_p[k * B + b] = row.h_mean, st_p[keep * B + k * B + b] = row.h_rstd;
-              const Vec xm(row.x_mean), xr(row.x_rstd), vm(row.h_mean), vr(row.h_rstd);
               auto input = [&](int64_t q, int64_t n) {  // LN_x(W x) + folded biases at gate column q
-                const Vec v = layer_norm_apply(vload(row.raw + q, n), xm, xr, ln_x_gain, ln_x_shift, q, n);
+                const Vec v = row.input(q, n);
                 return fb ? v + vload(fb + q, n) : v;
               };
-              auto rec = [&](int64_t q, int64_t n) {  // LN_h(R h) at gate column q
-                return layer_norm_apply(vload(ghb + q, n), vm, vr, ln_h_gain, ln_h_shift, q, n);
-              };
-              vec_loop<scalar_t>(2 * H, [&](int64_t q, int64_t n) { vstore(input(q, n) + rec(q, n), gate + q, n); });
+              vec_loop<scalar_t>(2 * H, [&](int64_t q, int64_t n) {
+                vstore(input(q, n) + row.recurrent(q, n), gate + q, n);
+              });
               sigmoid_inplace(gate, 2 * H);  // r, z
               vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) {
-                const Vec hn = b_Rn ? rec(2 * H + j, n) + vload(b_Rn + j, n) : rec(2 * H + j, n);
+                const Vec rec = row.recurrent(2 * H + j, n);
+                const Vec hn = b_Rn ? rec + vload(b_Rn + j, n) : rec;
                 vstore(hn, gate + 3 * H + j, n);
                 vstore(input(2 * H + j, n) + vload(gate + j, n) * hn, gate + 2 * H + j, n);
               });

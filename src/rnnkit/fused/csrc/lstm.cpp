@@ -19,7 +19,7 @@ struct Lstm {
   bool proj, ln, peep;
   scalar_t cell_clip, proj_clip;
   const scalar_t *p_i, *p_f, *p_o, *rm;
-  const scalar_t *ln_x_gain, *ln_x_shift, *ln_h_gain, *ln_h_shift, *ln_c_gain, *ln_c_shift;
+  const scalar_t *ln_h_gain, *ln_h_shift, *ln_c_gain, *ln_c_shift;
   const bool* mask;
   Zoneout<scalar_t> zh, zc;
 
@@ -32,8 +32,6 @@ struct Lstm {
     p_f = peep && !a.coupled ? p_i + H : nullptr;
     p_o = peep ? p_i + (a.peephole.size(0) - 1) * H : nullptr;
     rm = a.recurrent_mask.defined() ? a.recurrent_mask.data_ptr<scalar_t>() : nullptr;
-    ln_x_gain = ln ? a.ln_x_gain.data_ptr<scalar_t>() : nullptr;
-    ln_x_shift = ln ? a.ln_x_shift.data_ptr<scalar_t>() : nullptr;
     ln_h_gain = ln ? a.ln_h_gain.data_ptr<scalar_t>() : nullptr;
     ln_h_shift = ln ? a.ln_h_shift.data_ptr<scalar_t>() : nullptr;
     ln_c_gain = ln ? a.ln_c_gain.data_ptr<scalar_t>() : nullptr;
@@ -91,7 +89,6 @@ struct Lstm {
     const scalar_t* bias_p = bias.defined() ? bias.data_ptr<scalar_t>() : nullptr;
     // Under layer norm the rows are W x as it is: the loop normalizes them (InputSteps).
     InputSteps steps(a, Tensor(), training, saved[kInputRaw], saved[kInputMean], saved[kInputRstd]);
-    TORCH_CHECK(!ln || steps.layer_norm(), "rnnkit fused: a layer-norm LSTM needs LN_x's gain and shift");
     Tensor y = new_buffer({T, B, Hr}, like);
     Tensor h = a.h0.clone(), c = a.c0.clone();  // the running state [B, Hr], [B, H]
     Tensor h_in = rm ? h * a.recurrent_mask : h;  // what enters R
@@ -172,12 +169,10 @@ struct Lstm {
             const scalar_t* ghb = gh_t + b * GH;
             const auto row = steps.normalized_row(t, b, ghb);
             st_p[k * B + b] = row.h_mean, st_p[stat_stride + k * B + b] = row.h_rstd;
-            const Vec xm(row.x_mean), xr(row.x_rstd), vm(row.h_mean), vr(row.h_rstd);
             vec_loop<scalar_t>(GH, [&](int64_t q, int64_t n) {
-              Vec v = layer_norm_apply(vload(ghb + q, n), vm, vr, ln_h_gain, ln_h_shift, q, n);
+              Vec v = row.recurrent(q, n);
               if (bias_p) v = vload(bias_p + q, n) + v;
-              const Vec x = layer_norm_apply(vload(row.raw + q, n), xm, xr, ln_x_gain, ln_x_shift, q, n);
-              vstore(x + v, gate + q, n);
+              vstore(row.input(q, n) + v, gate + q, n);
             });
           } else if (bias_p) {
             vec_loop<scalar_t>(GH, [&](int64_t q, int64_t n) { vstore(vload(gate + q, n) + vload(bias_p + q, n), gate + q, n); });

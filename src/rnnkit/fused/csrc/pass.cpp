@@ -9,6 +9,16 @@ void PassArgs::finish() {
               "rnnkit fused: mode must be lstm, gru, rnn_tanh or rnn_relu, got '", mode, "'");
   relu = mode == "rnn_relu";
   T = x.size(0), B = x.size(1), I = x.size(2);
+  // Layer norm's gains and shifts come together (LN_c's only for LSTM): the passes take
+  // layer_norm() to mean all of them, and a layer-norm GRU needs reset_after (docs/spec.md).
+  const bool ln = layer_norm(), lstm = mode == "lstm";
+  for (const Tensor* t : {&ln_x_gain, &ln_x_shift, &ln_h_gain, &ln_h_shift, &ln_c_gain, &ln_c_shift}) {
+    const bool cell = t == &ln_c_gain || t == &ln_c_shift;
+    TORCH_CHECK(t->defined() == (ln && (lstm || !cell)),
+                "rnnkit fused: layer norm needs the gains and shifts of LN_x and LN_h (and of LN_c on an LSTM, "
+                "only there), all of them or none");
+  }
+  TORCH_CHECK(!ln || mode != "gru" || reset_after, "rnnkit fused: a layer-norm GRU needs reset_after (docs/spec.md)");
   GH = W.size(0), Hr = R.size(1);
   H = W_hr.defined() ? W_hr.size(1) : (c0.defined() ? c0.size(1) : Hr);
   if (lengths.defined()) {
@@ -124,7 +134,7 @@ Tensor sum_biases(const Tensor& first, const Tensor& second, int64_t second_coun
 
 InputSteps::InputSteps(const PassArgs& a, const Tensor& bias, bool training, Tensor& raw, Tensor& mean,
                        Tensor& rstd)
-    : a_(a), training_(training), ln_(a.ln_x_gain.defined()), bias_(bias) {
+    : a_(a), training_(training), ln_(a.layer_norm()), bias_(bias) {
   TORCH_CHECK(!ln_ || !bias.defined(), "rnnkit fused: under layer norm the cell adds the biases");
   // Chunks of ~256 KB of gates (they stay in L2 until their steps read them), but at least 128
   // rows and at least I rows, so each chunk's GEMM stays about as efficient as one big one
@@ -136,9 +146,8 @@ InputSteps::InputSteps(const PassArgs& a, const Tensor& bias, bool training, Ten
                                  (int64_t(256) << 10) / (a.GH * int64_t(a.x.element_size()))});
   chunk_steps_ = std::min(a.T, std::max<int64_t>(1, rows / std::max<int64_t>(1, a.B)));
   const int64_t n = (training ? a.T : chunk_steps_) * a.B;
-  const bool ln = a.ln_x_gain.defined();
   out_ = new_buffer({n, a.GH}, a.x);
-  if (ln && training) {
+  if (ln_ && training) {
     raw_ = new_buffer({n, a.GH}, a.x), mean_ = new_buffer({n, 1}, a.x), rstd_ = new_buffer({n, 1}, a.x);
     raw = raw_, mean = mean_, rstd = rstd_;
   }
@@ -172,7 +181,6 @@ void InputSteps::compute_chunk(int64_t s) {
   const int64_t count = std::min(chunk_steps_, a_.T - s), B = a_.B, rows = count * B;
   first_ = a_.reverse ? a_.T - s - count : s;
   const int64_t row0 = training_ ? first_ * B : 0;
-  const bool ln = ln_;
   const bool half = a_.half_weights() && !float_W_.defined() && !bf16_W_.defined() && !f32_W_.defined();  // as it is
   const Tensor& W = float_W_.defined() ? float_W_ : a_.W;
   const bool own_loops = a_.quantized() || half || bf16_W_.defined() || f32_W_.defined() ||
@@ -180,7 +188,7 @@ void InputSteps::compute_chunk(int64_t s) {
   if (own_loops) {  // float32 rows (int8 weights take float32 x): plain pointers, no ATen views a step
     const float* x2 = a_.x.data_ptr<float>() + first_ * B * a_.I;  // x is [T, B, I], contiguous
     float* out = out_.data_ptr<float>() + row0 * a_.GH;
-    float* raw = ln && raw_.defined() ? raw_.data_ptr<float>() + row0 * a_.GH : out;  // inference: the step's rows
+    float* raw = ln_ && raw_.defined() ? raw_.data_ptr<float>() + row0 * a_.GH : out;  // inference: the step's rows
     if (a_.quantized() && !packed_W_.defined()) {  // int8 W, a few rows once: W as it is
       qgemm_unpacked(x2, rows, a_.I, a_.quantized_rows(kW, 0), a_.GH, a_.I, 0, raw, a_.GH);
     } else if (a_.quantized()) {  // int8 W: x quantized per row
@@ -198,7 +206,7 @@ void InputSteps::compute_chunk(int64_t s) {
     } else {  // a few rows (one step of a small batch): W read once for four rows at a time
       gemv_small_batch(W.data_ptr<float>(), a_.I, a_.GH, a_.I, x2, a_.I, rows, 0, raw, a_.GH);
     }
-    if (!ln && bias_.defined()) {
+    if (!ln_ && bias_.defined()) {
       const float* bias = bias_.data_ptr<float>();
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < a_.GH; ++j) out[r * a_.GH + j] += bias[j];
@@ -206,8 +214,8 @@ void InputSteps::compute_chunk(int64_t s) {
   } else {
     const Tensor x2 = a_.x.narrow(0, first_, count).view({rows, a_.I});
     Tensor out = out_.narrow(0, row0, rows);
-    Tensor raw = ln && raw_.defined() ? raw_.narrow(0, row0, rows) : out;  // inference: the step's rows
-    if (!ln && bias_.defined()) {
+    Tensor raw = ln_ && raw_.defined() ? raw_.narrow(0, row0, rows) : out;  // inference: the step's rows
+    if (!ln_ && bias_.defined()) {
       at::addmm_out(out, bias_, x2, W.t());
     } else {
       at::mm_out(raw, x2, W.t());

@@ -216,20 +216,32 @@ class InputSteps {
     return out_.data_ptr<scalar_t>() + (training_ ? t : t - first_) * a_.B * a_.GH;
   }
   // Under layer norm, row b of step t (after step(s, t)): W x as it is (in inference the step's
-  // own row, which the loop may overwrite), and the statistics of LN_x over it and of LN_h over
-  // `recurrent` (that row's R h), computed side by side; LN_x's are kept for the backward.
+  // own row, which the loop may overwrite) and `recurrent` (that row's R h), with the statistics
+  // of LN_x and LN_h over them, computed side by side; LN_x's are kept for the backward. input()
+  // and recurrent() are the normalized Vecs at column q, in layer_norm_apply's one expression.
   template <typename scalar_t>
   struct NormalizedRow {
-    const scalar_t* raw;
-    scalar_t x_mean, x_rstd, h_mean, h_rstd;
+    using Vec = at::vec::Vectorized<scalar_t>;
+    const scalar_t *raw, *rec, *x_gain, *x_shift, *h_gain, *h_shift;
+    scalar_t h_mean, h_rstd;  // the cells keep these for the backward
+    Vec xm, xr, hm, hr;
+    Vec input(int64_t q, int64_t n) const { return layer_norm_apply(vload(raw + q, n), xm, xr, x_gain, x_shift, q, n); }
+    Vec recurrent(int64_t q, int64_t n) const {
+      return layer_norm_apply(vload(rec + q, n), hm, hr, h_gain, h_shift, q, n);
+    }
   };
   template <typename scalar_t>
   NormalizedRow<scalar_t> normalized_row(int64_t t, int64_t b, const scalar_t* recurrent) {
     const int64_t row = (training_ ? t : t - first_) * a_.B + b;
-    NormalizedRow<scalar_t> r{(training_ ? raw_ : out_).template data_ptr<scalar_t>() + row * a_.GH};
-    row_stats(r.raw, a_.GH, r.x_mean, r.x_rstd);
+    NormalizedRow<scalar_t> r;
+    r.raw = (training_ ? raw_ : out_).template data_ptr<scalar_t>() + row * a_.GH, r.rec = recurrent;
+    r.x_gain = a_.ln_x_gain.data_ptr<scalar_t>(), r.x_shift = a_.ln_x_shift.data_ptr<scalar_t>();
+    r.h_gain = a_.ln_h_gain.data_ptr<scalar_t>(), r.h_shift = a_.ln_h_shift.data_ptr<scalar_t>();
+    scalar_t x_mean, x_rstd;
+    row_stats(r.raw, a_.GH, x_mean, x_rstd);
     row_stats(recurrent, a_.GH, r.h_mean, r.h_rstd);
-    if (training_) mean_.data_ptr<scalar_t>()[row] = r.x_mean, rstd_.data_ptr<scalar_t>()[row] = r.x_rstd;
+    if (training_) mean_.data_ptr<scalar_t>()[row] = x_mean, rstd_.data_ptr<scalar_t>()[row] = x_rstd;
+    r.xm = x_mean, r.xr = x_rstd, r.hm = r.h_mean, r.hr = r.h_rstd;
     return r;
   }
   // A row that does not run (lengths, masks) under layer norm in training: LN_x's statistics
@@ -241,7 +253,6 @@ class InputSteps {
     row_stats(raw_.data_ptr<scalar_t>() + row * a_.GH, a_.GH, mean_.data_ptr<scalar_t>()[row],
               rstd_.data_ptr<scalar_t>()[row]);
   }
-  bool layer_norm() const { return ln_; }
   // Training: the whole [T·B, G·H] projection, complete once the loop has run every step.
   const Tensor& all() const { return out_; }
 

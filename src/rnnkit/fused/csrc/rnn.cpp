@@ -10,7 +10,7 @@ struct Rnn {
   const PassArgs& a;
   int64_t T, B, H;
   bool ln, relu;
-  const scalar_t *rm, *ln_x_gain, *ln_x_shift, *ln_h_gain, *ln_h_shift;
+  const scalar_t *rm, *ln_h_gain, *ln_h_shift;
   const bool* mask;
   Zoneout<scalar_t> zh;
 
@@ -18,8 +18,6 @@ struct Rnn {
     T = a.T, B = a.B, H = a.H;
     ln = a.layer_norm(), relu = a.relu;
     rm = a.recurrent_mask.defined() ? a.recurrent_mask.data_ptr<scalar_t>() : nullptr;
-    ln_x_gain = ln ? a.ln_x_gain.data_ptr<scalar_t>() : nullptr;
-    ln_x_shift = ln ? a.ln_x_shift.data_ptr<scalar_t>() : nullptr;
     ln_h_gain = ln ? a.ln_h_gain.data_ptr<scalar_t>() : nullptr;
     ln_h_shift = ln ? a.ln_h_shift.data_ptr<scalar_t>() : nullptr;
     mask = a.mask_ptr();
@@ -37,7 +35,6 @@ struct Rnn {
     const Tensor bias = sum_biases(a.b_W, a.b_R);
     const scalar_t* bias_p = ln && bias.defined() ? bias.data_ptr<scalar_t>() : nullptr;
     InputSteps steps(a, ln ? Tensor() : bias, training, saved[kInputRaw], saved[kInputMean], saved[kInputRstd]);
-    TORCH_CHECK(!ln || steps.layer_norm(), "rnnkit fused: a layer-norm RNN needs LN_x's gain and shift");
     Tensor y = new_buffer({T, B, H}, like);
     Tensor h = a.h0.clone();
     Tensor h_in = rm ? h * a.recurrent_mask : h;
@@ -80,11 +77,10 @@ struct Rnn {
             const scalar_t* ghb = gh_t + b * H;
             const auto row = steps.normalized_row(t, b, ghb);
             st_p[k * B + b] = row.h_mean, st_p[keep * B + k * B + b] = row.h_rstd;
-            const Vec xm(row.x_mean), xr(row.x_rstd), vm(row.h_mean), vr(row.h_rstd);
             vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) {
-              Vec x = layer_norm_apply(vload(row.raw + j, n), xm, xr, ln_x_gain, ln_x_shift, j, n);
+              Vec x = row.input(j, n);
               if (bias_p) x = x + vload(bias_p + j, n);
-              vstore(x + layer_norm_apply(vload(ghb + j, n), vm, vr, ln_h_gain, ln_h_shift, j, n), act + j, n);
+              vstore(x + row.recurrent(j, n), act + j, n);
             });
           } else {
             std::copy(ax, ax + H, act);
