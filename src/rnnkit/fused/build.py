@@ -167,8 +167,13 @@ def _compile():
 
 def _flags() -> list:
     """-O3, OpenMP for at::parallel_for, and the widest at::vec (SIMD σ / tanh) that torch itself
-    dispatches to on this CPU: AVX-512 (16 floats a vector) or AVX2 (8)."""
-    flags = ["-O3", "-fopenmp"]
+    dispatches to on this CPU: AVX-512 (16 floats a vector) or AVX2 (8). -ffp-contract=off: the
+    kernels compute the expressions as written, a multiply-add fused only where the source calls
+    fmadd. g++ otherwise fuses ``a * b + c`` where its inlining happens to put them together, so
+    the same line rounded differently from one build to the next (a peephole's ``a + p * c``, or
+    c̃ = f c + i g, which the forward computes and the backward recomputes); the reference, in
+    torch ops, rounds each product. Time: within noise (int8 and float32 LSTMs, small and medium)."""
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
     capability = torch.backends.cpu.get_cpu_capability()
     if capability == "AVX512":
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
