@@ -55,63 +55,13 @@ struct Lstm {
   // clip; the forward and the backward (which recomputes it) share this one expression.
   void cell_candidate(const scalar_t* gate, const scalar_t* cprev, scalar_t* raw, scalar_t* clipped) const {
     using Vec = at::vec::Vectorized<scalar_t>;
-    const Vec one(1);
+    const Vec one(1), hi(cell_clip), lo(-cell_clip);
     vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) {
       const Vec i = vload(gate + gi + j, n), g = vload(gate + gg + j, n), c = vload(cprev + j, n);
-      const Vec v = candidate(i, gf < 0 ? one - i : vload(gate + gf + j, n), g, c);
+      const Vec f = gf < 0 ? one - i : vload(gate + gf + j, n);
+      const Vec v = f * c + i * g;
       if (raw) vstore(v, raw + j, n);
-      vstore(clip_cell(v), clipped + j, n);
-    });
-  }
-  // The two expressions cell_candidate shares with row_in_one_pass (the forward computes c̃ there
-  // and the backward recomputes it here, from the saved gates: the same values, clip mask included).
-  static at::vec::Vectorized<scalar_t> candidate(const at::vec::Vectorized<scalar_t>& i, const at::vec::Vectorized<scalar_t>& f,
-                                                 const at::vec::Vectorized<scalar_t>& g, const at::vec::Vectorized<scalar_t>& c) {
-    return f * c + i * g;
-  }
-  at::vec::Vectorized<scalar_t> clip_cell(const at::vec::Vectorized<scalar_t>& v) const {
-    using Vec = at::vec::Vectorized<scalar_t>;
-    return cell_clip > 0 ? at::vec::minimum(at::vec::maximum(v, Vec(-cell_clip)), Vec(cell_clip)) : v;
-  }
-
-  // One row of a step without layer norm (LN_c needs all of c̃ before its tanh), in one pass over
-  // the row rather than one per stage: per vector, the pre-activations (+ biases, + peepholes) ->
-  // i, f, g -> c̃ and its clip -> c through zoneout (into `c`) -> o -> m = o ∘ tanh(c̃) into `m`.
-  // The same expressions as the staged pass the layer-norm rows take. `saved_c_prev` (training): c
-  // before the step is stored there, and the activated gates over the pre-activations (the
-  // backward's saved gates). `y` / `h_in` (optional): m stored there too, and m ∘ rmb (the mask on
-  // what enters R) into h_in, where nothing lies between m and h (no projection, no zoneout of h).
-  void row_in_one_pass(scalar_t* gate, const scalar_t* bias, scalar_t* c, scalar_t* saved_c_prev, const scalar_t* zrow,
-                       scalar_t* m, scalar_t* y, scalar_t* h_in, const scalar_t* rmb) const {
-    using Vec = at::vec::Vectorized<scalar_t>;
-    const Vec one(1), zp(zc.p);
-    const bool zone = zc.on();
-    vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) {
-      auto pre = [&](int64_t gate_offset) {
-        const Vec v = vload(gate + gate_offset + j, n);
-        return bias ? v + vload(bias + gate_offset + j, n) : v;
-      };
-      const Vec cp = vload(c + j, n);
-      if (saved_c_prev) vstore(cp, saved_c_prev + j, n);
-      const Vec i = vsigmoid(peep ? pre(gi) + vload(p_i + j, n) * cp : pre(gi));
-      const Vec f = gf < 0 ? one - i : vsigmoid(peep ? pre(gf) + vload(p_f + j, n) * cp : pre(gf));
-      const Vec g = vtanh(pre(gg));
-      const Vec cc = clip_cell(candidate(i, f, g, cp));
-      if (zone) {
-        const Vec z = zrow ? vload(zrow + j, n) : zp;
-        vstore(z * cp + (one - z) * cc, c + j, n);
-      } else {
-        vstore(cc, c + j, n);
-      }
-      const Vec o = vsigmoid(peep ? pre(go) + vload(p_o + j, n) * cc : pre(go));
-      if (saved_c_prev) {
-        vstore(i, gate + gi + j, n), vstore(g, gate + gg + j, n), vstore(o, gate + go + j, n);
-        if (gf >= 0) vstore(f, gate + gf + j, n);
-      }
-      const Vec mv = o * vtanh(cc);
-      vstore(mv, m + j, n);
-      if (y) vstore(mv, y + j, n);
-      if (h_in) vstore(mv * vload(rmb + j, n), h_in + j, n);
+      vstore(cell_clip > 0 ? at::vec::minimum(at::vec::maximum(v, lo), hi) : v, clipped + j, n);
     });
   }
 
@@ -162,8 +112,6 @@ struct Lstm {
     const int64_t stat_stride = keep * B;
 
     // h̃ (m, or the clipped projection) -> zoneout -> state, y, and the next step's R input.
-    // Without layer norm, projection or zoneout of h, row_in_one_pass writes h, y and R's input itself.
-    const bool m_is_h = !ln && !proj && !zh.on();
     auto finish_h = [&](int64_t t, int64_t b0, int64_t b1) {
       using Vec = at::vec::Vectorized<scalar_t>;
       for (int64_t b = b0; b < b1; ++b) {
@@ -175,7 +123,6 @@ struct Lstm {
           if (cl) std::fill(cl, cl + P, false);
           continue;
         }
-        if (m_is_h) continue;
         scalar_t* src = proj ? ht_p + b * P : m_p + b * H;
         if (proj && proj_clip > 0) {
           if (cl)
@@ -208,9 +155,8 @@ struct Lstm {
         using Vec = at::vec::Vectorized<scalar_t>;
         for (int64_t b = b0; b < b1; ++b) {
           scalar_t* cb = c_p + b * H;
-          scalar_t* saved_c_prev = training ? cp_p + (t * B + b) * H : nullptr;
+          if (training) std::copy(cb, cb + H, cp_p + (t * B + b) * H);
           scalar_t* gate = gx_t + b * GH;  // W x (+ R h) -> the gates, in place
-          if (saved_c_prev && (ln || !valid(t, b))) std::copy(cb, cb + H, saved_c_prev);  // else row_in_one_pass
           if (!valid(t, b)) {
             if (ln && training) {  // the backward reads LN_x's statistics of every row; the saved gates
               steps.skipped_row<scalar_t>(t, b);  // of a step that did not run: zeros, not what
@@ -219,23 +165,18 @@ struct Lstm {
             continue;
           }
           scalar_t* mb = m_p + b * H;
-          if (!ln) {
-            if (m_is_h) {
-              row_in_one_pass(gate, bias_p, cb, saved_c_prev, zc.row(t, b), h_p + b * Hr, y_p + (t * B + b) * Hr,
-                              rm ? hin_p + b * Hr : nullptr, rm ? rm + b * Hr : nullptr);
-            } else {
-              row_in_one_pass(gate, bias_p, cb, saved_c_prev, zc.row(t, b), mb, nullptr, nullptr, nullptr);
-            }
-            continue;
+          if (ln) {  // gate = LN_x(W x) + (bias + LN_h(R h))
+            const scalar_t* ghb = gh_t + b * GH;
+            const auto row = steps.normalized_row(t, b, ghb);
+            st_p[k * B + b] = row.h_mean, st_p[stat_stride + k * B + b] = row.h_rstd;
+            vec_loop<scalar_t>(GH, [&](int64_t q, int64_t n) {
+              Vec v = row.recurrent(q, n);
+              if (bias_p) v = vload(bias_p + q, n) + v;
+              vstore(row.input(q, n) + v, gate + q, n);
+            });
+          } else if (bias_p) {
+            vec_loop<scalar_t>(GH, [&](int64_t q, int64_t n) { vstore(vload(gate + q, n) + vload(bias_p + q, n), gate + q, n); });
           }
-          // Layer norm, in stages: LN_c needs the whole c̃ row before its tanh.
-          const auto row = steps.normalized_row(t, b, gh_t + b * GH);  // gate = LN_x(W x) + (bias + LN_h(R h))
-          st_p[k * B + b] = row.h_mean, st_p[stat_stride + k * B + b] = row.h_rstd;
-          vec_loop<scalar_t>(GH, [&](int64_t q, int64_t n) {
-            Vec v = row.recurrent(q, n);
-            if (bias_p) v = vload(bias_p + q, n) + v;
-            vstore(row.input(q, n) + v, gate + q, n);
-          });
           if (peep) {  // i and f peek at c_{t-1}
             for (int64_t j = 0; j < H; ++j) gate[gi + j] += p_i[j] * cb[j];
             if (gf >= 0)
@@ -250,8 +191,10 @@ struct Lstm {
             for (int64_t j = 0; j < H; ++j) gate[go + j] += p_o[j] * cc[j];
           sigmoid_inplace(gate + go, H);
           scalar_t mc = 0, rc = 1;
-          row_stats(cc, H, mc, rc);
-          st_p[2 * stat_stride + k * B + b] = mc, st_p[3 * stat_stride + k * B + b] = rc;
+          if (ln) {
+            row_stats(cc, H, mc, rc);
+            st_p[2 * stat_stride + k * B + b] = mc, st_p[3 * stat_stride + k * B + b] = rc;
+          }
           const Vec vm(mc), vr(rc);
           vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) {  // m = o ∘ tanh(LN_c(c̃))
             vstore(vload(gate + go + j, n) * cell_tanh(cc, vm, vr, j, n), mb + j, n);

@@ -125,16 +125,6 @@ inline void tanh_inplace(scalar_t* v, int64_t n) {
 // sign-bit blend are per instruction set.
 using VecF = at::vec::Vectorized<float>;
 
-// σ and tanh (fast_sigmoid / fast_tanh and their vsigmoid / vtanh) are inlined even into large
-// loops (row_in_one_pass): as calls, GCC's choice there, they took their vectors through memory
-// and the one-pass row was slower than the staged one (int8 layer-norm LSTM: 1.25 against 1.15x
-// int8 plain).
-#if defined(__GNUC__)
-#define RNNKIT_ALWAYS_INLINE inline __attribute__((always_inline))
-#else
-#define RNNKIT_ALWAYS_INLINE inline
-#endif
-
 // The hardware reciprocal estimate (AVX2 12 bits, AVX-512 14 bits): the correction step's 1 / d,
 // whose error only scales the already tiny remainder.
 inline VecF reciprocal_estimate(const VecF& d) {
@@ -206,7 +196,7 @@ inline ExpParts exp_parts(const VecF& y) {
 // float σ(x) = num / (1 + t) with t = exp(−|x|) ≤ 1 (num = 1, or t for x < 0: no overflow, and the
 // sum's rounding error is (1 − d) + t exactly). σ(x ≥ 17.4) is exactly 1; σ(x ≤ −87.7) is 0 (2ⁿ
 // at n = −127 is 0); NaN stays NaN (clamp_min's instruction passes a NaN second operand).
-RNNKIT_ALWAYS_INLINE VecF fast_sigmoid(const VecF& x) {
+inline VecF fast_sigmoid(const VecF& x) {
   using at::vec::fmadd;
   using at::vec::fnmadd;
   const VecF one(1.f);
@@ -224,7 +214,7 @@ RNNKIT_ALWAYS_INLINE VecF fast_sigmoid(const VecF& x) {
 // pairs; w's low part also keeps the p that 1 − p drops for n < −24, so |x| ≥ 9.02 gives exactly
 // ±1 (−2|x| is clamped at −20, n = −29). The quotient is ≥ 0 and takes x's sign bit (±0 stay ±0).
 // NaN stays NaN.
-RNNKIT_ALWAYS_INLINE VecF fast_tanh(const VecF& x) {
+inline VecF fast_tanh(const VecF& x) {
   using at::vec::fmadd;
   using at::vec::fnmadd;
   const VecF one(1.f), two(2.f);
@@ -251,16 +241,8 @@ inline void tanh_inplace<float>(float* v, int64_t n) {
 
 // tanh of one SIMD vector as tanh_inplace computes it (float: fast_tanh; double: Sleef), for
 // loops that fuse it with other pointwise work.
-RNNKIT_ALWAYS_INLINE at::vec::Vectorized<float> vtanh(const at::vec::Vectorized<float>& x) { return fast_tanh(x); }
+inline at::vec::Vectorized<float> vtanh(const at::vec::Vectorized<float>& x) { return fast_tanh(x); }
 inline at::vec::Vectorized<double> vtanh(const at::vec::Vectorized<double>& x) { return x.tanh(); }
-
-// σ of one SIMD vector as sigmoid_inplace computes its full vectors (float: fast_sigmoid), for
-// loops that fuse it with other pointwise work.
-RNNKIT_ALWAYS_INLINE at::vec::Vectorized<float> vsigmoid(const at::vec::Vectorized<float>& x) { return fast_sigmoid(x); }
-inline at::vec::Vectorized<double> vsigmoid(const at::vec::Vectorized<double>& x) {
-  const at::vec::Vectorized<double> one(1.0);
-  return one / (one + x.neg().exp());
-}
 
 // The lanes of v added in double.
 template <typename scalar_t>
