@@ -7,6 +7,7 @@ or a block's tail left unwritten fails.
 """
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -17,8 +18,9 @@ import torch
 import rnnkit
 from rnnkit import fused
 from rnnkit.fused import build
-from helpers import assert_close, make_module, run_backend
-from test_fused import CASES, assert_fused_matches
+from helpers import assert_close, make_module, random_states, run_backend
+from test_fused import CASES
+from test_fused_accuracy import assert_fused_error_within_twice_the_references, errors_against_float64
 
 pytestmark = pytest.mark.usefixtures("poisoned_kernel_buffers")  # conftest.py
 
@@ -80,12 +82,26 @@ def test_own_weight_gradient_matches_float64(kernel, rows):
 @pytest.mark.parametrize("kernel", FP32_GEMMS)
 @pytest.mark.parametrize("mode, options", CASES)
 def test_training_pass_on_every_fp32_gemm_matches_reference(mode, options, kernel):
-    """Forward and every gradient in float32, on batches that split into several row blocks (13 rows:
-    6, 7 -> 5, 4, 4) and gates that end in a partial panel (4·37 = 148 = 9 panels + 4)."""
+    """Forward and every gradient of a float32 training pass on each GEMM kernel, on batches that split
+    into several row blocks (13 rows: 6, 7 -> 5, 4, 4) and gates that end in a partial panel (4·37 =
+    148 = 9 panels + 4), against float64 truth over four draws pooled: the fused errors' 99th
+    percentile finite and at most 2× the float32 reference's (test_fused_accuracy's rule). One draw
+    against a fixed 1e-5 decided nothing for the ill-conditioned cases: on coupled_everything (layer
+    norm, cell clip, peepholes) the reference's own dx error ranged from 6.8e-7 to 3.0e-5 over six
+    seeds, the fused pass's from 6.1e-7 to 1.3e-5, and the one seeded draw failed on MKL once the
+    kernels stopped fusing a·b + c by the compiler's choice. A kernel that misplaces a panel or leaves
+    a NaN-poisoned tail is off by far more than 2×."""
+    T, B, I, H = 7, 13, 21, 37
+    lengths = [7, 3, 1, 6, 7, 2, 5, 7, 4, 1, 6, 7, 3]
+    samples = []
     with fused.use_fp32_gemm(kernel):
-        assert_fused_matches(mode, dtype=torch.float32, T=7, B=13, I=21, H=37, lengths=[7, 3, 1, 6, 7, 2, 5, 7, 4, 1,
-                                                                                        6, 7, 3], training=True,
-                             **options)
+        for seed in range(4):
+            torch.manual_seed(seed)
+            module32 = make_module(mode, I, H, torch.float32, **options)
+            module64 = copy.deepcopy(module32).double()
+            x, states = torch.randn(T, B, I), random_states(module32, B, torch.float32)
+            samples.append(errors_against_float64(module32, module64, x, states, lengths, training=True))
+    assert_fused_error_within_twice_the_references(samples)
 
 
 @pytest.mark.skipif(not OWN, reason="no own float32 GEMM kernels on this CPU (AVX2 + FMA or AVX-512 needed)")

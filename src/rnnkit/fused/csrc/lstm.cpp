@@ -111,7 +111,9 @@ struct Lstm {
     scalar_t* cp_p = training ? cell_prev.data_ptr<scalar_t>() : nullptr;
     const int64_t stat_stride = keep * B;
 
-    // h̃ (m, or the clipped projection) -> zoneout -> state, y, and the next step's R input.
+    // h̃ (m, or the clipped projection) -> zoneout -> state, y, and the next step's R input; the
+    // row loop writes them itself where h is m (no projection, no zoneout of h).
+    const bool m_is_h = !proj && !zh.on();
     auto finish_h = [&](int64_t t, int64_t b0, int64_t b1) {
       using Vec = at::vec::Vectorized<scalar_t>;
       for (int64_t b = b0; b < b1; ++b) {
@@ -123,6 +125,7 @@ struct Lstm {
           if (cl) std::fill(cl, cl + P, false);
           continue;
         }
+        if (m_is_h) continue;
         scalar_t* src = proj ? ht_p + b * P : m_p + b * H;
         if (proj && proj_clip > 0) {
           if (cl)
@@ -184,9 +187,10 @@ struct Lstm {
           }
           sigmoid_inplace(gate + gi, gf < 0 ? H : 2 * H);  // i (and f, stored next to it)
           tanh_inplace(gate + gg, H);
-          scalar_t* cc = tmp_p + b * H;  // clipped c̃
+          // clipped c̃: straight into c without zoneout (each value read as c_{t-1} before it is written)
+          scalar_t* cc = zc.on() ? tmp_p + b * H : cb;
           cell_candidate(gate, cb, nullptr, cc);
-          zone_into(cb, cc, zc.row(t, b), zc.p, H);
+          if (zc.on()) zone_into(cb, cc, zc.row(t, b), zc.p, H);
           if (peep)  // o peeks at the new c
             for (int64_t j = 0; j < H; ++j) gate[go + j] += p_o[j] * cc[j];
           sigmoid_inplace(gate + go, H);
@@ -196,6 +200,16 @@ struct Lstm {
             st_p[2 * stat_stride + k * B + b] = mc, st_p[3 * stat_stride + k * B + b] = rc;
           }
           const Vec vm(mc), vr(rc);
+          if (m_is_h) {  // m is h: into h, y and (masked) R's next input, with no copies after
+            scalar_t *hb = h_p + b * H, *yb = y_p + (t * B + b) * H;
+            const scalar_t* rmb = rm ? rm + b * H : nullptr;
+            vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) {
+              const Vec mv = vload(gate + go + j, n) * cell_tanh(cc, vm, vr, j, n);
+              vstore(mv, hb + j, n), vstore(mv, yb + j, n);
+              if (rmb) vstore(mv * vload(rmb + j, n), hin_p + b * H + j, n);
+            });
+            continue;
+          }
           vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) {  // m = o ∘ tanh(LN_c(c̃))
             vstore(vload(gate + go + j, n) * cell_tanh(cc, vm, vr, j, n), mb + j, n);
           });
