@@ -800,6 +800,16 @@ def test_fused_op_refuses_part_of_layer_norm(name, missing):
     OPS.forward_op(*forward_args(name, False))  # all of them: runs
 
 
+@pytest.mark.parametrize("name, other", [("lstm_ln", "ln_x_gain"), ("gru_ln", "ln_x_shift"), ("rnn_relu_ln", "ln_x_gain")])
+def test_fused_op_refuses_layer_norm_of_another_dtype(name, other):
+    """LN_x's gain and shift are read as x's dtype once per pass (no per-row dtype check): one of
+    another dtype is an error naming both dtypes, not float64 bits read as float32."""
+    values = list(forward_args(name, False))
+    values[LN_ARGS[other]] = values[LN_ARGS[other]].double()
+    with pytest.raises(RuntimeError, match="layer norm's gains and shifts: expected Float like x, got Double"):
+        OPS.forward_op(*values)
+
+
 def test_fused_op_refuses_cell_norm_without_layer_norm_and_reset_before_with_it():
     values = list(forward_args("lstm", False))
     values[LN_ARGS["ln_c_gain"]], values[LN_ARGS["ln_c_shift"]] = torch.ones(6), torch.zeros(6)

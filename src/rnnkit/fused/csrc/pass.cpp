@@ -151,6 +151,15 @@ InputSteps::InputSteps(const PassArgs& a, const Tensor& bias, bool training, Ten
     raw_ = new_buffer({n, a.GH}, a.x), mean_ = new_buffer({n, 1}, a.x), rstd_ = new_buffer({n, 1}, a.x);
     raw = raw_, mean = mean_, rstd = rstd_;
   }
+  if (ln_) {  // read as x's dtype per row (ln_pointers), so checked here once
+    for (const Tensor* t : {&a.ln_x_gain, &a.ln_x_shift, &a.ln_h_gain, &a.ln_h_shift}) {
+      TORCH_CHECK(t->scalar_type() == a.x.scalar_type(), "rnnkit fused: layer norm's gains and shifts: expected ",
+                  a.x.scalar_type(), " like x, got ", t->scalar_type());
+    }
+    ln_rows_ = (training ? raw_ : out_).data_ptr(), ln_x_gain_ = a.ln_x_gain.data_ptr();
+    ln_x_shift_ = a.ln_x_shift.data_ptr(), ln_h_gain_ = a.ln_h_gain.data_ptr(), ln_h_shift_ = a.ln_h_shift.data_ptr();
+    if (training) ln_mean_ = mean_.data_ptr(), ln_rstd_ = rstd_.data_ptr();
+  }
   if (a.half_weights() && chunk_steps_ * a.B > kSmallBatch) {  // else every chunk a few rows: W as it is
     const HalfRows W = a.half_rows(kW, 0);
     if (W.bf16 && bf16_products()) {  // a bfloat16 module's x: bfloat16 values
