@@ -784,7 +784,9 @@ def test_opcheck_fused_forward_and_backward(name, training, lengths):
         torch.library.opcheck(OPS.backward_op, backward_args(values))
 
 
-LN_ARGS = {"ln_x_gain": 9, "ln_x_shift": 10, "ln_h_gain": 11, "ln_h_shift": 12, "ln_c_gain": 13, "ln_c_shift": 14}
+def arg_index(name: str) -> int:
+    """The position of the fused forward op's argument ``name``, from its schema."""
+    return [n.name for n in OPS.forward_op._schema.arguments].index(name)
 
 
 @pytest.mark.parametrize("name, missing", [("lstm_ln", "ln_x_gain"), ("lstm_ln", "ln_c_shift"), ("gru_ln", "ln_h_shift"),
@@ -793,8 +795,7 @@ def test_fused_op_refuses_part_of_layer_norm(name, missing):
     """Called directly, the op takes layer norm as all of its gains and shifts or none: one left out
     is an error naming them (the passes would normalize with some and silently skip the rest)."""
     values = list(forward_args(name, False))
-    assert [n.name for n in OPS.forward_op._schema.arguments][LN_ARGS[missing]] == missing
-    values[LN_ARGS[missing]] = None
+    values[arg_index(missing)] = None
     with pytest.raises(RuntimeError, match="layer norm needs the gains and shifts"):
         OPS.forward_op(*values)
     OPS.forward_op(*forward_args(name, False))  # all of them: runs
@@ -805,19 +806,18 @@ def test_fused_op_refuses_layer_norm_of_another_dtype(name, other):
     """LN_x's gain and shift are read as x's dtype once per pass (no per-row dtype check): one of
     another dtype is an error naming both dtypes, not float64 bits read as float32."""
     values = list(forward_args(name, False))
-    values[LN_ARGS[other]] = values[LN_ARGS[other]].double()
+    values[arg_index(other)] = values[arg_index(other)].double()
     with pytest.raises(RuntimeError, match="layer norm's gains and shifts: expected Float like x, got Double"):
         OPS.forward_op(*values)
 
 
 def test_fused_op_refuses_cell_norm_without_layer_norm_and_reset_before_with_it():
     values = list(forward_args("lstm", False))
-    values[LN_ARGS["ln_c_gain"]], values[LN_ARGS["ln_c_shift"]] = torch.ones(6), torch.zeros(6)
+    values[arg_index("ln_c_gain")], values[arg_index("ln_c_shift")] = torch.ones(6), torch.zeros(6)
     with pytest.raises(RuntimeError, match="layer norm needs the gains and shifts"):
         OPS.forward_op(*values)
     values = list(forward_args("gru_ln", False))
-    reset_after = [n.name for n in OPS.forward_op._schema.arguments].index("reset_after")
-    values[reset_after] = False
+    values[arg_index("reset_after")] = False
     with pytest.raises(RuntimeError, match="a layer-norm GRU needs reset_after"):
         OPS.forward_op(*values)
 
