@@ -375,6 +375,38 @@ def test_one_step_calls_of_a_half_stack_run_on_the_plans(dtype):
         assert torch.equal(y, ye) and torch.equal(h, he) and torch.equal(c, ce)
 
 
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("kind", ["lstm_stack", "lstm_cell", "gru_cell"])
+def test_half_plans_see_in_place_updates_of_the_vectors(kind, dtype):
+    """A half-precision module's one-step plans widen its vectors (biases, peepholes, layer norm's
+    gains and shifts) to float32 at each call: an in-place update after the plans were built (an
+    optimizer's step, load_state_dict, init) reaches the next step, as on a fresh copy. (The plans
+    once widened them when built and kept the copies: every later step used the old biases.)"""
+    cls, options, cell = {"lstm_stack": (rnnkit.LSTM, dict(peephole=True, layer_norm=True), False),
+                          "lstm_cell": (rnnkit.LSTMCell, dict(peephole=True, layer_norm=True), True),
+                          "gru_cell": (rnnkit.GRUCell, dict(layer_norm=True), True)}[kind]
+    torch.manual_seed(0)
+    module = cls(8, 16, backend="fused", **options).to(dtype).eval()
+    x = torch.randn(2, 8).to(dtype) if cell else torch.randn(1, 2, 8).to(dtype)
+    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+
+    def check(what):
+        with torch.no_grad():
+            assert module._step_plans(x, None) is not None  # the call below runs on the plans
+            got, want = first(module(x)), first(copy.deepcopy(module)(x))
+        assert torch.equal(got, want), f"{what}: the one-step plans used stale vectors"
+
+    check("first call")  # plans built
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p))  # every vector, in place
+    check("after in-place updates")
+    module.load_state_dict({k: torch.randn_like(v) for k, v in module.state_dict().items()})
+    check("after load_state_dict")
+
+
 TRAINING_STACKS = {"lstm": (rnnkit.LSTM, dict(num_layers=2, bidirectional=True, proj_size=5, peephole=True)),
                    "gru": (rnnkit.GRU, dict(num_layers=2, layer_norm=True)),
                    "rnn": (rnnkit.RNN, dict(nonlinearity="relu", zoneout=0.1))}

@@ -40,7 +40,7 @@ from rnnkit.fused.ops import OPS
 from rnnkit.masks import draw_pass
 from rnnkit.passes import mask_tensors, pass_scalars, pass_values
 from rnnkit.testing import TOLERANCE
-from helpers import assert_close, flatten, require_fused_kernels
+from helpers import assert_close, flatten, map_tree, require_fused_kernels
 
 SRC = str(Path(rnnkit.__file__).resolve().parents[1])  # this checkout's src/, for the fresh processes
 FUSED_FORWARD = "rnnkit.fused_pass_forward.default"
@@ -649,6 +649,27 @@ def test_autocast_bf16_training_gradients(name):
     for (key, p), q in zip(layer.named_parameters(), twin.parameters()):
         assert p.grad is not None and p.grad.dtype == torch.float32, key
         assert_close(p.grad, q.grad, f"{name} d{key}", tol=BF16)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["lstm", "gru_cell"])
+def test_autocast_takes_float32_inputs_of_a_module_already_in_its_dtype(kind, dtype):
+    """A module already in the autocast dtype takes float32 inputs and states under autocast, cast
+    to that dtype as torch.nn's LSTM does (they were refused as "expected dtype bfloat16"): the
+    same bits as calling it with inputs of its own dtype."""
+    torch.manual_seed(0)
+    layer = (rnnkit.LSTM(INPUT, 8, peephole=True) if kind == "lstm" else rnnkit.GRUCell(INPUT, 8)).to(dtype).eval()
+    x = torch.randn(5, B, INPUT) if kind == "lstm" else torch.randn(B, INPUT)
+    h = torch.randn(1, B, 8) if kind == "lstm" else torch.randn(B, 8)
+    state = (h, torch.randn(1, B, 8)) if kind == "lstm" else h
+    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            with torch.autocast("cpu", dtype):
+                got = first(layer(x, state))
+            want = first(layer(x.to(dtype), map_tree(state, lambda t: t.to(dtype))))
+        assert got.dtype == dtype and torch.equal(got, want), (kind, grad)
 
 
 # ---- 6. the step API against torch.nn's cells --------------------------------------------------

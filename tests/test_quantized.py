@@ -402,6 +402,77 @@ def test_quantize_dynamic_mapping():
     assert y.shape == (3, 2, 8)
 
 
+
+def test_quantize_dynamic_refuses_qconfigs_that_are_not_int8():
+    """A float16 or quint8 qconfig names rnnkit layers: they are refused by name, not given int8
+    weights while an nn.Linear in the same call becomes float16."""
+    quantization = pytest.importorskip("torch.ao.quantization")
+    mapping = rnnkit.quantized.dynamic_quant_mapping()
+    for spec, dtype in [({rnnkit.LSTM}, torch.float16), ({rnnkit.LSTM}, torch.quint8),
+                        ({rnnkit.LSTM: quantization.float16_dynamic_qconfig}, torch.qint8)]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao.quantization is deprecated upstream
+            with pytest.raises(ValueError, match=r"LSTM: .*expected a qconfig with weight dtype torch.qint8, got "):
+                quantization.quantize_dynamic(nn.Sequential(rnnkit.LSTM(4, 8)), spec, dtype=dtype, mapping=mapping)
+
+
+def test_quantize_keeps_hooks_and_parametrized_weights():
+    """A layer's forward pre-hooks and hooks fire on its quantized twin (as torch.ao's swap_module
+    carries them), and a parametrized layer quantizes its weights as they compute now (its type is
+    torch's generated subclass, not a user's subclass with its own forward)."""
+    torch.manual_seed(0)
+    module, seen = rnnkit.LSTM(6, 8).eval(), []
+    module.register_forward_pre_hook(lambda m, args: seen.append("pre"))
+    module.register_forward_hook(lambda m, args, kwargs, out: seen.append("post"), with_kwargs=True)
+    inner = nn.Sequential(rnnkit.GRU(6, 8).eval())
+    inner[0].register_forward_hook(lambda m, args, out: seen.append("inner"))
+    x = torch.randn(4, 2, 6)
+    with torch.no_grad():
+        rnnkit.quantize(module)(x)
+        rnnkit.quantize(inner)(x)
+    assert seen == ["pre", "post", "inner"]
+    parametrized = nn.utils.parametrizations.weight_norm(rnnkit.LSTM(6, 8).eval(), "weight_hh_l0")
+    q = rnnkit.quantize(parametrized)
+    assert type(q) is rnnkit.quantized.LSTM
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the parametrized float module's note that it runs unpacked
+        want = parametrized(x)[0]
+        assert rel_rms(q(x)[0], want) < INT8
+        plain = rnnkit.LSTM(6, 8).eval()
+        plain.load_state_dict({k: v for k, v in zip(plain.state_dict(), parametrized._current())})
+        assert torch.equal(q(x)[0], rnnkit.quantize(plain)(x)[0])  # the parametrized weights, quantized
+
+
+def test_state_dicts_do_not_cross_between_int8_and_float():
+    """A float state dict into a quantized module, or an int8 one into a float module, is refused by
+    the key's name even with strict=False (which only forgives the _scale keys): copy_ would turn
+    float weights into int8 zeros, or int8 codes into float weights of up to ±127."""
+    float_module, q = quantized_pair("lstm", 5, 7)
+    with pytest.raises(ValueError, match=r"weight_ih_l0: expected int8 codes .* got torch.float32"):
+        q.load_state_dict(float_module.state_dict(), strict=False)
+    with pytest.raises(ValueError, match=r"weight_ih_l0: expected floating-point weights, got torch.int8"):
+        float_module.load_state_dict(q.state_dict(), strict=False)
+    q.load_state_dict(rnnkit.quantize(make_module("lstm", 5, 7, torch.float32)).state_dict())  # same kind: fine
+
+
+
+def test_dtype_conversions_leave_an_int8_module_working():
+    """.double() / .half() / .to(dtype) on an int8 module (or on a model holding one) keep its
+    int8 matrices and float32 scales and vectors: the same outputs after, where before every input
+    was refused (float32 as "expected float64", float64 by the kernels)."""
+    torch.manual_seed(0)
+    _, q = quantized_pair("lstm", 6, 8, peephole=True, layer_norm=True)
+    x = torch.randn(5, 2, 6)
+    with torch.no_grad():
+        want, want_step = q(x)[0], q(x[:1])[0]
+        for convert in (nn.Module.double, nn.Module.half, nn.Module.bfloat16, lambda m: m.to(torch.float64)):
+            model = convert(nn.Sequential(q))
+            assert {b.dtype for b in q.buffers()} == {torch.int8, torch.float32}
+            assert torch.equal(model(x)[0], want) and torch.equal(q(x[:1])[0], want_step)
+        with pytest.raises(TypeError, match=r"input: expected dtype torch.float32"):
+            q(x.double())
+
+
 def test_compile_and_export():
     q = rnnkit.quantize(rnnkit.LSTM(5, 8, peephole=True).eval())
     x = torch.randn(4, 2, 5)
@@ -507,6 +578,43 @@ def test_onnx_export_refuses_what_onnxruntime_cannot_run_in_int8(layer, words):
         chain.append(error)
         error = error.__cause__ or error.__context__
     assert any(isinstance(e, ValueError) and str(e).startswith(words) for e in chain), [str(e)[:200] for e in chain]
+
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_non_finite_values_give_nan_not_a_finite_answer(mode):
+    """int8 has no NaN or infinity: a row of activations (x, h0) or of weights that holds one gets
+    scale NaN, so every output it reaches is NaN, on every kernel and path (packed batches, one
+    row, one-step plans). The float module gives NaN for a NaN (or may saturate an infinity): the
+    int8 one must not read the NaN as 0, as its row maxima once did (maxps drops a NaN), nor give
+    any finite answer. Rows the value does not reach are untouched."""
+    torch.manual_seed(0)
+    extension = build.extension()
+    for I, B, T in [(16, 3, 5), (40, 1, 1), (64, 9, 4), (33, 2, 1)]:  # K tails, one row, plans
+        module, q = quantized_pair(mode, I, 32)
+        x = torch.randn(T, B, I)
+        with torch.no_grad():
+            clean = q(x)[0]
+            assert clean.isfinite().all()
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                poisoned = x.clone()
+                poisoned[T - 1, B - 1, I - 2] = bad
+                h0 = torch.randn(1, B, 32)
+                h0[0, 0, 3] = bad
+                state = h0 if mode == "gru" else (h0, torch.zeros(1, B, 32))
+                for name in extension.int8_kernels():
+                    with int8_kernel(name):
+                        y = q(poisoned)[0]
+                        assert y[T - 1, B - 1].isnan().all(), (name, I, B, T, bad)
+                        assert torch.equal(y[:T - 1], clean[:T - 1]) and torch.equal(y[:, :B - 1], clean[:, :B - 1])
+                        assert q(x, state)[0][:, 0].isnan().all(), (name, "h0", bad)
+    module = make_module(mode, 8, 6, torch.float32).eval()
+    with torch.no_grad():
+        module.weight_hh_l0[2, 1] = float("nan")
+    assert rnnkit.quantize(module)(torch.randn(3, 2, 8))[0][-1].isnan().all()
+    q_rows, scale = rnnkit.quantized.quantize_rows(torch.tensor([[1.0, float("inf")], [2.0, -1.0]]))
+    assert scale[0].isnan() and torch.equal(q_rows[0], torch.zeros(2, dtype=torch.int8))
+    assert torch.equal(q_rows[1], torch.tensor([127, -64], dtype=torch.int8))
 
 
 @pytest.mark.parametrize("call, error, words", [

@@ -313,11 +313,14 @@ def _autocast_dtype(device: torch.device, dtype: torch.dtype) -> Optional[torch.
     input's device, float32 inputs, states and weights are cast to the autocast dtype, the stack
     runs in that dtype (each backend computes at least as precisely: the fused CPU kernels keep
     accumulation, pointwise math and the carried state in float32), and y and the final states
-    come back in it, as torch.nn's RNNs do under autocast. float64 is left alone.
+    come back in it, as torch.nn's RNNs do under autocast. A module already in the autocast dtype
+    takes float32 inputs and states the same way (as torch.nn's does). float64 is left alone, and
+    so is a module in another half-precision dtype.
     """
-    if dtype != torch.float32 or device.type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device.type):
+    if device.type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device.type):
         return None
-    return torch.get_autocast_dtype(device.type)
+    low = torch.get_autocast_dtype(device.type)
+    return low if dtype in (torch.float32, low) else None
 
 
 def run(

@@ -345,6 +345,19 @@ class _PackedModule(nn.Module):
                 if key in destination:
                     destination[key] = _standalone(destination[key])
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """An int8 module's codes (rnnkit.quantize's state dict) are refused by name: copy_ would
+        turn them into float weights of up to ±127, whatever ``strict`` says."""
+        for name in self._names:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and not value.is_floating_point():
+                raise ValueError(f"{prefix}{name}: expected floating-point weights, got {value.dtype} (an int8 module's "
+                                 "codes, which need their _scale: load them into rnnkit.quantize's module of this "
+                                 "configuration instead)")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def _backend_note(self) -> str:
         ran = f", last ran: {self.last_backend}" if self.last_backend and self.backend == "auto" else ""
         return f"backend={self.backend!r}{ran}" if (self.backend != "auto" or ran) else ""

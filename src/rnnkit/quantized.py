@@ -41,14 +41,18 @@ MATRICES = ("weight_ih", "weight_hh", "weight_hr")  # the pieces stored int8, ea
 
 def quantize_rows(weight: torch.Tensor):
     """(q int8 [N, K], scale float32 [N]): ``weight ≈ scale[:, None] · q``, symmetric per row, q in
-    [-127, 127] (round half to even); an all-zero row has scale 0."""
+    [-127, 127] (round half to even); an all-zero row has scale 0. A row with a NaN or an infinity
+    has no int8 form: its q is zero and its scale NaN, so every output it enters is NaN (as the
+    activations' rows are treated: csrc/qgemm.cpp, quantize_rows)."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
         raise TypeError(f"weight: expected a 2-D floating-point tensor, got {weight!r:.80}")
     w = weight.detach().to(torch.float32)
+    finite = torch.isfinite(w).all(dim=1)
+    w = torch.where(finite[:, None], w, torch.zeros_like(w))
     amax = w.abs().amax(dim=1)
     inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q = torch.round(w * inverse[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, amax / 127.0
+    return q, torch.where(finite, amax / 127.0, torch.full_like(amax, float("nan")))
 
 
 class QuantizedPass(NamedTuple):
@@ -134,12 +138,29 @@ class _Quantized(nn.Module):
                 self.register_buffer(entry.name, value.to(torch.float32, copy=True).contiguous())
         self.train(source.training)
 
+    def _apply(self, fn, recurse=True):
+        """Moves between devices as any module; dtype conversions (``.double()``, ``.half()``,
+        ``.to(dtype)``, a containing model's) leave the buffers' dtypes as they are: the kernels take
+        int8 matrices with float32 scales and vectors, and float32 inputs. (Converted, no input was
+        accepted any more, each refusal pointing elsewhere.)"""
+        def same_dtype(t):
+            moved = fn(t)
+            return moved if moved.dtype == t.dtype else t.to(moved.device)
+
+        return super()._apply(same_dtype, recurse)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        """Loading checks the int8 matrices' values: symmetric quantization keeps them in [-127, 127],
-        and the kernels rely on it (-128 has no negation in int8), so -128 is refused, not computed."""
+        """Loading checks the int8 matrices: a float matrix (a float module's state dict) is refused by
+        name, whatever ``strict`` says (copy_ would truncate it to int8 codes), and so is -128:
+        symmetric quantization keeps the codes in [-127, 127], and the kernels rely on it (-128 has
+        no negation in int8)."""
         for entry in self.layout.entries:
             value = state_dict.get(prefix + entry.name)
+            if entry.piece in MATRICES and isinstance(value, torch.Tensor) and value.dtype != torch.int8:
+                raise ValueError(f"{prefix}{entry.name}: expected int8 codes (with {entry.name}_scale), got "
+                                 f"{value.dtype}: a float module's weights load into the float module, which "
+                                 "rnnkit.quantize then quantizes")
             if entry.piece in MATRICES and isinstance(value, torch.Tensor) and value.dtype == torch.int8 and \
                     bool((value == -128).any()):
                 raise ValueError(f"{prefix}{entry.name}: expected int8 values in [-127, 127] (symmetric per-row "
@@ -150,7 +171,14 @@ class _Quantized(nn.Module):
     @classmethod
     def from_float(cls, module, use_precomputed_fake_quant: bool = False):
         """The quantized counterpart of an rnnkit module (``torch.ao.quantization``'s hook: see
-        `dynamic_quant_mapping`)."""
+        `dynamic_quant_mapping`). Its qconfig must ask for int8 weights (``torch.qint8``): a float16
+        or quint8 qconfig is refused, not quietly given int8 weights."""
+        qconfig = getattr(module, "qconfig", None)
+        if qconfig is not None and getattr(qconfig, "weight", None) is not None:
+            dtype = qconfig.weight().dtype
+            if dtype != torch.qint8:
+                raise ValueError(f"{type(module).__name__}: rnnkit's dynamic quantization makes int8 weights: "
+                                 f"expected a qconfig with weight dtype torch.qint8, got {dtype}")
         return cls(module)
 
     def _passes(self) -> list:
@@ -362,11 +390,20 @@ def quantize(module: nn.Module, dtype=torch.qint8) -> nn.Module:
 
 
 def _quantized_twin(module: nn.Module) -> _Quantized:
-    target = _QUANTIZED.get(type(module))
+    """The int8 counterpart of one rnnkit layer: a parametrized layer's weights as they compute now,
+    and its forward pre-hooks and hooks carried over (as torch.ao's swap_module does), so that they
+    keep firing on the quantized layer rather than vanish."""
+    target = _QUANTIZED.get(nn.utils.parametrize.type_before_parametrizations(module))
     if target is None:
         raise ValueError(f"module: {type(module).__name__} subclasses an rnnkit layer, and its forward may differ from "
                          "the layer's: quantize the rnnkit layers inside it instead")
-    return target(module)
+    twin = target(module)
+    for key, hook in module._forward_pre_hooks.items():
+        twin.register_forward_pre_hook(hook, with_kwargs=key in module._forward_pre_hooks_with_kwargs)
+    for key, hook in module._forward_hooks.items():
+        twin.register_forward_hook(hook, with_kwargs=key in module._forward_hooks_with_kwargs,
+                                   always_call=key in module._forward_hooks_always_called)
+    return twin
 
 
 __all__ = ["quantize", "quantize_rows", "dynamic_quant_mapping", "QuantizedPass", "LSTM", "GRU", "RNN", "LSTMCell",

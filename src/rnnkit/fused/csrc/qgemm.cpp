@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kernel_choice.h"
@@ -160,7 +161,11 @@ inline __m256i companion(__m256i q) {
 }
 
 // Each row of X into qx and its companion, row-major, K zero-padded to 32 (the packed M's padding
-// is zero, so the padding's products are zero whatever the companion byte).
+// is zero, so the padding's products are zero whatever the companion byte). A row with a NaN or an
+// infinity has no int8 form: its scale is NaN and its bytes zero, so every product it enters is NaN
+// (as the float32 product would be NaN, or ±inf where the float module may saturate it; never a
+// finite value the row did not have). Maxima alone would drop a NaN (maxps returns its second
+// operand), so the loop also sums x − x, which is NaN exactly where x is not finite.
 template <bool offset>
 void quantize_rows(const float* X, int64_t rows, int64_t ldx, int64_t K, Scratch& s, RowsX& out) {
   const int64_t full = K / 32, padded = 32 * ((K + 31) / 32), ld = 2 * padded;
@@ -170,19 +175,33 @@ void quantize_rows(const float* X, int64_t rows, int64_t ldx, int64_t K, Scratch
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = X + r * ldx;
-    __m256 vmax = _mm256_setzero_ps();
+    __m256 vmax = _mm256_setzero_ps(), vnonfinite = _mm256_setzero_ps();
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + k), abs_mask));
+    for (; k + 8 <= K; k += 8) {
+      const __m256 v = _mm256_loadu_ps(x + k);
+      vmax = _mm256_max_ps(vmax, _mm256_and_ps(v, abs_mask));
+      vnonfinite = _mm256_add_ps(vnonfinite, _mm256_sub_ps(v, v));
+    }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
     float amax = _mm_cvtss_f32(m4);
-    for (; k < K; ++k) amax = std::max(amax, std::abs(x[k]));
+    bool finite = _mm256_movemask_ps(_mm256_cmp_ps(vnonfinite, vnonfinite, _CMP_UNORD_Q)) == 0;
+    for (; k < K; ++k) amax = std::max(amax, std::abs(x[k])), finite = finite && std::isfinite(x[k]);
+    int8_t* q = base + r * ld;
+    int8_t* a = q + padded;
+    if (!finite) {
+      s.scales[r] = std::numeric_limits<float>::quiet_NaN();
+      const __m256i zero = _mm256_setzero_si256();
+      for (int64_t c = 0; c < padded / 32; ++c) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * c), zero);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(a + 32 * c), companion<offset>(zero));
+      }
+      continue;
+    }
     const float inv = amax > 0 ? 127.0f / amax : 0.0f;
     s.scales[r] = amax / 127.0f;
     const __m256 vinv = _mm256_set1_ps(inv);
-    int8_t* q = base + r * ld;
-    int8_t* a = q + padded;
     for (int64_t c = 0; c < full; ++c) {
       const __m256i v = quantize32(x + 32 * c, vinv);
       _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * c), v);
@@ -301,11 +320,15 @@ namespace {
 
 namespace scalar {
 
-// Row r of X quantized as the vector kernels do it (round to nearest even) -> its scale.
+// Row r of X quantized as the vector kernels do it (round to nearest even) -> its scale (NaN, and
+// the bytes zero, for a row with a NaN or an infinity, as there).
 float quantize_row(const float* x, int64_t K, std::vector<int8_t>& q) {
   q.assign(std::max<int64_t>(K, 0), 0);
   float amax = 0;
-  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(x[k]));
+  for (int64_t k = 0; k < K; ++k) {
+    if (!std::isfinite(x[k])) return std::numeric_limits<float>::quiet_NaN();
+    amax = std::max(amax, std::abs(x[k]));
+  }
   const float inv = amax > 0 ? 127.0f / amax : 0.0f;
   for (int64_t k = 0; k < K; ++k) q[k] = int8_t(std::nearbyint(x[k] * inv));
   return amax / 127.0f;
