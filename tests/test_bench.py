@@ -504,3 +504,18 @@ def test_gemm_benchmark_scripts_write_their_tables(tmp_path, script, columns, op
             assert cells.pop().strip() in ("rnnkit", "MKL"), row
         rates = [float(cell) for cell in cells]
         assert rates and all(rate > 0 for rate in rates), row
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--threads", "-1", "a positive integer"), ("--threads", "0", "a positive integer"),
+    ("--repeats", "0", "a positive integer"), ("--warmup", "-2", "a non-negative integer"),
+])
+def test_bench_refuses_bad_counts_in_one_line(flag, value, expected, capsys):
+    """--threads -1 was a traceback from torch.set_num_threads, and --threads 0 quietly meant all
+    cores (train, sample and eval refuse 0): argparse's one-line error, exit status 2, nothing run."""
+    from rnnkit.app import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", flag, value, "--list"])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: expected {expected}, got '{value}'" in capsys.readouterr().err
