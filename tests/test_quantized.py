@@ -439,7 +439,7 @@ def test_quantize_keeps_hooks_and_parametrized_weights():
         want = parametrized(x)[0]
         assert rel_rms(q(x)[0], want) < INT8
         plain = rnnkit.LSTM(6, 8).eval()
-        plain.load_state_dict({k: v for k, v in zip(plain.state_dict(), parametrized._current())})
+        plain.load_state_dict(parametrized.named_weights())
         assert torch.equal(q(x)[0], rnnkit.quantize(plain)(x)[0])  # the parametrized weights, quantized
 
 

@@ -157,12 +157,13 @@ class _Quantized(nn.Module):
         no negation in int8)."""
         for entry in self.layout.entries:
             value = state_dict.get(prefix + entry.name)
-            if entry.piece in MATRICES and isinstance(value, torch.Tensor) and value.dtype != torch.int8:
+            if entry.piece not in MATRICES or not isinstance(value, torch.Tensor):
+                continue
+            if value.dtype != torch.int8:
                 raise ValueError(f"{prefix}{entry.name}: expected int8 codes (with {entry.name}_scale), got "
                                  f"{value.dtype}: a float module's weights load into the float module, which "
                                  "rnnkit.quantize then quantizes")
-            if entry.piece in MATRICES and isinstance(value, torch.Tensor) and value.dtype == torch.int8 and \
-                    bool((value == -128).any()):
+            if bool((value == -128).any()):
                 raise ValueError(f"{prefix}{entry.name}: expected int8 values in [-127, 127] (symmetric per-row "
                                  f"quantization), got -128 in {int((value == -128).sum())} places")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

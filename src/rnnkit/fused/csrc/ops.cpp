@@ -206,21 +206,17 @@ class StepPlan {
       if (t->defined()) total += t->numel();
     Tensor buffer = at::empty({total}, a.W.options().dtype(at::kFloat));
     float* out = buffer.data_ptr<float>();
-    for (Tensor* t : vectors) {
+    for (Tensor* t : vectors) {  // contiguous (make_step_plan checks it)
       if (!t->defined()) continue;
-      const Tensor source = t->contiguous();
-      const int64_t n = source.numel();
-      if (source.scalar_type() == at::kBFloat16) {
-        const c10::BFloat16* in = source.const_data_ptr<c10::BFloat16>();
-        for (int64_t i = 0; i < n; ++i) out[i] = float(in[i]);
-      } else if (source.scalar_type() == at::kHalf) {
-        const c10::Half* in = source.const_data_ptr<c10::Half>();
-        for (int64_t i = 0; i < n; ++i) out[i] = float(in[i]);
+      const int64_t n = t->numel();
+      const at::ScalarType type = t->scalar_type();
+      if (type == at::kBFloat16 || type == at::kHalf) {
+        widen_rows(HalfRows{t->const_data_ptr(), n, type == at::kBFloat16}, 1, n, out);
       } else {  // float32 beside half matrices: as it is
-        const Tensor f = source.to(at::kFloat);
+        const Tensor f = t->to(at::kFloat);
         std::copy(f.const_data_ptr<float>(), f.const_data_ptr<float>() + n, out);
       }
-      *t = at::from_blob(out, source.sizes(), buffer.options());
+      *t = at::from_blob(out, t->sizes(), buffer.options());
       out += n;
     }
     return buffer;
