@@ -672,6 +672,31 @@ def test_autocast_takes_float32_inputs_of_a_module_already_in_its_dtype(kind, dt
         assert got.dtype == dtype and torch.equal(got, want), (kind, grad)
 
 
+@pytest.mark.parametrize("wrong", ["input", "state"])
+@pytest.mark.parametrize("kind", ["lstm", "gru_cell"])
+def test_autocast_refuses_float64_naming_its_dtype(kind, wrong):
+    """Under autocast a float64 input or state is refused (as torch.nn's LSTM refuses it: its
+    bf16-cast weights meet the float64 input, which autocast leaves alone), with what came and
+    what is taken: float32 or the autocast dtype. It said "expected dtype torch.bfloat16 (the dtype
+    of the weights)", of float32 weights."""
+    layer = rnnkit.LSTM(INPUT, 8) if kind == "lstm" else rnnkit.GRUCell(INPUT, 8)
+    x = torch.randn(5, B, INPUT) if kind == "lstm" else torch.randn(B, INPUT)
+    h = torch.randn(1, B, 8) if kind == "lstm" else torch.randn(B, 8)
+    state = (h, torch.randn(1, B, 8)) if kind == "lstm" else h
+    if wrong == "input":
+        x = x.double()
+    else:
+        state = map_tree(state, torch.Tensor.double)
+    name = "input" if wrong == "input" else ("hx[0] (h_0)" if kind == "lstm" else "hx (h)")
+    expected = (f"{name}: expected dtype torch.float32 or torch.bfloat16 under torch.autocast('cpu', "
+                "dtype=torch.bfloat16), got torch.float64")
+    with torch.autocast("cpu", torch.bfloat16), pytest.raises(TypeError) as error:
+        layer(x, state)
+    assert str(error.value) == expected
+    with torch.autocast("cpu", torch.bfloat16), pytest.raises(RuntimeError, match="same dtype"):
+        torch.nn.LSTM(INPUT, 8)(torch.randn(5, B, INPUT, dtype=torch.float64))
+
+
 # ---- 6. the step API against torch.nn's cells --------------------------------------------------
 
 CELLS = {

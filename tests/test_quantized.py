@@ -22,6 +22,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import rnnkit
 from rnnkit.fused import build
@@ -485,6 +486,37 @@ def test_compile_and_export():
     assert_close(program.module()(x), expected, "exported", tol=0)
 
 
+@pytest.mark.parametrize("layer, shape", [
+    pytest.param(lambda: rnnkit.LSTM(6, 8, num_layers=2, proj_size=5, peephole=True), (4, 3, 6), id="lstm"),
+    pytest.param(lambda: rnnkit.LSTM(6, 8), (1, 3, 6), id="lstm_one_step"),
+    pytest.param(lambda: rnnkit.GRU(6, 8, bidirectional=True, batch_first=True), (3, 4, 6), id="gru_bidir"),
+    pytest.param(lambda: rnnkit.LSTMCell(6, 8, proj_size=5), (3, 6), id="lstm_cell"),
+    pytest.param(lambda: rnnkit.GRUCell(6, 8), (6,), id="gru_cell_unbatched"),
+])
+def test_meta_device_and_fake_tensors_give_the_shapes(layer, shape):
+    """An int8 module on the meta device (moved there, or quantized from a module there) and
+    under FakeTensorMode gives the CPU call's shapes and dtypes through the op's fake implementation,
+    where the kernels were called on memory a meta tensor has not ("its data is not allocated yet").
+    A module quantized on the meta device takes real weights by load_state_dict(assign=True)."""
+    torch.manual_seed(0)
+    float_module = layer().eval()
+    q = rnnkit.quantize(float_module)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        want = flatten(q(x))
+        on_meta = flatten(copy.deepcopy(q).to("meta")(x.to("meta")))
+        built_on_meta = rnnkit.quantize(layer().to("meta").eval())
+        from_meta = flatten(built_on_meta(x.to("meta")))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake = flatten(q(torch.randn(*shape)))
+    for name, got in (("moved to meta", on_meta), ("quantized on meta", from_meta), ("fake", fake)):
+        assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want], name
+    assert all(t.is_meta for t in on_meta + from_meta)
+    built_on_meta.load_state_dict(q.state_dict(), assign=True)
+    with torch.no_grad():
+        assert_close(built_on_meta(x), q(x), "quantized on meta, then loaded", tol=0)
+
+
 INT8_ONNX_CASES = {  # name -> (layer, with lengths)
     "lstm_lengths": (lambda: rnnkit.LSTM(6, 12), True),
     "lstm_peephole_coupled": (lambda: rnnkit.LSTM(6, 12, peephole=True, coupled_gates=True), False),
@@ -643,3 +675,36 @@ def test_refuses_gradients_and_wrong_inputs():
     cell = rnnkit.quantize(rnnkit.LSTMCell(3, 4))
     with torch.no_grad(), pytest.raises(TypeError, match="pair"):
         cell(torch.randn(2, 3), torch.randn(2, 4))
+
+
+BAD_CELL_STATES = {  # name -> (cell, input shape, hx): one mistake each
+    "lstm_batched_wrong_batch": (lambda: rnnkit.LSTMCell(6, 8), (3, 6), lambda: (torch.zeros(2, 8), torch.zeros(3, 8))),
+    "lstm_batched_wrong_c_size": (lambda: rnnkit.LSTMCell(6, 8), (3, 6), lambda: (torch.zeros(3, 8), torch.zeros(3, 7))),
+    "lstm_batched_unbatched_h": (lambda: rnnkit.LSTMCell(6, 8), (3, 6), lambda: (torch.zeros(8), torch.zeros(3, 8))),
+    "lstm_unbatched_batched_h": (lambda: rnnkit.LSTMCell(6, 8), (6,), lambda: (torch.zeros(1, 8), torch.zeros(8))),
+    "lstm_unbatched_wrong_h_size": (lambda: rnnkit.LSTMCell(6, 8), (6,), lambda: (torch.zeros(7), torch.zeros(8))),
+    "lstm_proj_h_of_hidden_size": (lambda: rnnkit.LSTMCell(6, 8, proj_size=5), (3, 6),
+                                   lambda: (torch.zeros(3, 8), torch.zeros(3, 8))),
+    "lstm_not_a_pair": (lambda: rnnkit.LSTMCell(6, 8), (3, 6), lambda: torch.zeros(3, 8)),
+    "gru_batched_wrong_batch": (lambda: rnnkit.GRUCell(6, 8), (3, 6), lambda: torch.zeros(2, 8)),
+    "gru_unbatched_wrong_size": (lambda: rnnkit.GRUCell(6, 8), (6,), lambda: torch.zeros(9)),
+    "rnn_batched_wrong_size": (lambda: rnnkit.RNNCell(6, 8), (3, 6), lambda: torch.zeros(3, 9)),
+    "rnn_float64_state": (lambda: rnnkit.RNNCell(6, 8), (3, 6), lambda: torch.zeros(3, 8, dtype=torch.float64)),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CELL_STATES))
+def test_cell_state_errors_are_the_float_cells(case):
+    """A badly shaped hx gets the float cell's error from an int8 cell: the state named, the shape
+    expected and the shape given (it showed the one-layer stack's shapes, an axis added to each:
+    "hx[0] (h_0): expected shape (1, 3, 16), got (1, 2, 16)")."""
+    layer, shape, hx = BAD_CELL_STATES[case]
+    float_cell = layer().eval()
+    q = rnnkit.quantize(float_cell)
+    x = torch.randn(*shape)
+    with torch.no_grad(), pytest.raises((TypeError, ValueError)) as expected:
+        float_cell(x, hx())
+    assert str(expected.value).startswith("hx"), expected.value  # the float cell's error is the one meant
+    with torch.no_grad(), pytest.raises(type(expected.value)) as got:
+        q(x, hx())
+    assert str(got.value) == str(expected.value)

@@ -34,10 +34,35 @@ def check_tensor(name: str, value, shape: Optional[tuple], like: torch.Tensor) -
     if shape is not None and _shape(value) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {_shape(value)}")
     if value.dtype != like.dtype:
-        raise TypeError(f"{name}: expected dtype {like.dtype} (the dtype of the weights), got {value.dtype}")
+        raise TypeError(f"{name}: expected dtype {_expected_dtype(like)}, got {value.dtype}")
     if value.device != like.device:
         raise ValueError(f"{name}: expected a tensor on {like.device} (the device of the weights), got {value.device}")
     return value
+
+
+def _expected_dtype(like: torch.Tensor) -> str:
+    """The dtypes `check_tensor` takes, in words: ``like``'s, or under torch.autocast in its dtype
+    float32 too (`_autocast_dtype`'s policy: ``like`` is then the weights as cast, and the input's
+    float32 is cast the same way; any other dtype, float64 included, is refused as torch.nn's is)."""
+    device = like.device.type
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device) and like.dtype == torch.get_autocast_dtype(device):
+        return f"torch.float32 or {like.dtype} under torch.autocast({device!r}, dtype={like.dtype})"
+    return f"{like.dtype} (the dtype of the weights)"
+
+
+def check_cell_states(spec, hx, input: torch.Tensor, like: torch.Tensor) -> tuple:
+    """A cell's hx -> (h,) or (h, c), each (B, size) for an input (B, I), (size,) for an input (I,);
+    else an error naming the state, the expected and the given shape (the float and int8 cells' check)."""
+    cell = spec.cell(0)
+    lstm = spec.mode == "lstm"
+    if lstm and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
+        raise TypeError(f"hx: expected a pair (h, c) for an LSTM cell, got {type(hx).__name__}")
+    parts = tuple(hx) if lstm else (hx,)
+    sizes = [("h", cell.output_size)] + ([("c", cell.hidden_size)] if lstm else [])
+    batch = () if input.dim() == 1 else (input.shape[0],)
+    for (name, size), value in zip(sizes, parts):
+        check_tensor(f"hx ({name})", value, batch + (size,), like)
+    return parts
 
 
 def check_weights(spec: RNNSpec, weights, layout: Layout) -> torch.Tensor:

@@ -725,12 +725,7 @@ class _Cell(_PackedModule):
             h0 = input.new_zeros(B, cell.output_size)
             c0 = input.new_zeros(B, cell.hidden_size) if lstm else None
         else:
-            if lstm and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
-                raise TypeError(f"hx: expected a pair (h, c) for an LSTM cell, got {type(hx).__name__}")
-            parts = hx if lstm else (hx,)
-            shapes = [("h", (B, cell.output_size))] + ([("c", (B, cell.hidden_size))] if lstm else [])
-            for (name, shape), value in zip(shapes, parts):
-                functional.check_tensor(f"hx ({name})", value, shape[1:] if unbatched else shape, w.W)
+            parts = functional.check_cell_states(spec, hx, input, w.W)
             h0 = parts[0].reshape(B, cell.output_size)  # sizes spelled out: B may be 0
             c0 = parts[1].reshape(B, cell.hidden_size) if lstm else None
         x = input.reshape(B, spec.input_size)

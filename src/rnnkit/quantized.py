@@ -91,6 +91,13 @@ torch.library.impl("rnnkit::fused_int8_pass", "cpu")(_int8_pass)
 torch.library.register_fake("rnnkit::fused_int8_pass")(_int8_pass_fake)
 
 
+def _on_the_kernels(x: torch.Tensor) -> bool:
+    """Whether the int8 kernels can be called directly (`_direct`, and x on the CPU). Elsewhere the
+    op goes through the dispatcher: on the meta device its fake implementation gives the shapes
+    (the kernels would read memory a meta tensor does not have)."""
+    return _direct(x) and x.device.type == "cpu"
+
+
 class Int8Backend:
     """The fused CPU passes with int8 weights (`QuantizedPass`), for `functional.run_stack`."""
 
@@ -99,7 +106,7 @@ class Int8Backend:
     def run_pass(self, cell, x, h0, c0, w: QuantizedPass, lengths, reverse, masks):
         values = pass_values(pass_scalars(cell, reverse, masks), x, h0, c0, tuple(w.weights),
                              mask_tensors(lengths, masks)) + (w.W_scale, w.R_scale, w.W_hr_scale)
-        out = _int8_pass(*values) if _direct(x) else torch.ops.rnnkit.fused_int8_pass.default(*values)
+        out = _int8_pass(*values) if _on_the_kernels(x) else torch.ops.rnnkit.fused_int8_pass.default(*values)
         return out[0], out[1], (out[2] if cell.mode == "lstm" else None)
 
 
@@ -120,7 +127,7 @@ class _Quantized(nn.Module):
         if not isinstance(source, self._FLOAT):
             raise TypeError(f"module: expected an rnnkit.{self._FLOAT.__name__}, got {type(source).__name__}")
         current = source._current()  # parametrized weights as they compute now
-        if current[0].device.type != "cpu":
+        if current[0].device.type not in ("cpu", "meta"):  # meta: shapes only (the op's fake implementation)
             raise ValueError(f"module: int8 inference runs on the CPU; move the module there first (it is on "
                              f"{current[0].device})")
         if not current[0].is_floating_point():
@@ -245,7 +252,7 @@ class _QuantizedStack(_Quantized):
         """As the float module's call (input, hx, lengths; PackedSequence), in evaluation mode."""
         data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
         self._check_call([data, *functional._leaves(hx)])
-        out = one_step_call(self.spec, lambda: self._plans() if _direct(data) else None, input, hx, lengths)
+        out = one_step_call(self.spec, lambda: self._plans() if _on_the_kernels(data) else None, input, hx, lengths)
         if out is not None:
             return out
         return sequence_call(self._run, input, hx, lengths, self.spec.batch_first)
@@ -263,21 +270,25 @@ class _QuantizedCell(_Quantized):
         """One step, as the float cell's call (input (B, I) or (I,); hx as the cell takes it)."""
         check_cell_input(self.spec, input)
         self._check_call([input, *functional._leaves(hx)])
-        plans = self._plans() if _direct(input) else None
+        plans = self._plans() if _on_the_kernels(input) else None
         if plans is not None:
             out = plans[0](input, hx)
             if out is not None:
                 return out
-        # the general path: a one-step, one-layer stack (the cell's states are the stack's with L·D = 1)
+        # the general path: a one-step, one-layer stack (the cell's states are the stack's with L·D = 1),
+        # its arguments checked first as the float cell checks them (the stack's messages would show
+        # the added axes)
         lstm = self.spec.mode == "lstm"
+        like = self._like()
+        functional.check_tensor("input", input, None, like)
         if hx is not None:
-            if lstm and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
-                raise TypeError(f"hx: expected a pair (h, c) for an LSTM cell, got {type(hx).__name__}")
-            hx = tuple(t.unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in hx) if lstm else (
-                hx.unsqueeze(0) if isinstance(hx, torch.Tensor) else hx)
+            states = functional.check_cell_states(self.spec, hx, input, like)
+            hx = tuple(t.unsqueeze(0) for t in states) if lstm else states[0].unsqueeze(0)
         y, hy, _ = functional.run(self.spec, self._passes(), input.unsqueeze(0), hx, None, training=False,
-                                  backend=INT8, batch_first=False, like=self._like())
+                                  backend=INT8, batch_first=False, like=like)
         return (hy[0][0], hy[1][0]) if lstm else hy[0]
+
+
 
 class LSTM(_QuantizedStack):
     """`rnnkit.LSTM` with int8 weights (made by `quantize`), for inference: the same call and outputs."""
@@ -357,7 +368,8 @@ def quantize(module: nn.Module, dtype=torch.qint8) -> nn.Module:
 
     Args:
         module: an rnnkit LSTM / GRU / RNN / LSTMCell / GRUCell / RNNCell, or a model containing
-            some (on the CPU, floating-point weights).
+            some (on the CPU, floating-point weights; or on the meta device, where the quantized
+            layers give shapes only and take weights by ``load_state_dict(..., assign=True)``).
         dtype: ``torch.qint8`` (or ``torch.int8``), the only one supported.
 
     Returns:
@@ -366,7 +378,8 @@ def quantize(module: nn.Module, dtype=torch.qint8) -> nn.Module:
         same calls and returns float32 outputs. Other layers are copied as they are.
 
     Raises:
-        ValueError: no rnnkit layer in ``module``, a layer not on the CPU, or an unsupported dtype.
+        ValueError: no rnnkit layer in ``module``, a layer neither on the CPU nor on the meta device,
+            or an unsupported dtype.
 
     Example:
         >>> model = rnnkit.LSTM(32, 64, proj_size=16, layer_norm=True).eval()
