@@ -519,3 +519,15 @@ def test_bench_refuses_bad_counts_in_one_line(flag, value, expected, capsys):
         cli.main(["bench", flag, value, "--list"])
     assert exit_info.value.code == 2
     assert f"argument {flag}: expected {expected}, got '{value}'" in capsys.readouterr().err
+
+
+def test_bench_refuses_an_out_it_cannot_write_before_measuring(tmp_path, capsys, monkeypatch):
+    """An --out under a file failed after the first case's measurements; now before any."""
+    from rnnkit.app import bench, cli
+
+    monkeypatch.setattr(bench, "measure_case", lambda *a, **k: pytest.fail("measured before checking --out"))
+    (tmp_path / "a-file").write_text("")
+    status = cli.main(["bench", "--quick", "--shapes", "tiny", "--variants", "lstm", "--out", str(tmp_path / "a-file" / "out")])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert err.strip().splitlines() == [f"rnnkit bench: --out {tmp_path / 'a-file' / 'out'}: Not a directory"]

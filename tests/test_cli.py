@@ -5,6 +5,7 @@ Runs are tiny (a few steps of a small model on a short text) so the file stays f
 default run's numbers are measured once and written in docs/cli.md.
 """
 import json
+import shlex
 import math
 import os
 import signal
@@ -590,7 +591,7 @@ def test_eval_errors(trained, tmp_path, capsys):
     other.write_text("a different corpus " * 200, encoding="utf-8")
     status, _, err = run(capsys, "eval", trained, "--text", other)
     assert_one_line_error(status, err)
-    assert "not the one" in err
+    assert "not the corpus this run was trained on" in err
 
 
 def test_python_m_rnnkit_error_has_no_traceback(tmp_path):
@@ -685,3 +686,200 @@ def test_expected_fp32_gemm():
     assert expected_fp32_gemm(["avx2", "fma", "avx512f", "avx512bw"], "AVX512") == "avx512"
     assert expected_fp32_gemm(["avx2", "fma"], "AVX2") == "mkl"
     assert expected_fp32_gemm(None, "DEFAULT") == "mkl"
+
+
+# ---- a run's files belong together; damaged ones are one line ---------------------------
+
+def _other_run(tmp_path, capsys, corpus, *flags):
+    out = tmp_path / "other"
+    assert run(capsys, "train", "--text", corpus, "--out", out, "--steps", 4, *SMALL, *flags)[0] == 0
+    return out
+
+
+@pytest.mark.parametrize("flags, word", [(["--lr", "0.01"], "--lr"), (["--batch", "2"], "--batch"),
+                                         (["--seed", "3"], "--seed")], ids=["lr", "batch", "seed"])
+def test_resume_refuses_another_runs_checkpoint(trained, corpus, tmp_path, capsys, flags, word):
+    """A checkpoint copied in from a run of the same model but other training flags: before,
+    --lr / --seed continued silently as this run, --batch failed with a traceback."""
+    other = _other_run(tmp_path, capsys, corpus, *flags)
+    (trained / "checkpoint.safetensors").write_bytes((other / "checkpoint.safetensors").read_bytes())
+    before = snapshot(trained)
+    status, _, err = run(capsys, "train", "--out", trained, "--steps", 8, "--resume")
+    assert_one_line_error(status, err)
+    assert "belongs to another run" in err and word in err
+    assert snapshot(trained) == before
+
+
+def test_sample_refuses_a_checkpoint_of_another_corpus(trained, tmp_path, capsys):
+    """Same characters, same model: the weights load, but their ids mean other characters."""
+    text = (trained / "config.json").read_text()
+    source = json.loads(text)["corpus"]["source"]
+    shuffled = tmp_path / "shuffled.txt"
+    shuffled.write_text("".join(reversed(Path(source).read_text(encoding="utf-8"))), encoding="utf-8")
+    other = _other_run(tmp_path, capsys, shuffled)
+    assert json.loads((other / "vocab.json").read_text()) == json.loads((trained / "vocab.json").read_text())
+    (trained / "best.safetensors").write_bytes((other / "best.safetensors").read_bytes())
+    for argv in (["sample", trained, "--best"], ["eval", trained, "--best"]):
+        status, _, err = run(capsys, *argv)
+        assert_one_line_error(status, err)
+        assert "another corpus" in err
+    assert run(capsys, "sample", trained, "--length", 5)[0] == 0  # its own checkpoint still samples
+
+
+def _without_identity(path: Path) -> None:
+    """Rewrite a checkpoint as rnnkit wrote it before checkpoints named their run."""
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as handle:
+        meta = {k: v for k, v in handle.metadata().items() if k != "run"}
+    save_file(load_file(str(path)), str(path), metadata=meta)
+
+
+def test_an_older_checkpoint_of_another_batch_is_one_line(trained, corpus, tmp_path, capsys):
+    other = _other_run(tmp_path, capsys, corpus, "--batch", "2")
+    _without_identity(other / "checkpoint.safetensors")
+    (trained / "checkpoint.safetensors").write_bytes((other / "checkpoint.safetensors").read_bytes())
+    before = snapshot(trained)
+    status, _, err = run(capsys, "train", "--out", trained, "--steps", 8, "--resume")
+    assert_one_line_error(status, err)
+    assert "--batch 4" in err and "carried state" in err
+    assert snapshot(trained) == before
+
+
+def test_an_older_checkpoint_of_another_model_names_the_mismatch(trained, tmp_path, capsys):
+    _without_identity(trained / "checkpoint.safetensors")
+    config = json.loads((trained / "config.json").read_text())
+    config["model"]["hidden"] = 20
+    (trained / "config.json").write_text(json.dumps(config))
+    status, _, err = run(capsys, "sample", trained)
+    assert_one_line_error(status, err)
+    assert "size mismatch" in err  # load_state_dict's detail, not its heading
+
+
+@pytest.mark.parametrize("files", [["config.json"], ["log.jsonl", "curve.png"], ["vocab.json"]],
+                         ids=["config", "log-and-curve", "vocab"])
+def test_a_fresh_run_keeps_files_it_did_not_write(tmp_path, corpus, capsys, files):
+    out = tmp_path / "mine"
+    out.mkdir()
+    for name in files:
+        (out / name).write_text(f"the user's own {name}\n")
+    before = snapshot(out)
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", out, "--steps", 4, *SMALL)
+    assert_one_line_error(status, err)
+    assert "no rnnkit run wrote" in err and files[0] in err
+    assert snapshot(out) == before
+
+
+def test_a_fresh_run_replaces_a_run_that_never_checkpointed(tmp_path, corpus, capsys, signal_at_step):
+    out = tmp_path / "run"
+    signal_at_step(signal.SIGINT, 1, times=2)  # stopped at once: no checkpoint
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", out, "--steps", 4, *SMALL)
+    assert status == 130 and not (out / "checkpoint.safetensors").exists() and (out / "config.json").exists()
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", out, "--steps", 4, *SMALL, "--hidden", 16)
+    assert status == 0, err
+    assert json.loads((out / "config.json").read_text())["model"]["hidden"] == 16
+
+
+DAMAGE = {
+    "cell": ("config.json", lambda c: c["model"].update(cell="lsmt"), "--cell"),
+    "hidden-bool": ("config.json", lambda c: c["model"].update(hidden=True), "--hidden"),
+    "zoneout": ("config.json", lambda c: c["model"].update(zoneout=1.5), "--zoneout"),
+    "corpus-null": ("config.json", lambda c: c.update(corpus=None), "corpus"),
+    "sha-missing": ("config.json", lambda c: c["corpus"].pop("sha256") and None, "sha256"),
+    "batch-string": ("config.json", lambda c: c["training"].update(batch="32"), "--batch"),
+    "lr-negative": ("config.json", lambda c: c["training"].update(lr=-1), "--lr"),
+    "eval-every-zero": ("config.json", lambda c: c["settings"].update(eval_every=0), "--eval-every"),
+    "settings-list": ("config.json", lambda c: c.update(settings=[1, 2]), "settings"),
+    "unknown-setting": ("config.json", lambda c: c["settings"].update(eval_evry=5), "eval_evry"),
+    "not-an-object": ("config.json", lambda c: [1], "JSON object"),
+    "vocab-short": ("vocab.json", lambda v: v[:-1], "vocab_size"),
+    "vocab-repeats": ("vocab.json", lambda v: v[:-1] + v[:1], "distinct"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+@pytest.mark.parametrize("command", ["resume", "sample", "eval"])
+def test_a_damaged_config_is_one_line_naming_the_file(trained, capsys, damage, command):
+    name, change, word = DAMAGE[damage]
+    path = trained / name
+    value = json.loads(path.read_text())
+    changed = change(value)
+    path.write_text(json.dumps(value if changed is None else changed))
+    before = snapshot(trained)
+    argv = {"resume": ["train", "--out", trained, "--steps", 8, "--resume"], "sample": ["sample", trained],
+            "eval": ["eval", trained]}[command]
+    status, _, err = run(capsys, *argv)
+    assert_one_line_error(status, err)
+    assert f"{path}:" in err and word in err
+    assert snapshot(trained) == before
+
+
+def test_a_moved_corpus_says_where_it_was_looked_for(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    assert run(capsys, "train", "--text", corpus, "--out", out, "--steps", 4, *SMALL)[0] == 0
+    moved = tmp_path / "moved.txt"
+    corpus.rename(moved)
+    status, _, err = run(capsys, "train", "--out", out, "--steps", 6, "--resume")
+    assert_one_line_error(status, err)
+    assert str(corpus) in err and "config.json" in err and "--text" in err and "moved" in err
+    status, _, err = run(capsys, "train", "--out", out, "--steps", 6, "--resume", "--text", moved)
+    assert status == 0, err
+
+
+# ---- what runs where ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv", [["eval", "--precision", "int8"], ["sample", "--int8"]], ids=["eval", "sample"])
+def test_a_backend_with_int8_is_refused(trained, capsys, argv):
+    """int8 runs on rnnkit.quantize's kernels: a --backend there was quietly ignored."""
+    status, _, err = run(capsys, argv[0], trained, *argv[1:], "--backend", "reference")
+    assert_one_line_error(status, err)
+    assert "--backend reference" in err and "int8" in err
+
+
+def test_a_backend_that_cannot_train_the_model_writes_nothing(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", out, "--backend", "native", "--peephole", *SMALL)
+    assert_one_line_error(status, err)
+    assert "--backend" in err and not out.exists()
+
+
+@pytest.mark.parametrize("variable", ["RNNKIT_FP32_GEMM", "RNNKIT_INT8_KERNEL"])
+def test_a_bad_kernel_variable_is_one_line(trained, variable):
+    """The kernels read the variable at their first use, once per process: a fresh process."""
+    command = [sys.executable, "-m", "rnnkit", "eval", str(trained), "--chars", "100", "--precision", "int8"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, variable: "bogus"})
+    assert result.returncode == 1
+    assert_one_line_error(result.returncode, result.stderr)
+    assert f"${variable}" in result.stderr and "bogus" in result.stderr
+
+
+def test_the_printed_command_continues_the_run(tmp_path, corpus, capsys, signal_at_step):
+    """The interrupted run's 'continue with' line, run as printed (quoting, where it runs)."""
+    out = tmp_path / "a run"
+    signal_at_step(signal.SIGINT, 2)
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", out, "--steps", 6, *SMALL,
+                         "--backend", "reference", "--device", "cpu")
+    assert status == 130, err
+    line = err.strip().splitlines()[-1]
+    argv = shlex.split(line.split("continue with: ")[1])
+    assert argv[:2] == ["rnnkit", "train"] and argv[argv.index("--out") + 1] == str(out)
+    assert argv[argv.index("--backend") + 1] == "reference" and argv[argv.index("--device") + 1] == "cpu"
+    status, _, err = run(capsys, *argv[1:])
+    assert status == 0, err
+    assert json.loads(safe_open(str(out / "checkpoint.safetensors"), "pt").metadata()["progress"])["step"] == 6
+
+
+def test_evaluate_scores_every_character():
+    """evaluate cuts the text into streams; none of the characters asked for is left out (it
+    dropped up to batch - 1 of them) and each is predicted from its own stream's past."""
+    torch.manual_seed(0)
+    network = train.build_model(train.ModelConfig(vocab_size=7, hidden=8, embedding=4))
+    ids = torch.randint(0, 7, (23,))
+    got = train.evaluate(network, ids, batch=4, bptt=3)
+    rows = [ids[k * 6: k * 6 + 7] for k in range(4)]  # 22 targets in 4 streams of 6, the last one of 4
+    total = 0.0
+    with torch.no_grad():
+        for row in rows:
+            logits, _ = network(row[:-1].unsqueeze(1))
+            total += torch.nn.functional.cross_entropy(logits[:, 0], row[1:], reduction="sum").item()
+    assert got == pytest.approx(total / 22 / math.log(2), rel=1e-6)

@@ -21,6 +21,7 @@ import importlib.metadata
 import math
 import os
 import platform
+import shlex
 import signal
 import sys
 import threading
@@ -45,7 +46,7 @@ DEFAULT_STEPS, DEFAULT_OUT = 2000, "rnnkit-run"
 # more threads and loses much when the cores are shared (2-core machine, other jobs running:
 # 0.08 s per default training step with 1 thread, 0.24 s with 2).
 DEFAULT_THREADS = 1
-DEFAULT_SETTINGS = {"eval_every": 100, "eval_chars": 50_000}  # saved in config.json; a resumed run reuses them
+DEFAULT_SETTINGS = train.DEFAULT_SETTINGS  # saved in config.json; a resumed run reuses them
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -206,6 +207,24 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _check_kernel_variables() -> None:
+    """A UserError now, rather than a traceback at the first product, for a $RNNKIT_*_KERNEL /
+    $RNNKIT_FP32_GEMM this build and CPU cannot run. Only variables that are set are checked
+    (checking loads the fused kernels, which they choose among)."""
+    from rnnkit import fused
+
+    for variable, ask in (("RNNKIT_FP32_GEMM", fused.fp32_gemm), ("RNNKIT_BF16_KERNEL", fused.bf16_kernel),
+                          ("RNNKIT_INT8_KERNEL", rnnkit.quantized.int8_kernel)):
+        if os.environ.get(variable, "auto") in ("", "auto"):
+            continue
+        try:
+            ask()
+        except ValueError as error:
+            raise UserError(f"${str(error).strip().splitlines()[0]}") from None
+        except RuntimeError:  # the fused kernels cannot load here: the variable has nothing to choose among
+            return
+
+
 # ---- train -------------------------------------------------------------------------------
 
 def _tqdm():
@@ -224,29 +243,19 @@ def _resolve(args):
     if args.resume:
         if not (out / files.CHECKPOINT_FILE).exists():
             raise UserError(f"--resume: no checkpoint in {out} ({files.CHECKPOINT_FILE} is missing)")
-        model_config, saved, vocabulary = files.read_run_files(out)
-        for section, given in (("model", given_model), ("training", given_train)):
+        saved = train.read_run(out)
+        for section, given in ((saved.model, given_model), (saved.training, given_train)):
             for key, value in given.items():
-                if saved.get(section, {}).get(key) != value:
-                    flag = "--" + key.replace("_", "-")
+                if getattr(section, key) != value:
                     raise UserError(
-                        f"--resume: {flag} {value} differs from the checkpoint's {saved[section].get(key)} in "
+                        f"--resume: {model.flag(key)} {value} differs from the checkpoint's {getattr(section, key)} in "
                         f"{out / files.CONFIG_FILE}; leave the flag out to continue that run, or choose another --out"
                     )
-        corpus = saved.get("corpus", {})
-        source = args.text or corpus.get("source", "stdlib")
-        text = _corpus_text(source)
-        if data.fingerprint(text) != corpus.get("sha256"):
-            raise UserError(f"--resume: the corpus ({source}) is not the one the checkpoint in {out} was trained on")
-        try:
-            train_config = train.TrainConfig(**saved["training"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise UserError(f"{out / files.CONFIG_FILE}: not a usable run configuration ({error})") from None
-        settings = {**DEFAULT_SETTINGS, **saved.get("settings", {})}
+        text = saved.corpus_text(args.text)
+        model_config, train_config, vocabulary = saved.model, saved.training, saved.vocabulary
+        corpus, settings = dict(saved.corpus), dict(saved.settings)
     else:
-        for name in (files.CHECKPOINT_FILE, files.BEST_FILE):
-            if (out / name).exists():
-                raise UserError(f"{out} already holds {name}; pass --resume to continue that run, or choose another --out")
+        files.check_fresh_directory(out)
         values = {**train.TRAIN_DEFAULTS, **given_train}
         if values["schedule"] == "cosine":  # the cosine's defaults; with a constant schedule these flags are refused
             values["final_lr_fraction"] = given_train.get("final_lr_fraction", train.DEFAULT_FINAL_LR_FRACTION)
@@ -256,7 +265,7 @@ def _resolve(args):
         except ValueError as error:
             raise UserError(str(error)) from None
         source = str(Path(args.text).resolve()) if args.text else "stdlib"
-        text = _corpus_text(args.text or "stdlib")
+        text = data.read_corpus(args.text) if args.text else data.stdlib_corpus()
         vocabulary = data.Vocabulary.of(text)
         model_config = model.ModelConfig(vocab_size=len(vocabulary), **{**model.MODEL_DEFAULTS, **given_model})
         corpus = {"source": source, "sha256": data.fingerprint(text), "chars": len(text)}
@@ -267,10 +276,21 @@ def _resolve(args):
     return model_config, train_config, vocabulary, train_text, valid_text, corpus, settings
 
 
-def _corpus_text(source: str) -> str:
-    if source == "stdlib":
-        return data.stdlib_corpus()
-    return data.read_corpus(source)
+def _command(*words) -> str:
+    """A command line to print for the user to copy: every word quoted for the shell where it needs it."""
+    return shlex.join(str(word) for word in words)
+
+
+def _where_it_runs(args) -> list:
+    """The flags of --device / --backend / --threads that differ from their defaults, to repeat in a printed command."""
+    words = []
+    if args.device != "auto":
+        words += ["--device", args.device]
+    if args.backend != "auto":
+        words += ["--backend", args.backend]
+    if args.threads != DEFAULT_THREADS:
+        words += ["--threads", args.threads]
+    return words
 
 
 class Interruption:
@@ -305,6 +325,7 @@ class Interruption:
 def _train(args) -> int:
     tqdm = _tqdm()
     files.require_safetensors()  # fail before training, not at the first checkpoint
+    _check_kernel_variables()
     torch.set_num_threads(args.threads)
     device = _device(args.device)
     with Interruption() as interruption:
@@ -367,15 +388,16 @@ def _train(args) -> int:
     if not finished:
         plot()
         name = signal.Signals(interruption.received).name
+        again = ["rnnkit", "train", "--out", args.out, "--resume"]  # config.json has the corpus's absolute path
+        again += (["--steps", args.steps] if args.steps != DEFAULT_STEPS else []) + _where_it_runs(args)
         print(f"rnnkit: {name}: saved the checkpoint of step {run.progress.step} in {args.out}; continue with: "
-              f"rnnkit train --out {args.out} --resume" + (f" --steps {args.steps}" if args.steps != DEFAULT_STEPS else ""),
-              file=sys.stderr)
+              f"{_command(*again)}", file=sys.stderr)
         return 128 + interruption.received
     final = run.history.evaluations[-1]
     best = f"; best {run.progress.best_val_bpc:.3f} at step {run.progress.best_step}" if run.progress.best_step != final["step"] else ""
     print(
         f"rnnkit: step {final['step']}: validation {final['val_bpc']:.3f} bits/char{best}, "
-        f"{final['elapsed_s']:.0f} s of training; try: rnnkit sample {args.out}",
+        f"{final['elapsed_s']:.0f} s of training; try: {_command('rnnkit', 'sample', args.out)}",
         file=sys.stderr,
     )
     return 0
@@ -389,21 +411,31 @@ def _training_number(bpc: float, steps: int) -> str:
 # ---- sample ------------------------------------------------------------------------------
 
 def _trained(args):
-    """-> (network on its device, run config, vocabulary) from a run directory's checkpoint."""
+    """-> (network on its device, the run's saved configuration `train.SavedRun`) from a run directory's checkpoint."""
+    _check_kernel_variables()
     torch.set_num_threads(args.threads)
     device = _device(args.device)
     directory = Path(args.directory)
     if not directory.is_dir():
         raise UserError(f"{directory}: no such directory (the --out of rnnkit train)")
-    model_config, config, vocabulary = files.read_run_files(directory)
-    network = model.build_model(model_config, args.backend)
+    saved = train.read_run(directory)
+    if _int8_asked(args) and args.backend != "auto":
+        flag = "--int8" if args.command == "sample" else "--precision int8"
+        raise UserError(f"--backend {args.backend}: with {flag} the recurrent layers run on rnnkit's int8 kernels "
+                        f"(rnnkit.quantize), not on a backend; leave --backend out")
+    network = model.build_model(saved.model, args.backend)
     path = directory / (files.BEST_FILE if args.best else files.CHECKPOINT_FILE)
-    saved = files.Checkpoint.read(path)
+    checkpoint = files.Checkpoint.read(path)
+    files.check_same_run(path, checkpoint, saved.identity, sections=("model",))
     try:
-        network.load_state_dict(saved.model, strict=True)
+        network.load_state_dict(checkpoint.model, strict=True)
     except RuntimeError as error:
-        raise UserError(f"{path}: does not match {files.CONFIG_FILE} ({str(error).strip().splitlines()[0]})") from None
-    return network.to(device), config, vocabulary
+        raise UserError(f"{path}: does not match {directory / files.CONFIG_FILE} ({files.error_reason(error)})") from None
+    return network.to(device), saved
+
+
+def _int8_asked(args) -> bool:
+    return getattr(args, "int8", False) or getattr(args, "precision", None) == "int8"
 
 
 def _int8(network, flag: str):
@@ -413,26 +445,21 @@ def _int8(network, flag: str):
 
 
 def _sample(args) -> int:
-    network, config, vocabulary = _trained(args)
-    precision = config.get("training", {}).get("precision", "fp32")
+    network, saved = _trained(args)
+    precision = saved.training.precision
     if args.int8:
         network, precision = _int8(network, "--int8"), "fp32"
     else:
         train.check_precision(network, precision, args.backend)
-    text = sample.sample(network, vocabulary, args.prime, args.length, args.temperature, args.seed, precision)
+    text = sample.sample(network, saved.vocabulary, args.prime, args.length, args.temperature, args.seed, precision)
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
     return 0
 
 
 def _eval(args) -> int:
-    network, config, vocabulary = _trained(args)
-    corpus = config.get("corpus", {})
-    source = args.text or corpus.get("source", "stdlib")
-    text = _corpus_text(source)
-    if corpus.get("sha256") and data.fingerprint(text) != corpus["sha256"]:
-        raise UserError(f"--text: the corpus ({source}) is not the one the run in {args.directory} was trained on")
-    _, valid_text = data.split(text)
-    ids = vocabulary.encode(valid_text)
+    network, saved = _trained(args)
+    _, valid_text = data.split(saved.corpus_text(args.text))
+    ids = saved.vocabulary.encode(valid_text)
     if args.chars is not None:
         ids = ids[: args.chars + 1]
     precision = args.precision
@@ -440,8 +467,7 @@ def _eval(args) -> int:
         network, precision = _int8(network, "--precision int8"), "fp32"
     else:
         train.check_precision(network, precision, args.backend)
-    training = config.get("training", {})
-    bpc = train.evaluate(network, ids, training.get("batch", 32), training.get("bptt", 64), precision)
+    bpc = train.evaluate(network, ids, saved.training.batch, saved.training.bptt, precision)
     print(f"validation bits/char {bpc:.4f} ({args.precision}, {len(ids) - 1} characters, "
           f"{files.BEST_FILE if args.best else files.CHECKPOINT_FILE})")
     return 0

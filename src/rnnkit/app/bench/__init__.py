@@ -169,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for note in notes:
         print(f"rnnkit bench: {note}", file=sys.stderr)
+    unwritable = _unwritable(plan.out)
+    if unwritable:  # now, not after the first case's minutes of measuring
+        print(f"rnnkit bench: --out {plan.out}: {unwritable}", file=sys.stderr)
+        return 1
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(plan.threads)  # the same for every runner
     load_samples = [(report.load_average(), 0)]  # (1-minute load average, our threads running meanwhile)
@@ -202,6 +206,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"rnnkit bench: warning: {warning}", file=sys.stderr)
     _plot(plan, records)
     return 1 if any(r["status"] == "failed" for r in records) else 0
+
+
+def _unwritable(out: str) -> Optional[str]:
+    """Why the results cannot be written to the directory ``out`` (created if missing), or None."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as error:
+        return error.strerror or str(error)
+    if not os.access(out, os.W_OK | os.X_OK):
+        return "the directory is not writable"
+    return None
 
 
 def _fused_fp32_gemm():

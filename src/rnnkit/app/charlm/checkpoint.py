@@ -19,7 +19,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -30,6 +30,8 @@ from .model import ModelConfig
 FORMAT = "rnnkit-charlm/2"
 CONFIG_FILE, VOCAB_FILE = "config.json", "vocab.json"
 CHECKPOINT_FILE, BEST_FILE = "checkpoint.safetensors", "best.safetensors"
+# the files a run writes beside its checkpoints (history.py names the last two)
+RUN_FILES = (CONFIG_FILE, VOCAB_FILE, "log.jsonl", "curve.png")
 
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
 
@@ -125,20 +127,97 @@ def write_run_files(directory: Path, config: dict, vocabulary: Vocabulary) -> No
 
 
 def read_run_files(directory: Path) -> Tuple[ModelConfig, dict, Vocabulary]:
-    """Read config.json and vocab.json -> (ModelConfig, the whole config, Vocabulary)."""
+    """Read config.json and vocab.json -> (ModelConfig, the whole config, Vocabulary).
+
+    Checks what every reader needs: the format, the sections (``model``, ``training``,
+    ``corpus``, ``settings``) and their kinds, the model configuration, the vocabulary against
+    ``vocab_size``; a UserError naming the file otherwise. `train.read_run` checks the rest.
+    """
     directory = Path(directory)
-    config = read_json(directory / CONFIG_FILE, "run configuration")
-    chars = read_json(directory / VOCAB_FILE, "vocabulary")
+    config_path, vocab_path = directory / CONFIG_FILE, directory / VOCAB_FILE
+    config = read_json(config_path, "run configuration")
+    chars = read_json(vocab_path, "vocabulary")
     try:
+        if not isinstance(config, dict):
+            raise ValueError(f"expected a JSON object, got {type(config).__name__}")
         if config.get("format") != FORMAT:
             raise ValueError(f"format {config.get('format')!r}, this rnnkit reads {FORMAT!r}")
+        for section in ("model", "training", "corpus", "settings"):
+            if not isinstance(config.get(section), dict):
+                raise ValueError(f"{section!r}: expected a JSON object, got {json.dumps(config.get(section))}")
+        for key in ("source", "sha256"):
+            if not isinstance(config["corpus"].get(key), str):
+                raise ValueError(f"corpus {key!r}: expected a string, got {json.dumps(config['corpus'].get(key))}")
         model = ModelConfig(**config["model"])
-        vocabulary = Vocabulary(chars)
-        if len(vocabulary) != model.vocab_size or not all(isinstance(c, str) and len(c) == 1 for c in chars):
-            raise ValueError("vocabulary does not match vocab_size")
-    except (AttributeError, KeyError, TypeError, ValueError) as error:
-        raise UserError(f"{directory / CONFIG_FILE}: not a usable run configuration ({error})") from None
-    return model, config, vocabulary
+    except (TypeError, ValueError) as error:
+        raise UserError(f"{config_path}: not a usable run configuration ({error})") from None
+    if not isinstance(chars, list) or not all(isinstance(c, str) and len(c) == 1 for c in chars) \
+            or len(set(chars)) != len(chars):
+        raise UserError(f"{vocab_path}: not a usable vocabulary (expected a JSON list of distinct characters)")
+    if len(chars) != model.vocab_size:
+        raise UserError(f"{vocab_path}: {len(chars)} characters, but {config_path} says vocab_size {model.vocab_size}")
+    return model, config, Vocabulary(chars)
+
+
+def check_fresh_directory(directory: Path) -> None:
+    """A UserError unless a new run may write into ``directory``: it may not exist yet, or hold
+    other files, or the files of an rnnkit run that never reached a checkpoint (which the new
+    run replaces). A checkpoint there (continue it with --resume), or a config.json, vocab.json,
+    log.jsonl or curve.png not written by an rnnkit run, is never overwritten."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"--out {directory}: not a directory")
+    for name in (CHECKPOINT_FILE, BEST_FILE):
+        if (directory / name).exists():
+            raise UserError(f"{directory} already holds {name}; pass --resume to continue that run, or choose another --out")
+    ours = [name for name in RUN_FILES if (directory / name).exists()]
+    if not ours:
+        return
+    try:
+        config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
+        written_by_a_run = isinstance(config, dict) and config.get("format") == FORMAT
+    except (OSError, UnicodeDecodeError, ValueError):
+        written_by_a_run = False
+    if not written_by_a_run:
+        raise UserError(f"--out {directory}: it holds {', '.join(ours)} that no rnnkit run wrote, and a run writes "
+                        f"{', '.join(RUN_FILES)} there; choose another --out")
+
+
+def error_reason(error: Exception) -> str:
+    """One line of an exception's message that says what is wrong: load_state_dict's first line
+    is a heading ("Error(s) in loading state_dict for ..."), so its first detail instead."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Error(s) in loading state_dict"):
+        return lines[1]
+    return lines[0] if lines else type(error).__name__
+
+
+def run_identity(model: dict, training: dict, corpus_sha256: str) -> dict:
+    """What makes two checkpoints parts of the same run: the model and training configurations
+    and the corpus's fingerprint, as config.json holds them (a JSON round trip, so that a
+    dataclass's values and the file's compare equal)."""
+    return json.loads(json.dumps({"model": model, "training": training, "corpus": corpus_sha256}))
+
+
+def check_same_run(path: Path, checkpoint: "Checkpoint", identity: dict, sections=("model", "training")) -> None:
+    """A UserError unless the checkpoint at ``path`` was written by the run ``identity`` describes
+    (the run files beside it), compared on the corpus and ``sections``: a checkpoint copied in
+    from another run must not continue (all of it) or sample (model and corpus: they fix the
+    vocabulary) as this one. Checkpoints from before the identity was recorded pass unchecked."""
+    theirs = checkpoint.run
+    if theirs is None:
+        return
+    config = Path(path).parent / CONFIG_FILE
+    if theirs.get("corpus") != identity["corpus"]:
+        raise UserError(f"{path} belongs to another run: it was trained on another corpus than {config} names; "
+                        f"keep a run's files together")
+    for section in sections:
+        mine, other = identity[section], theirs.get(section) or {}
+        for key in sorted(set(mine) | set(other)):
+            if mine.get(key) != other.get(key):
+                name = key if key == "vocab_size" else "--" + key.replace("_", "-")
+                raise UserError(f"{path} belongs to another run: {name} is {json.dumps(other.get(key))} there, "
+                                f"{json.dumps(mine.get(key))} in {config}; keep a run's files together")
 
 
 def require_safetensors():
@@ -159,7 +238,8 @@ class Checkpoint:
     Tensors: ``model.*`` (the state_dict, torch.nn names), ``optimizer.<index>.<key>``,
     ``state.<k>`` (the carried state), ``rng.torch`` / ``rng.cuda`` (generator states),
     ``history.<name>`` (per-step series). Metadata (JSON strings): ``format``, ``progress``,
-    ``param_groups`` (the optimizer's), ``evaluations`` (the evaluation records).
+    ``param_groups`` (the optimizer's), ``evaluations`` (the evaluation records), ``run``
+    (the run's identity, `run_identity`: a checkpoint is only read beside its own config.json).
     """
 
     model: Dict[str, torch.Tensor]
@@ -169,6 +249,7 @@ class Checkpoint:
     progress: dict = field(default_factory=dict)
     history: Dict[str, torch.Tensor] = field(default_factory=dict)
     evaluations: List[dict] = field(default_factory=list)
+    run: Optional[dict] = None  # the run's identity (`run_identity`); None in checkpoints older than it
 
     def encode(self) -> bytes:
         st = require_safetensors()
@@ -188,6 +269,8 @@ class Checkpoint:
             "param_groups": json.dumps(self.optimizer["param_groups"]),
             "evaluations": json.dumps(self.evaluations),
         }
+        if self.run is not None:
+            metadata["run"] = json.dumps(self.run)
         return st.save(tensors, metadata=metadata)
 
     @classmethod
@@ -213,6 +296,7 @@ class Checkpoint:
                 progress=json.loads(metadata["progress"]),
                 history=parts["history"],
                 evaluations=json.loads(metadata["evaluations"]),
+                run=json.loads(metadata["run"]) if "run" in metadata else None,
             )
         except (KeyError, ValueError, TypeError) as error:
             raise UserError(f"{path}: damaged checkpoint ({type(error).__name__}: {error})".splitlines()[0]) from None

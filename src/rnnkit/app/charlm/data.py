@@ -37,23 +37,29 @@ def stdlib_corpus(chars: int = DEFAULT_CORPUS_CHARS) -> str:
     return text
 
 
-def read_corpus(path: str) -> str:
-    """A UTF-8 text file, or a one-line UserError saying what is wrong with it."""
+def read_corpus(path: str, label: str = "") -> str:
+    """A UTF-8 text file, or a one-line UserError saying what is wrong with it.
+
+    ``label`` names where the path came from in the error (default: the ``--text`` flag); a
+    missing file named by a run's config.json says how to point at its new place.
+    """
     file = Path(path)
+    where = label or f"--text {path}"
     if not file.exists():
-        raise UserError(f"--text {path}: no such file")
+        moved = "; if it moved, pass its new path with --text" if label else ""
+        raise UserError(f"{where}: no such file{moved}")
     if not file.is_file():
-        raise UserError(f"--text {path}: not a regular file")
+        raise UserError(f"{where}: not a regular file")
     try:
         data = file.read_bytes()
     except OSError as error:
-        raise UserError(f"--text {path}: cannot read it ({error.strerror})") from None
+        raise UserError(f"{where}: cannot read it ({error.strerror})") from None
     if not data.strip():
-        raise UserError(f"--text {path}: the file is empty")
+        raise UserError(f"{where}: the file is empty")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise UserError(f"--text {path}: not UTF-8 text (invalid byte at offset {error.start})") from None
+        raise UserError(f"{where}: not UTF-8 text (invalid byte at offset {error.start})") from None
 
 
 def fingerprint(text: str) -> str:

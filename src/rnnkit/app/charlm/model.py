@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import List
 
@@ -13,6 +14,24 @@ import rnnkit
 from ..errors import UserError
 
 CELLS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a configuration field: ``warmup_steps`` -> ``--warmup-steps``."""
+    return "--" + name.replace("_", "-")
+
+
+def require_int(name: str, value, minimum: int) -> None:
+    """A ValueError naming the field's flag unless ``value`` is an int (not a bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{flag(name)}: expected {expected}, got {value!r}")
+
+
+def require_number(name: str, value, expected: str, test) -> None:
+    """A ValueError naming the field's flag unless ``value`` is a finite int or float passing ``test``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not test(value):
+        raise ValueError(f"{flag(name)}: expected {expected}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -29,6 +48,21 @@ class ModelConfig:
     zoneout: float = 0.0
     dropout: float = 0.0
     proj: int = 0
+
+    def __post_init__(self):
+        # a config.json edited by hand reaches here too: every value is checked, by its flag's name
+        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1:
+            raise ValueError(f"vocab_size: expected a positive integer, got {self.vocab_size!r}")
+        if self.cell not in CELLS:
+            raise ValueError(f"--cell: expected one of {', '.join(CELLS)}, got {self.cell!r}")
+        for name in ("hidden", "layers", "embedding"):
+            require_int(name, getattr(self, name), 1)
+        require_int("proj", self.proj, 0)
+        for name in ("peephole", "layer_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{flag(name)}: expected true or false, got {getattr(self, name)!r}")
+        for name in ("zoneout", "dropout"):
+            require_number(name, getattr(self, name), "a probability in [0, 1)", lambda v: 0 <= v < 1)
 
 
 # the flags whose values are part of a run's identity, with their defaults

@@ -27,14 +27,20 @@ from torch import nn
 import rnnkit
 
 from ..errors import UserError
-from .checkpoint import BEST_FILE, CHECKPOINT_FILE, Checkpoint, atomic_write, remove_stale_temporaries, write_run_files
-from .data import Streams, Vocabulary
+from .checkpoint import (BEST_FILE, CHECKPOINT_FILE, CONFIG_FILE, Checkpoint, atomic_write, check_fresh_directory,
+                         check_same_run, error_reason, read_run_files, remove_stale_temporaries, run_identity,
+                         write_run_files)
+from .data import Streams, Vocabulary, fingerprint, read_corpus, stdlib_corpus
 from .history import CURVE_FILE, LN2, LOG_FILE, History, append_log, rewrite_log
-from .model import CharLM, ModelConfig, build_model, detach, state_from_tensors, state_tensors
+from .model import CharLM, ModelConfig, build_model, detach, require_int, require_number, state_from_tensors, state_tensors
 
 SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("fp32", "bf16")
 DEFAULT_FINAL_LR_FRACTION = 0.1
+# how often a run evaluates and how much it reads then: saved in config.json's "settings", not
+# part of the run's identity (a resumed run reuses them; --eval-every / --eval-chars change them)
+DEFAULT_SETTINGS = {"eval_every": 100, "eval_chars": 50_000}
+IGNORED = -100  # the target of evaluate's padding: cross_entropy's ignore_index
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,12 @@ class TrainConfig:
     precision: str = "fp32"
 
     def __post_init__(self):
+        require_int("seed", self.seed, 0)
+        require_int("bptt", self.bptt, 1)
+        require_int("batch", self.batch, 1)
+        require_number("lr", self.lr, "a positive number", lambda v: v > 0)
+        require_number("clip", self.clip, "a non-negative number", lambda v: v >= 0)
+        require_int("warmup_steps", self.warmup_steps, 0)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule: expected one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.precision not in PRECISIONS:
@@ -69,9 +81,9 @@ class TrainConfig:
                     flag = "--" + name.replace("_", "-")
                     raise ValueError(f"{flag}: only with --schedule cosine (the schedule is constant)")
         else:
-            if self.final_lr_fraction is None or not 0.0 <= self.final_lr_fraction <= 1.0:
-                raise ValueError(f"--final-lr-fraction: expected a number in [0, 1], got {self.final_lr_fraction}")
-            if self.decay_steps is None or self.decay_steps <= self.warmup_steps:
+            require_number("final_lr_fraction", self.final_lr_fraction, "a number in [0, 1]", lambda v: 0 <= v <= 1)
+            require_int("decay_steps", self.decay_steps, 1)
+            if self.decay_steps <= self.warmup_steps:
                 raise ValueError(f"--decay-steps: expected more steps than --warmup-steps {self.warmup_steps}, "
                                  f"got {self.decay_steps}")
 
@@ -104,25 +116,50 @@ def check_precision(model: CharLM, precision: str, backend: str) -> None:
 
     torch's own oneDNN LSTM (rnnkit's ``native`` backend, ``auto``'s choice for plain cells on
     CPU) has no bfloat16 kernel on CPUs without bfloat16 instructions; say so before training.
+    A backend named with ``--backend`` that cannot run the model raises
+    `rnnkit.BackendUnavailableError` here too (its modules only find out at the first call).
     The check runs in eval mode and leaves the random generator as it found it.
     """
-    if precision == "fp32":
-        return
     device = next(model.parameters()).device
-    rng = torch.get_rng_state()
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), autocast(precision, device):
+        with _same_random_numbers(device), torch.no_grad(), autocast(precision, device):
             model(torch.zeros(2, 1, dtype=torch.int64, device=device))
+    except rnnkit.BackendUnavailableError:
+        raise
     except RuntimeError as error:
+        if precision == "fp32":
+            raise
         reason = str(error).strip().splitlines()[0]
         raise UserError(f"--precision {precision}: the model cannot run under torch.autocast({device.type}, bfloat16) "
                         f"with --backend {backend} here ({type(error).__name__}: {reason}); try --backend fused or "
                         f"--backend reference, or --precision fp32") from None
     finally:
         model.train(was_training)
-        torch.set_rng_state(rng)
+
+
+def _same_random_numbers(device: torch.device):
+    """A block whose draws from the random generators (CPU, and the device's) are undone after it."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+def check_trains(model: CharLM, precision: str, backend: str) -> None:
+    """`check_precision`, then one training-mode forward and backward on two characters (the
+    pass training runs, which a backend may refuse where inference runs), leaving the
+    gradients, the mode and the random generator as they were; before a run writes any file."""
+    check_precision(model, precision, backend)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.train()
+    try:
+        with _same_random_numbers(device):
+            with autocast(precision, device):
+                logits, _ = model(torch.zeros(2, 1, dtype=torch.int64, device=device))
+            logits.float().sum().backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
 
 
 def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -144,23 +181,74 @@ def train_step(model, optimizer, x, y, state, clip: float, precision: str = "fp3
 
 
 def evaluate(model: CharLM, ids: torch.Tensor, batch: int, bptt: int, precision: str = "fp32") -> float:
-    """Bits per character of ``ids`` (the model predicts ids[1:] from what precedes)."""
+    """Bits per character of ``ids``: the model predicts every one of ids[1:] from what precedes.
+
+    The text is cut into ``batch`` streams read side by side (fewer where the text is short),
+    filled in order; the end of the last is padded, and the padding is not scored.
+    """
     device = next(model.parameters()).device
-    batch = max(1, min(batch, (len(ids) - 1) // bptt))
-    length = (len(ids) - 1) // batch
-    inputs = ids[: batch * length].view(batch, length).t().to(device)
-    targets = ids[1 : batch * length + 1].view(batch, length).t().to(device)
+    scored = len(ids) - 1
+    batch = max(1, min(batch, scored // bptt))
+    length = -(-scored // batch)
+    inputs = torch.zeros(batch * length, dtype=ids.dtype)
+    targets = torch.full((batch * length,), IGNORED, dtype=ids.dtype)
+    inputs[:scored], targets[:scored] = ids[:scored], ids[1:]
+    inputs, targets = (t.view(batch, length).t().to(device) for t in (inputs, targets))
     was_training = model.training
     model.eval()
-    total, count, state = 0.0, 0, None
+    total, state = 0.0, None
     with torch.no_grad(), autocast(precision, device):
         for start in range(0, length, bptt):
             logits, state = model(inputs[start : start + bptt], state)
             target = targets[start : start + bptt]
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="sum").item()
-            count += target.numel()
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="sum",
+                                     ignore_index=IGNORED).item()
     model.train(was_training)
-    return total / count / LN2
+    return total / scored / LN2
+
+
+@dataclass
+class SavedRun:
+    """A run directory's config.json and vocab.json, checked (`read_run`)."""
+
+    model: ModelConfig
+    training: TrainConfig
+    corpus: dict  # source ("stdlib" or a path), sha256, chars, ...
+    settings: dict  # DEFAULT_SETTINGS's keys
+    vocabulary: Vocabulary
+    identity: dict  # checkpoint.run_identity: what its checkpoints must have been written by
+
+    def corpus_text(self, text: Optional[str] = None) -> str:
+        """The corpus the run was trained on: ``text`` (a path the user gave) or the one config.json
+        names; a UserError if it is not that corpus (its fingerprint differs)."""
+        source = text or self.corpus["source"]
+        if text:
+            corpus, where = read_corpus(text), f"--text {text}"
+        elif source == "stdlib":
+            corpus, where = stdlib_corpus(), "the standard library"
+        else:
+            where = f"{source} (the corpus config.json names)"
+            corpus = read_corpus(source, label=where)
+        if fingerprint(corpus) != self.corpus["sha256"]:
+            raise UserError(f"{where}: not the corpus this run was trained on (its SHA-256 differs from config.json's)")
+        return corpus
+
+
+def read_run(directory: Path) -> SavedRun:
+    """config.json and vocab.json of a run, every value checked; a one-line UserError naming the file otherwise."""
+    directory = Path(directory)
+    model_config, config, vocabulary = read_run_files(directory)
+    try:
+        training = TrainConfig(**config["training"])
+        settings = {**DEFAULT_SETTINGS, **config["settings"]}
+        for name, value in settings.items():
+            if name not in DEFAULT_SETTINGS:
+                raise ValueError(f"unknown setting {name!r} (expected {', '.join(DEFAULT_SETTINGS)})")
+            require_int(name, value, 1)
+    except (TypeError, ValueError) as error:
+        raise UserError(f"{directory / CONFIG_FILE}: not a usable run configuration ({error})") from None
+    identity = run_identity(dataclasses.asdict(model_config), dataclasses.asdict(training), config["corpus"]["sha256"])
+    return SavedRun(model_config, training, config["corpus"], settings, vocabulary, identity)
 
 
 # ---- a run -----------------------------------------------------------------------------
@@ -194,6 +282,7 @@ class Run:
     progress: Progress = dataclasses.field(default_factory=Progress)
     history: History = dataclasses.field(default_factory=History)
     saved_step: Optional[int] = None  # the step of the checkpoint on disk
+    identity: Optional[dict] = None  # checkpoint.run_identity of the run; saved in every checkpoint
     removed_temporaries: List[str] = dataclasses.field(default_factory=list)
 
 
@@ -207,16 +296,20 @@ def prepare(directory: Path, model_config: ModelConfig, train_config: TrainConfi
     interval) go into config.json, for a resumed run to reuse.
     """
     directory, device = Path(directory), torch.device(device)
+    if not resume:
+        check_fresh_directory(directory)
     removed = remove_stale_temporaries(directory)
     torch.manual_seed(train_config.seed)
     model = build_model(model_config, backend).to(device)
-    check_precision(model, train_config.precision, backend)
+    check_trains(model, train_config.precision, backend)
     optimizer = make_optimizer(model, train_config)
     streams = Streams(vocabulary.encode(train_text), train_config.batch, train_config.bptt)
     valid_ids = vocabulary.encode(valid_text)
     if len(valid_ids) < 2:
         raise UserError("the validation text is too short; use a longer --text")
-    run = Run(directory, model, optimizer, streams, valid_ids, train_config, device, removed_temporaries=removed)
+    identity = run_identity(dataclasses.asdict(model_config), dataclasses.asdict(train_config), corpus["sha256"])
+    run = Run(directory, model, optimizer, streams, valid_ids, train_config, device, identity=identity,
+              removed_temporaries=removed)
     if resume:
         _restore(run, Checkpoint.read(directory / CHECKPOINT_FILE))
         rewrite_log(directory, run.history)
@@ -236,7 +329,11 @@ def prepare(directory: Path, model_config: ModelConfig, train_config: TrainConfi
 
 def _restore(run: Run, checkpoint: Checkpoint) -> None:
     path = run.directory / CHECKPOINT_FILE
+    check_same_run(path, checkpoint, run.identity)
     try:
+        for tensor in checkpoint.state:  # checkpoints older than their identity: the carried state tells the batch
+            if tensor.dim() != 3 or tensor.shape[1] != run.config.batch:
+                raise ValueError(f"its carried state has shape {tuple(tensor.shape)}, not one of --batch {run.config.batch}")
         run.model.load_state_dict(checkpoint.model, strict=True)
         run.optimizer.load_state_dict(checkpoint.optimizer)
         run.progress = Progress(**checkpoint.progress)
@@ -245,8 +342,7 @@ def _restore(run: Run, checkpoint: Checkpoint) -> None:
         if run.device.type == "cuda" and "cuda" in checkpoint.rng:
             torch.cuda.set_rng_state(checkpoint.rng["cuda"], run.device)
     except (RuntimeError, KeyError, ValueError, TypeError) as error:
-        reason = str(error).strip().splitlines()[0] or type(error).__name__
-        raise UserError(f"{path}: does not match config.json ({reason})") from None
+        raise UserError(f"{path}: does not match {run.directory / CONFIG_FILE} ({error_reason(error)})") from None
     run.state = state_from_tensors([t.to(run.device) for t in checkpoint.state])
     run.saved_step = run.progress.step
 
@@ -268,6 +364,7 @@ def save(run: Run, best: bool = False) -> None:
         progress=dataclasses.asdict(run.progress),
         history=run.history.tensors(),
         evaluations=run.history.evaluations,
+        run=run.identity,
     ).encode()
     if best:
         atomic_write(run.directory / BEST_FILE, data)
