@@ -531,3 +531,11 @@ def test_bench_refuses_an_out_it_cannot_write_before_measuring(tmp_path, capsys,
     err = capsys.readouterr().err
     assert status == 1
     assert err.strip().splitlines() == [f"rnnkit bench: --out {tmp_path / 'a-file' / 'out'}: Not a directory"]
+
+
+def test_bench_step_refuses_sequence_variants(capsys, tmp_path):
+    """--step with --variants lstm timed the sequence LSTM and said nothing."""
+    from rnnkit.app import cli
+
+    status = cli.main(["bench", "--step", "--quick", "--variants", "lstm", "--out", str(tmp_path / "out")])
+    assert status == 2 and "--variants: with --step" in capsys.readouterr().err

@@ -883,3 +883,180 @@ def test_evaluate_scores_every_character():
             logits, _ = network(row[:-1].unsqueeze(1))
             total += torch.nn.functional.cross_entropy(logits[:, 0], row[1:], reduction="sum").item()
     assert got == pytest.approx(total / 22 / math.log(2), rel=1e-6)
+
+
+# ---- the second review: one run per directory, and what a run's files may not disagree on -----
+
+def test_a_vocabulary_edited_after_training_is_refused(trained, capsys):
+    """Two characters swapped in vocab.json: the same ids, other characters, scored and sampled silently."""
+    chars = json.loads((trained / "vocab.json").read_text())
+    i, j = chars.index("e"), chars.index("t")
+    chars[i], chars[j] = chars[j], chars[i]
+    (trained / "vocab.json").write_text(json.dumps(chars))
+    for argv in (["eval", trained], ["sample", trained], ["train", "--out", trained, "--steps", 8, "--resume"]):
+        status, _, err = run(capsys, *argv)
+        assert_one_line_error(status, err)
+        assert "vocab.json" in err and "belongs to another run" in err
+
+
+def test_eval_refuses_what_resume_refuses(trained, corpus, tmp_path, capsys):
+    other = _other_run(tmp_path, capsys, corpus, "--lr", "0.01")
+    (trained / "checkpoint.safetensors").write_bytes((other / "checkpoint.safetensors").read_bytes())
+    for argv in (["eval", trained], ["sample", trained]):
+        status, _, err = run(capsys, *argv)
+        assert_one_line_error(status, err)
+        assert "--lr" in err
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
+def test_a_second_training_in_one_directory_is_refused(trained, corpus, tmp_path, capsys, resume):
+    out = trained if resume else tmp_path / "new"
+    lock = checkpoint.DirectoryLock(out).acquire()  # as another process training there holds it
+    try:
+        before = snapshot(out)
+        argv = ["--resume"] if resume else ["--text", corpus, *SMALL]
+        status, _, err = run(capsys, "train", "--out", out, "--steps", 8, *argv)
+        assert_one_line_error(status, err)
+        assert "another rnnkit train is running" in err
+        assert snapshot(out) == before
+    finally:
+        lock.release()
+    assert run(capsys, "train", "--out", out, "--steps", 8, *argv)[0] == 0  # free again
+
+
+def test_a_users_temporary_looking_file_is_left_alone(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".notes.txt.tmp-99999999").write_text("mine")
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", out, "--steps", 4, *SMALL)
+    assert status == 0, err
+    assert (out / ".notes.txt.tmp-99999999").read_text() == "mine" and "removed" not in err
+
+
+def test_resume_saves_a_new_eval_every_and_refuses_another_eval_chars(trained, capsys):
+    status, _, err = run(capsys, "train", "--out", trained, "--steps", 6, "--resume", "--eval-every", 1)
+    assert status == 0, err
+    assert json.loads((trained / "config.json").read_text())["settings"]["eval_every"] == 1
+    before = snapshot(trained)
+    status, _, err = run(capsys, "train", "--out", trained, "--steps", 8, "--resume", "--eval-chars", 50)
+    assert_one_line_error(status, err)
+    assert "--eval-chars 50" in err
+    assert snapshot(trained) == before
+
+
+@pytest.mark.parametrize("flag", ["--text", "--out"])
+def test_an_empty_path_is_refused(tmp_path, capsys, flag):
+    """--text '' trained on the standard library; --out '' wrote into the current directory."""
+    status, _, err = run(capsys, "train", flag, "", "--out" if flag == "--text" else "--text", tmp_path / "x")
+    assert status == 2 and f"argument {flag}: expected a path, got ''" in err
+
+
+def test_resuming_a_moved_corpus_remembers_where_it_is(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    assert run(capsys, "train", "--text", corpus, "--out", out, "--steps", 4, *SMALL)[0] == 0
+    moved = tmp_path / "moved.txt"
+    corpus.rename(moved)
+    assert run(capsys, "train", "--out", out, "--steps", 5, "--resume", "--text", moved)[0] == 0
+    assert json.loads((out / "config.json").read_text())["corpus"]["source"] == str(moved.resolve())
+    status, _, err = run(capsys, "train", "--out", out, "--steps", 6, "--resume")  # as the printed command says
+    assert status == 0, err
+
+
+def test_a_fresh_run_keeps_the_log_of_a_run_whose_checkpoints_are_gone(trained, corpus, capsys):
+    for name in ("checkpoint.safetensors", "best.safetensors"):
+        (trained / name).unlink()
+    before = snapshot(trained)
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", trained, "--steps", 4, *SMALL)
+    assert_one_line_error(status, err)
+    assert "step 4" in err
+    assert snapshot(trained) == before
+
+
+def test_a_corpus_path_that_is_not_utf8_trains_and_plots(tmp_path, corpus, capsys):
+    pytest.importorskip("matplotlib")
+    odd = Path(os.fsdecode(bytes(tmp_path) + b"/c\xffo.txt"))
+    odd.write_bytes(corpus.read_bytes())
+    out = tmp_path / "run"
+    status, _, err = run(capsys, "train", "--text", odd, "--out", out, "--steps", 4, *SMALL)
+    assert status == 0, err
+    assert (out / "curve.png").exists() and "Traceback" not in err
+
+
+def test_a_tiny_temperature_is_greedy(trained, capsys):
+    outs = [run(capsys, "sample", trained, "--length", 30, "--temperature", t)[1] for t in ("0", "1e-310")]
+    assert outs[0] == outs[1] and outs[0]
+
+
+def test_a_seed_torch_cannot_take_is_refused(tmp_path, capsys):
+    status, _, err = run(capsys, "sample", tmp_path, "--seed", 2**70)
+    assert status == 2 and "--seed" in err
+
+
+def test_the_default_prime_is_in_the_vocabulary(tmp_path, capsys):
+    text = tmp_path / "spaces.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 80)  # no newline
+    out = tmp_path / "run"
+    assert run(capsys, "train", "--text", text, "--out", out, "--steps", 2, *SMALL)[0] == 0
+    status, printed, err = run(capsys, "sample", out, "--length", 5)
+    assert status == 0 and printed.startswith(" "), err
+
+
+CHECKPOINT_DAMAGE = {
+    "evaluations-object": lambda meta, tensors: meta.update(evaluations="{}"),
+    "evaluations-numbers": lambda meta, tensors: meta.update(evaluations="[1]"),
+    "evaluations-empty-records": lambda meta, tensors: meta.update(evaluations="[{}]"),
+    "run-list": lambda meta, tensors: meta.update(run="[]"),
+    "best-a-string": lambda meta, tensors: meta.update(
+        progress=json.dumps({**json.loads(meta["progress"]), "best_val_bpc": "low"})),
+    "step-a-string": lambda meta, tensors: meta.update(progress=json.dumps({**json.loads(meta["progress"]), "step": "4"})),
+    "state-shape": lambda meta, tensors: tensors.update({"state.0": torch.zeros(1, 4, 5)}),
+}
+
+
+@pytest.mark.parametrize("damage", list(CHECKPOINT_DAMAGE))
+@pytest.mark.parametrize("command", ["resume", "sample"])
+def test_damaged_checkpoint_metadata_is_one_line(trained, capsys, damage, command):
+    from safetensors.torch import save_file
+
+    path = trained / "checkpoint.safetensors"
+    with safe_open(str(path), framework="pt") as handle:
+        meta = dict(handle.metadata())
+    tensors = load_file(str(path))
+    CHECKPOINT_DAMAGE[damage](meta, tensors)
+    save_file(tensors, str(path), metadata=meta)
+    before = snapshot(trained)
+    argv = ["sample", trained] if command == "sample" else ["train", "--out", trained, "--steps", 8, "--resume"]
+    status, _, err = run(capsys, *argv)
+    if command == "sample" and damage not in ("evaluations-object", "evaluations-numbers", "evaluations-empty-records",
+                                              "run-list"):
+        assert status == 0, err  # sampling reads the weights only
+    else:
+        assert_one_line_error(status, err)
+        assert str(path) in err
+    assert snapshot(trained) == before
+
+
+def test_a_decay_steps_error_says_it_came_from_steps(tmp_path, corpus, capsys):
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", tmp_path / "run", "--schedule", "cosine",
+                         "--warmup-steps", 10, "--steps", 10)
+    assert_one_line_error(status, err)
+    assert "defaults to --steps" in err
+
+
+def test_resume_with_a_switch_the_run_did_not_use(trained, capsys):
+    status, _, err = run(capsys, "train", "--out", trained, "--steps", 8, "--resume", "--peephole")
+    assert_one_line_error(status, err)
+    assert "--peephole: the run in" in err and "without it" in err
+
+
+def test_printed_commands_read_a_dash_path_as_a_path(tmp_path, corpus, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    status, _, err = run(capsys, "train", "--text", corpus, "--out=-dash", "--steps", 4, *SMALL)
+    assert status == 0, err
+    assert err.strip().endswith("try: rnnkit sample ./-dash")
+
+
+def test_a_model_too_large_for_memory_is_one_line(tmp_path, corpus, capsys):
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", tmp_path / "run", *SMALL, "--embedding", 2_000_000_000)
+    assert_one_line_error(status, err)
+    assert "memory" in err and not (tmp_path / "run").exists()

@@ -73,10 +73,19 @@ def _number(kind, test, expected):
     return parse
 
 
+def path(text: str) -> str:
+    """A file or directory argument: any non-empty text ('' would mean the current directory or no file)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got ''")
+    return text
+
+
+path.__name__ = "a path"
 positive_int = _number(int, lambda v: v > 0, "a positive integer")
 non_negative_int = _number(int, lambda v: v >= 0, "a non-negative integer")
 probability = _number(float, lambda v: 0.0 <= v < 1.0, "a probability in [0, 1)")
 fraction = _number(float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+seed = _number(int, lambda v: 0 <= v < 2**63, "an integer in [0, 2^63)")  # what torch.manual_seed takes
 positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
 non_negative_float = _number(float, lambda v: math.isfinite(v) and v >= 0, "a non-negative number")
 
@@ -99,8 +108,8 @@ def build_parser(with_bench: bool = False) -> Parser:
                     "Ctrl-C (SIGINT) or SIGTERM saves a checkpoint of the current step; --resume continues it exactly.",
     )
     group = command.add_argument_group("data and output")
-    group.add_argument("--text", metavar="FILE", help="a UTF-8 text file (default: ~1 MB of the stdlib's *.py files)")
-    group.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+    group.add_argument("--text", type=path, metavar="FILE", help="a UTF-8 text file (default: ~1 MB of the stdlib's *.py files)")
+    group.add_argument("--out", type=path, metavar="DIR", default=DEFAULT_OUT,
                        help=f"checkpoints, config, vocabulary, log and plot go here (default: {DEFAULT_OUT})")
     group.add_argument("--resume", action="store_true", help="continue the run saved in --out from its last checkpoint")
     group = command.add_argument_group("model")
@@ -119,7 +128,7 @@ def build_parser(with_bench: bool = False) -> Parser:
     group = command.add_argument_group("training")
     group.add_argument("--steps", type=positive_int, metavar="N", default=DEFAULT_STEPS,
                        help=f"train until this step; with --resume, the new total (default: {DEFAULT_STEPS})")
-    group.add_argument("--seed", type=non_negative_int, metavar="S", help=f"(default: {training['seed']})")
+    group.add_argument("--seed", type=seed, metavar="S", help=f"(default: {training['seed']})")
     group.add_argument("--bptt", type=positive_int, metavar="N",
                        help=f"characters per truncated-BPTT chunk (default: {training['bptt']})")
     group.add_argument("--batch", type=positive_int, metavar="N", help=f"parallel streams (default: {training['batch']})")
@@ -150,15 +159,16 @@ def build_parser(with_bench: bool = False) -> Parser:
 
     command = commands.add_parser("sample", help="generate text from a trained model",
                                   description="Generate text from a checkpoint written by rnnkit train.")
-    command.add_argument("directory", metavar="DIR", help="the --out directory of rnnkit train")
+    command.add_argument("directory", type=path, metavar="DIR", help="the --out directory of rnnkit train")
     command.add_argument("--best", action="store_true",
                          help="use best.safetensors (lowest validation bits/char) instead of the latest checkpoint")
-    command.add_argument("--prime", default="\n", help="text to start from (default: a newline)")
+    command.add_argument("--prime", help="text to start from (default: a newline, or a space where the vocabulary "
+                                           "has no newline)")
     command.add_argument("--length", type=non_negative_int, default=500, metavar="N",
                          help="characters to generate (default: 500)")
     command.add_argument("--temperature", type=non_negative_float, default=0.8, metavar="T",
                          help="softmax temperature; 0 is greedy (default: 0.8)")
-    command.add_argument("--seed", type=non_negative_int, default=0, metavar="S", help="(default: 0)")
+    command.add_argument("--seed", type=seed, default=0, metavar="S", help="(default: 0)")
     command.add_argument("--device", choices=DEVICES, default="auto", help="(default: auto)")
     command.add_argument("--backend", choices=backends, default="auto", help="(default: auto)")
     command.add_argument("--threads", type=positive_int, metavar="N", default=DEFAULT_THREADS,
@@ -170,7 +180,7 @@ def build_parser(with_bench: bool = False) -> Parser:
 
     command = commands.add_parser("eval", help="validation bits/char of a trained model, in fp32, bf16 or int8",
                                   description="Score a checkpoint written by rnnkit train on its validation text.")
-    command.add_argument("directory", metavar="DIR", help="the --out directory of rnnkit train")
+    command.add_argument("directory", type=path, metavar="DIR", help="the --out directory of rnnkit train")
     command.add_argument("--best", action="store_true",
                          help="use best.safetensors (lowest validation bits/char) instead of the latest checkpoint")
     command.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="fp32",
@@ -178,7 +188,7 @@ def build_parser(with_bench: bool = False) -> Parser:
                               "CPU) (default: fp32)")
     command.add_argument("--chars", type=positive_int, metavar="N",
                          help="validation characters to score (default: all of them)")
-    command.add_argument("--text", metavar="FILE", help="the corpus the run was trained on, if not the default")
+    command.add_argument("--text", type=path, metavar="FILE", help="the corpus the run was trained on, if not the default")
     command.add_argument("--device", choices=DEVICES, default="auto", help="(default: auto)")
     command.add_argument("--backend", choices=backends, default="auto", help="(default: auto)")
     command.add_argument("--threads", type=positive_int, metavar="N", default=DEFAULT_THREADS,
@@ -244,16 +254,23 @@ def _resolve(args):
         if not (out / files.CHECKPOINT_FILE).exists():
             raise UserError(f"--resume: no checkpoint in {out} ({files.CHECKPOINT_FILE} is missing)")
         saved = train.read_run(out)
-        for section, given in ((saved.model, given_model), (saved.training, given_train)):
+        given_settings = {"eval_chars": args.eval_chars} if args.eval_chars is not None else {}
+        for section, given in ((saved.model, given_model), (saved.training, given_train), (saved.settings, given_settings)):
             for key, value in given.items():
-                if getattr(section, key) != value:
-                    raise UserError(
-                        f"--resume: {model.flag(key)} {value} differs from the checkpoint's {getattr(section, key)} in "
-                        f"{out / files.CONFIG_FILE}; leave the flag out to continue that run, or choose another --out"
-                    )
+                was = section[key] if isinstance(section, dict) else getattr(section, key)
+                if was != value:
+                    flag, config = model.flag(key), out / files.CONFIG_FILE
+                    said = (f"{flag}: the run in {config} was trained {'with' if was else 'without'} it"
+                            if isinstance(value, bool) else
+                            f"{flag} {value} differs from the run's {'unset value' if was is None else was} in {config}")
+                    why = " (its best checkpoint compares scores on that many characters)" if key == "eval_chars" else ""
+                    raise UserError(f"--resume: {said}{why}; leave the flag out to continue that run, or choose "
+                                    f"another --out")
         text = saved.corpus_text(args.text)
         model_config, train_config, vocabulary = saved.model, saved.training, saved.vocabulary
         corpus, settings = dict(saved.corpus), dict(saved.settings)
+        if args.text is not None:  # the same corpus (its fingerprint matched), perhaps moved: remember where it is now
+            corpus["source"] = str(Path(args.text).resolve())
     else:
         files.check_fresh_directory(out)
         values = {**train.TRAIN_DEFAULTS, **given_train}
@@ -263,9 +280,11 @@ def _resolve(args):
         try:
             train_config = train.TrainConfig(**values)
         except ValueError as error:
-            raise UserError(str(error)) from None
-        source = str(Path(args.text).resolve()) if args.text else "stdlib"
-        text = data.read_corpus(args.text) if args.text else data.stdlib_corpus()
+            implied = " (--decay-steps defaults to --steps)" if str(error).startswith("--decay-steps") and \
+                "decay_steps" not in given_train else ""
+            raise UserError(f"{error}{implied}") from None
+        source = str(Path(args.text).resolve()) if args.text is not None else "stdlib"
+        text = data.read_corpus(args.text) if args.text is not None else data.stdlib_corpus()
         vocabulary = data.Vocabulary.of(text)
         model_config = model.ModelConfig(vocab_size=len(vocabulary), **{**model.MODEL_DEFAULTS, **given_model})
         corpus = {"source": source, "sha256": data.fingerprint(text), "chars": len(text)}
@@ -279,6 +298,11 @@ def _resolve(args):
 def _command(*words) -> str:
     """A command line to print for the user to copy: every word quoted for the shell where it needs it."""
     return shlex.join(str(word) for word in words)
+
+
+def _path_word(path: str) -> str:
+    """A path as a command-line word argparse reads as a value: ``-x`` would read as a flag, ``./-x`` does not."""
+    return f"./{path}" if path.startswith("-") else path
 
 
 def _where_it_runs(args) -> list:
@@ -323,6 +347,15 @@ class Interruption:
 
 
 def _train(args) -> int:
+    opened: list = []
+    try:
+        return _train_run(args, opened)
+    finally:
+        for run in opened:  # the directory's lock: free for the next rnnkit train, in this process too
+            run.close()
+
+
+def _train_run(args, opened: list) -> int:
     tqdm = _tqdm()
     files.require_safetensors()  # fail before training, not at the first checkpoint
     _check_kernel_variables()
@@ -332,6 +365,7 @@ def _train(args) -> int:
         model_config, train_config, vocabulary, train_text, valid_text, corpus, settings = _resolve(args)
         run = train.prepare(Path(args.out), model_config, train_config, vocabulary, train_text, valid_text, corpus,
                             backend=args.backend, device=device, resume=args.resume, settings=settings)
+        opened.append(run)
         if run.removed_temporaries:
             print(f"rnnkit: removed {len(run.removed_temporaries)} temporary file(s) that killed writes left in "
                   f"{args.out}: {', '.join(run.removed_temporaries)}", file=sys.stderr)
@@ -343,7 +377,9 @@ def _train(args) -> int:
             print("rnnkit: note: this CPU has no bfloat16 instructions (avx512_bf16 / amx_bf16); bf16 runs slower "
                   "than fp32 here", file=sys.stderr)
         parameters = sum(p.numel() for p in run.model.parameters())
-        what = "the standard library" if corpus["source"] == "stdlib" else corpus["source"]
+        # a path's undecodable bytes (surrogate escapes) shown as U+FFFD: the plot's title cannot take them
+        what = "the standard library" if corpus["source"] == "stdlib" else \
+            corpus["source"].encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         print(
             f"rnnkit: {'resuming at step ' + str(start) if args.resume else 'training'}: {model_config.cell} "
             f"{model_config.layers}x{model_config.hidden}, {parameters:,} parameters, on {what} "
@@ -388,7 +424,7 @@ def _train(args) -> int:
     if not finished:
         plot()
         name = signal.Signals(interruption.received).name
-        again = ["rnnkit", "train", "--out", args.out, "--resume"]  # config.json has the corpus's absolute path
+        again = ["rnnkit", "train", "--out", _path_word(args.out), "--resume"]  # config.json has the corpus's absolute path
         again += (["--steps", args.steps] if args.steps != DEFAULT_STEPS else []) + _where_it_runs(args)
         print(f"rnnkit: {name}: saved the checkpoint of step {run.progress.step} in {args.out}; continue with: "
               f"{_command(*again)}", file=sys.stderr)
@@ -397,7 +433,7 @@ def _train(args) -> int:
     best = f"; best {run.progress.best_val_bpc:.3f} at step {run.progress.best_step}" if run.progress.best_step != final["step"] else ""
     print(
         f"rnnkit: step {final['step']}: validation {final['val_bpc']:.3f} bits/char{best}, "
-        f"{final['elapsed_s']:.0f} s of training; try: {_command('rnnkit', 'sample', args.out)}",
+        f"{final['elapsed_s']:.0f} s of training; try: {_command('rnnkit', 'sample', _path_word(args.out))}",
         file=sys.stderr,
     )
     return 0
@@ -426,7 +462,7 @@ def _trained(args):
     network = model.build_model(saved.model, args.backend)
     path = directory / (files.BEST_FILE if args.best else files.CHECKPOINT_FILE)
     checkpoint = files.Checkpoint.read(path)
-    files.check_same_run(path, checkpoint, saved.identity, sections=("model",))
+    files.check_same_run(path, checkpoint, saved.identity)
     try:
         network.load_state_dict(checkpoint.model, strict=True)
     except RuntimeError as error:
@@ -451,7 +487,10 @@ def _sample(args) -> int:
         network, precision = _int8(network, "--int8"), "fp32"
     else:
         train.check_precision(network, precision, args.backend)
-    text = sample.sample(network, saved.vocabulary, args.prime, args.length, args.temperature, args.seed, precision)
+    prime = args.prime if args.prime is not None else sample.default_prime(saved.vocabulary)
+    text = sample.sample(network, saved.vocabulary, prime, args.length, args.temperature, args.seed, precision)
+    if hasattr(sys.stdout, "reconfigure"):  # a terminal that cannot show a character gets its escape, not a traceback
+        sys.stdout.reconfigure(errors="backslashreplace")
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
     return 0
 

@@ -118,6 +118,10 @@ def _plan(args: argparse.Namespace, notes: List[str]) -> Plan:
     lookup("modes", {m: m for m in MODES}, modes)
     shapes = lookup("shapes", SHAPES, _names(args.shapes) or default_shapes)
     variants = lookup("variants", VARIANTS, _names(args.variants) or default_variants)
+    sequence = [v.name for v in variants if v.api == "sequence"]
+    if args.step and sequence:  # --step would have timed them as without it, saying nothing
+        raise ValueError(f"--variants: with --step, expected the step API's ({', '.join(STEP_VARIANTS)}); "
+                         f"got {', '.join(sequence)} (leave --step out to time those)")
     cases = []
     for shape in shapes:
         for variant in variants:

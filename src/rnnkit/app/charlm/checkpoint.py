@@ -32,6 +32,7 @@ CONFIG_FILE, VOCAB_FILE = "config.json", "vocab.json"
 CHECKPOINT_FILE, BEST_FILE = "checkpoint.safetensors", "best.safetensors"
 # the files a run writes beside its checkpoints (history.py names the last two)
 RUN_FILES = (CONFIG_FILE, VOCAB_FILE, "log.jsonl", "curve.png")
+WRITTEN_FILES = RUN_FILES + (CHECKPOINT_FILE, BEST_FILE)  # every file a run writes in its directory
 
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
 
@@ -87,8 +88,9 @@ def remove_stale_temporaries(directory: Path) -> List[str]:
     """Remove the temporaries of writes that were killed before their rename -> their names.
 
     Called when a run starts, before this process writes anything: a temporary
-    ``.NAME.tmp-PID`` is stale when PID is this process or no longer running. One of another
-    live process (a concurrent writer) is left alone.
+    ``.NAME.tmp-PID`` of one of a run's files (NAME in `WRITTEN_FILES`) is stale when PID is
+    this process or no longer running. One of another live process (a concurrent writer) is
+    left alone, and so is every other file (a user's own ``.x.tmp-123`` included).
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -96,7 +98,7 @@ def remove_stale_temporaries(directory: Path) -> List[str]:
     removed = []
     for path in sorted(directory.iterdir()):
         match = _TEMPORARY.match(path.name)
-        if not match or not path.is_file():
+        if not match or match["name"] not in WRITTEN_FILES or not path.is_file():
             continue
         pid = int(match["pid"])
         if pid == os.getpid() or not _running(pid):
@@ -124,6 +126,15 @@ def write_run_files(directory: Path, config: dict, vocabulary: Vocabulary) -> No
     directory.mkdir(parents=True, exist_ok=True)
     write_json(directory / CONFIG_FILE, {"format": FORMAT, **config})
     write_json(directory / VOCAB_FILE, vocabulary.chars)
+
+
+def update_run_config(directory: Path, **sections) -> None:
+    """Replace sections of an existing config.json (atomically, and only where they differ)."""
+    path = Path(directory) / CONFIG_FILE
+    config = read_json(path, "run configuration")
+    updated = {**config, **json.loads(json.dumps(sections))}
+    if updated != config:
+        write_json(path, updated)
 
 
 def read_run_files(directory: Path) -> Tuple[ModelConfig, dict, Vocabulary]:
@@ -181,6 +192,62 @@ def check_fresh_directory(directory: Path) -> None:
     if not written_by_a_run:
         raise UserError(f"--out {directory}: it holds {', '.join(ours)} that no rnnkit run wrote, and a run writes "
                         f"{', '.join(RUN_FILES)} there; choose another --out")
+    evaluated = _evaluated_steps(directory / "log.jsonl")
+    if evaluated:  # the run did checkpoint; its checkpoints were removed, its log is all that is left
+        raise UserError(f"--out {directory}: it holds the log of a run that was evaluated and checkpointed at step "
+                        f"{max(evaluated)} (its checkpoints are gone); choose another --out")
+
+
+def _evaluated_steps(log: Path) -> List[int]:
+    """The steps of the evaluation records in a log.jsonl (none if it is missing or unreadable)."""
+    try:
+        lines = log.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    steps = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("kind") == "eval" and isinstance(record.get("step"), int):
+            steps.append(record["step"])
+    return steps
+
+
+class DirectoryLock:
+    """An exclusive lock on a run directory while a process trains in it (``flock`` on the
+    directory itself: no file of its own, released when the process ends, however it ends): a
+    second ``rnnkit train`` in the same directory is refused instead of interleaving its
+    checkpoints and log with the first's. Where ``fcntl`` is missing (Windows) it locks nothing."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self._descriptor = None
+
+    def acquire(self) -> "DirectoryLock":
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        self.directory.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(self.directory, os.O_RDONLY)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(descriptor)
+            raise UserError(f"--out {self.directory}: another rnnkit train is running in it; wait for it to end, "
+                            f"or choose another --out") from None
+        self._descriptor = descriptor
+        return self
+
+    def release(self) -> None:
+        if self._descriptor is not None:
+            os.close(self._descriptor)  # closing the descriptor releases the flock
+            self._descriptor = None
+
+    def __del__(self):
+        self.release()
 
 
 def error_reason(error: Exception) -> str:
@@ -192,32 +259,36 @@ def error_reason(error: Exception) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-def run_identity(model: dict, training: dict, corpus_sha256: str) -> dict:
-    """What makes two checkpoints parts of the same run: the model and training configurations
-    and the corpus's fingerprint, as config.json holds them (a JSON round trip, so that a
-    dataclass's values and the file's compare equal)."""
-    return json.loads(json.dumps({"model": model, "training": training, "corpus": corpus_sha256}))
+def run_identity(model: dict, training: dict, corpus_sha256: str, vocabulary: List[str]) -> dict:
+    """What makes two checkpoints parts of the same run: the model and training configurations,
+    the corpus's fingerprint and the vocabulary (the character of each id), as config.json and
+    vocab.json hold them (a JSON round trip, so that a dataclass's values and the file's compare equal)."""
+    return json.loads(json.dumps({"model": model, "training": training, "corpus": corpus_sha256,
+                                  "vocabulary": "".join(vocabulary)}))
 
 
-def check_same_run(path: Path, checkpoint: "Checkpoint", identity: dict, sections=("model", "training")) -> None:
+def check_same_run(path: Path, checkpoint: "Checkpoint", identity: dict) -> None:
     """A UserError unless the checkpoint at ``path`` was written by the run ``identity`` describes
-    (the run files beside it), compared on the corpus and ``sections``: a checkpoint copied in
-    from another run must not continue (all of it) or sample (model and corpus: they fix the
-    vocabulary) as this one. Checkpoints from before the identity was recorded pass unchecked."""
+    (the run files beside it): a checkpoint copied in from another run, or run files edited
+    since, must not continue, sample or score as this run. Checkpoints from before the
+    identity was recorded pass unchecked."""
     theirs = checkpoint.run
     if theirs is None:
         return
     config = Path(path).parent / CONFIG_FILE
+    again = "keep a run's files together, as rnnkit train wrote them"
     if theirs.get("corpus") != identity["corpus"]:
-        raise UserError(f"{path} belongs to another run: it was trained on another corpus than {config} names; "
-                        f"keep a run's files together")
-    for section in sections:
+        raise UserError(f"{path} belongs to another run: it was trained on another corpus than {config} names; {again}")
+    if theirs.get("vocabulary") != identity["vocabulary"]:
+        raise UserError(f"{path} belongs to another run: its characters are not those of "
+                        f"{Path(path).parent / VOCAB_FILE} (in that order); {again}")
+    for section in ("model", "training"):
         mine, other = identity[section], theirs.get(section) or {}
         for key in sorted(set(mine) | set(other)):
             if mine.get(key) != other.get(key):
                 name = key if key == "vocab_size" else "--" + key.replace("_", "-")
                 raise UserError(f"{path} belongs to another run: {name} is {json.dumps(other.get(key))} there, "
-                                f"{json.dumps(mine.get(key))} in {config}; keep a run's files together")
+                                f"{json.dumps(mine.get(key))} in {config}; {again}")
 
 
 def require_safetensors():
@@ -288,6 +359,12 @@ class Checkpoint:
                 else:
                     parts[kind][name] = value
             state = [parts["state"][str(k)] for k in range(len(parts["state"]))]
+            for name, kind in (("progress", dict), ("param_groups", list), ("evaluations", list), ("run", dict)):
+                if name in metadata and not isinstance(json.loads(metadata[name]), kind):
+                    raise TypeError(f"{name}: expected a JSON {'object' if kind is dict else 'list'}")
+            if not all(isinstance(r, dict) and isinstance(r.get("step"), int) and isinstance(r.get("val_bpc"), float)
+                       for r in json.loads(metadata["evaluations"])):
+                raise TypeError("evaluations: expected records with a step and a val_bpc")
             return cls(
                 model=parts["model"],
                 optimizer={"state": entries, "param_groups": json.loads(metadata["param_groups"])},

@@ -119,6 +119,11 @@ def build_model(config: ModelConfig, backend: str = "auto") -> CharLM:
         return CharLM(config, backend)
     except rnnkit.BackendUnavailableError as error:
         raise UserError(f"--backend {backend}: {error}") from None
+    except RuntimeError as error:
+        if "alloc" not in str(error):
+            raise
+        raise UserError(f"the model does not fit in memory ({str(error).strip().splitlines()[0]}); choose a smaller "
+                        f"--hidden, --embedding or --layers") from None
     except (ValueError, TypeError) as error:
         message = str(error)
         for option, flag in _FLAGS.items():

@@ -9,6 +9,15 @@ from .model import CharLM
 from .train import autocast
 
 
+def default_prime(vocabulary: Vocabulary) -> str:
+    """What generation starts from when no --prime is given: a newline, else a space, where the
+    vocabulary has one; a UserError asking for --prime otherwise."""
+    for prime in ("\n", " "):
+        if prime in vocabulary.index:
+            return prime
+    raise UserError("the model's vocabulary has neither a newline nor a space to start from; pass --prime")
+
+
 def sample(model: CharLM, vocabulary: Vocabulary, prime: str, length: int, temperature: float = 1.0,
            seed: int = 0, precision: str = "fp32") -> str:
     """Continue ``prime`` by ``length`` characters, one step at a time with the carried state.
@@ -34,7 +43,8 @@ def sample(model: CharLM, vocabulary: Vocabulary, prime: str, length: int, tempe
             if temperature == 0:
                 next_id = int(scores.argmax())
             else:
-                probabilities = torch.softmax(scores / temperature, dim=0)
+                # the largest score subtracted first: a tiny temperature sends the rest to -inf, never inf - inf
+                probabilities = torch.softmax((scores - scores.max()) / temperature, dim=0)
                 next_id = int(torch.multinomial(probabilities, 1, generator=generator))
             out.append(next_id)
             logits, state = model(torch.tensor([[next_id]], device=device), state)

@@ -27,7 +27,8 @@ from torch import nn
 import rnnkit
 
 from ..errors import UserError
-from .checkpoint import (BEST_FILE, CHECKPOINT_FILE, CONFIG_FILE, Checkpoint, atomic_write, check_fresh_directory,
+from .checkpoint import (BEST_FILE, CHECKPOINT_FILE, CONFIG_FILE, Checkpoint, DirectoryLock, atomic_write,
+                         check_fresh_directory, update_run_config,
                          check_same_run, error_reason, read_run_files, remove_stale_temporaries, run_identity,
                          write_run_files)
 from .data import Streams, Vocabulary, fingerprint, read_corpus, stdlib_corpus
@@ -247,7 +248,8 @@ def read_run(directory: Path) -> SavedRun:
             require_int(name, value, 1)
     except (TypeError, ValueError) as error:
         raise UserError(f"{directory / CONFIG_FILE}: not a usable run configuration ({error})") from None
-    identity = run_identity(dataclasses.asdict(model_config), dataclasses.asdict(training), config["corpus"]["sha256"])
+    identity = run_identity(dataclasses.asdict(model_config), dataclasses.asdict(training), config["corpus"]["sha256"],
+                            vocabulary.chars)
     return SavedRun(model_config, training, config["corpus"], settings, vocabulary, identity)
 
 
@@ -265,6 +267,18 @@ class Progress:
     interval_seconds: float = 0.0
     best_val_bpc: Optional[float] = None  # the lowest validation bits/char so far (best.safetensors)
     best_step: Optional[int] = None
+
+    def check(self) -> None:
+        """A TypeError naming the first field of the wrong kind (a damaged checkpoint's metadata)."""
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            integer = item.name in ("step", "position", "interval_steps", "best_step")
+            ok = (value is None and item.name.startswith("best_")) or (
+                number and (isinstance(value, int) if integer else True) and value >= 0)
+            if not ok:
+                raise TypeError(f"progress {item.name}: expected a non-negative {'integer' if integer else 'number'}, "
+                                f"got {value!r}")
 
 
 @dataclass
@@ -284,6 +298,12 @@ class Run:
     saved_step: Optional[int] = None  # the step of the checkpoint on disk
     identity: Optional[dict] = None  # checkpoint.run_identity of the run; saved in every checkpoint
     removed_temporaries: List[str] = dataclasses.field(default_factory=list)
+    lock: Optional[DirectoryLock] = None  # held while the run may write its directory
+
+    def close(self) -> None:
+        """Release the directory for another process (the run writes nothing more)."""
+        if self.lock is not None:
+            self.lock.release()
 
 
 def prepare(directory: Path, model_config: ModelConfig, train_config: TrainConfig, vocabulary: Vocabulary,
@@ -291,14 +311,16 @@ def prepare(directory: Path, model_config: ModelConfig, train_config: TrainConfi
             resume: bool = False, settings: Optional[dict] = None) -> Run:
     """Build the model and data; restore the checkpoint when resuming, else write config and vocabulary.
 
-    First removes temporaries that killed writes left in ``directory``. When resuming,
-    log.jsonl is rewritten from the checkpoint's history. ``settings`` (e.g. the evaluation
-    interval) go into config.json, for a resumed run to reuse.
+    Nothing is written until the model has run once forward and backward. Then the directory
+    is locked for this process (`DirectoryLock`, released by `Run.close` or at exit) and
+    temporaries that killed writes left there are removed. When resuming, log.jsonl is
+    rewritten from the checkpoint's history, and config.json takes ``corpus`` and ``settings``
+    where they changed (the corpus's path, when it moved; the evaluation interval).
+    ``settings`` (e.g. the evaluation interval) go into config.json, for a resumed run to reuse.
     """
     directory, device = Path(directory), torch.device(device)
     if not resume:
         check_fresh_directory(directory)
-    removed = remove_stale_temporaries(directory)
     torch.manual_seed(train_config.seed)
     model = build_model(model_config, backend).to(device)
     check_trains(model, train_config.precision, backend)
@@ -307,23 +329,33 @@ def prepare(directory: Path, model_config: ModelConfig, train_config: TrainConfi
     valid_ids = vocabulary.encode(valid_text)
     if len(valid_ids) < 2:
         raise UserError("the validation text is too short; use a longer --text")
-    identity = run_identity(dataclasses.asdict(model_config), dataclasses.asdict(train_config), corpus["sha256"])
-    run = Run(directory, model, optimizer, streams, valid_ids, train_config, device, identity=identity,
-              removed_temporaries=removed)
-    if resume:
-        _restore(run, Checkpoint.read(directory / CHECKPOINT_FILE))
-        rewrite_log(directory, run.history)
-    else:
-        write_run_files(directory, {
-            "model": dataclasses.asdict(model_config),
-            "training": dataclasses.asdict(train_config),
-            "corpus": corpus,
-            "settings": settings or {},
-            "rnnkit": rnnkit.__version__,
-            "torch": torch.__version__,
-        }, vocabulary)
-        for name in (LOG_FILE, CURVE_FILE):  # left by a run that never reached a checkpoint
-            (directory / name).unlink(missing_ok=True)
+    identity = run_identity(dataclasses.asdict(model_config), dataclasses.asdict(train_config), corpus["sha256"],
+                            vocabulary.chars)
+    lock = DirectoryLock(directory).acquire()
+    try:
+        if not resume:
+            check_fresh_directory(directory)  # again, now that no other run can be writing there
+        removed = remove_stale_temporaries(directory)
+        run = Run(directory, model, optimizer, streams, valid_ids, train_config, device, identity=identity,
+                  removed_temporaries=removed, lock=lock)
+        if resume:
+            _restore(run, Checkpoint.read(directory / CHECKPOINT_FILE))
+            update_run_config(directory, corpus=corpus, settings=settings or {})
+            rewrite_log(directory, run.history)
+        else:
+            write_run_files(directory, {
+                "model": dataclasses.asdict(model_config),
+                "training": dataclasses.asdict(train_config),
+                "corpus": corpus,
+                "settings": settings or {},
+                "rnnkit": rnnkit.__version__,
+                "torch": torch.__version__,
+            }, vocabulary)
+            for name in (LOG_FILE, CURVE_FILE):  # left by a run that never reached a checkpoint
+                (directory / name).unlink(missing_ok=True)
+    except BaseException:
+        lock.release()
+        raise
     return run
 
 
@@ -331,20 +363,34 @@ def _restore(run: Run, checkpoint: Checkpoint) -> None:
     path = run.directory / CHECKPOINT_FILE
     check_same_run(path, checkpoint, run.identity)
     try:
-        for tensor in checkpoint.state:  # checkpoints older than their identity: the carried state tells the batch
-            if tensor.dim() != 3 or tensor.shape[1] != run.config.batch:
-                raise ValueError(f"its carried state has shape {tuple(tensor.shape)}, not one of --batch {run.config.batch}")
+        expected = _state_shapes(run)
+        if checkpoint.state and [tuple(t.shape) for t in checkpoint.state] != expected:
+            raise ValueError(f"its carried state has shapes {[tuple(t.shape) for t in checkpoint.state]}, this run's "
+                             f"(--batch {run.config.batch}) {expected}")
         run.model.load_state_dict(checkpoint.model, strict=True)
         run.optimizer.load_state_dict(checkpoint.optimizer)
         run.progress = Progress(**checkpoint.progress)
+        run.progress.check()
         run.history = History.from_checkpoint(checkpoint.history, checkpoint.evaluations, run.progress.step)
         torch.set_rng_state(checkpoint.rng["torch"])
         if run.device.type == "cuda" and "cuda" in checkpoint.rng:
             torch.cuda.set_rng_state(checkpoint.rng["cuda"], run.device)
-    except (RuntimeError, KeyError, ValueError, TypeError) as error:
-        raise UserError(f"{path}: does not match {run.directory / CONFIG_FILE} ({error_reason(error)})") from None
+    except (RuntimeError, KeyError, ValueError, TypeError, AttributeError) as error:
+        raise UserError(f"{path}: damaged, or not this run's ({error_reason(error)})") from None
     run.state = state_from_tensors([t.to(run.device) for t in checkpoint.state])
     run.saved_step = run.progress.step
+
+
+def _state_shapes(run: Run) -> List[tuple]:
+    """The shapes of the state the run carries between chunks (one step of the model tells them)."""
+    with _same_random_numbers(run.device), torch.no_grad():
+        was_training = run.model.training
+        run.model.eval()
+        try:
+            _, state = run.model(torch.zeros(1, run.config.batch, dtype=torch.int64, device=run.device))
+        finally:
+            run.model.train(was_training)
+    return [tuple(t.shape) for t in state_tensors(state)]
 
 
 def save(run: Run, best: bool = False) -> None:
