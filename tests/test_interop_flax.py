@@ -117,3 +117,62 @@ def _both_directions(name, dtype):
 def test_refuses_what_flax_cannot_represent(module, option):
     with pytest.raises(ValueError, match=option):
         rflax.to_flax(module())
+
+
+def _extra_bias(tree, dense):
+    tree[0]["cell"][dense]["bias"] = np.ones(6, np.float32)
+
+
+def _extra_dense(tree, _):
+    tree[0]["Dense_0"] = {"kernel": np.ones((6, 6), np.float32), "bias": np.ones(6, np.float32)}
+
+
+@pytest.mark.parametrize("module, mode, change, dense, message", [
+    (lambda: rnnkit.GRU(I, 6), "gru", _extra_bias, "hr", r"params\[0\]/cell/hr: has keys \['bias', 'kernel'\], "
+     r"expected \['kernel'\] \(missing \[\], unexpected \['bias'\]\)"),
+    (lambda: rnnkit.GRU(I, 6), "gru", _extra_bias, "hz", r"params\[0\]/cell/hz: .* unexpected \['bias'\]"),
+    (lambda: rnnkit.LSTM(I, 6), "lstm", _extra_bias, "ii", r"params\[0\]/cell/ii: .* unexpected \['bias'\]"),
+    (lambda: rnnkit.RNN(I, 6), "rnn_tanh", _extra_dense, None, r"params\[0\]: has keys \['Dense_0', 'cell'\], "
+     r"expected \['cell'\] \(missing \[\], unexpected \['Dense_0'\]\)"),
+], ids=["gru-hr-bias", "gru-hz-bias", "lstm-ii-bias", "extra-dense"])
+def test_parameters_the_cell_does_not_have_are_refused(module, mode, change, dense, message):
+    """Review finding 7: these were dropped without a word; Flax would add them, so the module
+    computed something else. Now refused, listing the unexpected keys (as Haste and MXNet do)."""
+    tree = rflax.to_flax(module())
+    change(tree, dense)
+    with pytest.raises(ValueError, match=message):
+        rflax.from_flax(tree, mode)
+
+
+def test_params_that_are_not_a_list_of_like_layers_are_refused():
+    """Review finding 13: 'string indices must be integers' and KeyError 'forward_rnn' before."""
+    one = rflax.to_flax(rnnkit.LSTM(I, 6))
+    with pytest.raises(TypeError, match=r"params: expected a list with one parameter tree per layer .* got dict; "
+                                        r"wrap a single layer's tree in a list"):
+        rflax.from_flax(one[0], "lstm")
+    bidirectional = rflax.to_flax(rnnkit.LSTM(I, 6, bidirectional=True))
+    with pytest.raises(ValueError, match=r"params\[1\]: layer 0 is bidirectional \(forward_rnn, backward_rnn\) but "
+                                         r"layer 1 is unidirectional \(cell\)"):
+        rflax.from_flax(bidirectional + rflax.to_flax(rnnkit.LSTM(12, 6)), "lstm")
+    with pytest.raises(ValueError, match="params: expected one parameter tree per layer, got an empty list"):
+        rflax.from_flax([], "lstm")
+    with pytest.raises(ValueError, match=r"params\[0\]/cell: has keys .*\(missing \['hn', 'hr', 'hz', 'in', 'ir', "
+                                         r"'iz'\]"):
+        rflax.from_flax(one, "gru")
+    two = rflax.to_flax(rnnkit.LSTM(I, 6, num_layers=2))
+    two[1]["cell"]["ii"]["kernel"] = np.ones((I, 6), np.float32)
+    with pytest.raises(ValueError, match=r"params\[1\]/cell/ii/kernel: expected shape \(6, 6\) .* got \(4, 6\)"):
+        rflax.from_flax(two, "lstm")
+    assert rflax.from_flax([{"params": one[0]}], "lstm").spec.hidden_sizes == (6,)
+
+
+def test_bfloat16_exports_float32_and_imports_exactly():
+    """Review finding 16: numpy has no bfloat16, so to_flax gives float32 arrays (exact); jax
+    bfloat16 parameters import through float32 (torch cannot read ml_dtypes' bfloat16)."""
+    module = rnnkit.LSTM(I, 6, num_layers=2, bidirectional=True).to(torch.bfloat16)
+    tree = rflax.to_flax(module)
+    assert all(a.dtype == np.float32 for a in jax.tree_util.tree_leaves(tree))
+    as_bf16 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.bfloat16), tree)
+    back = rflax.from_flax(as_bf16, "lstm", dtype=torch.bfloat16)
+    assert torch.equal(back.flat_weights, rflax.from_flax(tree, "lstm", dtype=torch.bfloat16).flat_weights)
+    assert back.flat_weights.dtype == torch.bfloat16

@@ -120,3 +120,17 @@ def test_bad_haste_dicts_are_named():
                            "gamma": np.ones((2, 12))}], "gru")
     with pytest.raises(TypeError, match="layers: expected a non-empty list"):
         haste.from_haste({"kernel": np.ones((3, 12))}, "lstm")
+
+
+@pytest.mark.parametrize("mode, layer_norm", [("lstm", False), ("gru", True)], ids=["lstm", "layernorm-gru"])
+def test_bfloat16_exports_float32_and_imports_exactly(mode, layer_norm):
+    """Review finding 16: numpy has no bfloat16, so to_haste gives float32 arrays (exact); a
+    bfloat16 Haste layer's state_dict() (torch bfloat16 tensors) imports through float32."""
+    make = rnnkit.LSTM if mode == "lstm" else rnnkit.GRU
+    module = make(3, 4, num_layers=2, layer_norm=layer_norm).to(torch.bfloat16)
+    layers = haste.to_haste(module)
+    assert all(v.dtype == np.float32 for w in layers for v in w.values())
+    state_dicts = [{k: torch.from_numpy(v).to(torch.bfloat16) for k, v in w.items()} for w in layers]
+    back = haste.from_haste(state_dicts, mode, dtype=torch.bfloat16)
+    assert torch.equal(back.flat_weights, haste.from_haste(layers, mode, dtype=torch.bfloat16).flat_weights)
+    assert back.flat_weights.dtype == torch.bfloat16

@@ -189,3 +189,64 @@ def test_keras_torch_matmul_is_float32():
     product = keras.ops.convert_to_numpy(keras.ops.matmul(a, b))
     assert str(product.dtype) == "float32"
     assert TOLERANCE[torch.float64] < rel_rms(torch.as_tensor(product), a @ b) < TOLERANCE[torch.float32]
+
+
+def test_bias_mode_contradicting_use_bias_is_refused():
+    """Review finding 5: bias_mode='none' with use_bias=True dropped the Keras bias; and a
+    bias_mode for layers without a bias has nothing to place."""
+    with_bias = rkeras.to_keras(rnnkit.LSTM(I, 6))
+    with pytest.raises(ValueError, match=r"bias_mode, use_bias: bias_mode='none' would drop the Keras layers' bias "
+                                         r"\(use_bias=True\)"):
+        rkeras.from_keras(with_bias, "lstm", bias_mode="none")
+    without = rkeras.to_keras(rnnkit.LSTM(I, 6, bias=False))
+    with pytest.raises(ValueError, match=r"bias_mode, use_bias: the Keras layers have no bias \(use_bias=False\), "
+                                         r"so there is none for bias_mode='double'"):
+        rkeras.from_keras(without, "lstm", use_bias=False, bias_mode="double")
+    assert rkeras.from_keras(without, "lstm", use_bias=False, bias_mode="none").spec.bias_mode == "none"
+
+
+@pytest.mark.parametrize("module, mode, options, message", [
+    (lambda: rnnkit.GRU(I, 6, reset_after=False), "gru", {},
+     r"weights\[0\]\[2\]: mode='gru', reset_after=True expects a bias of shape \(2, 18\), got \(18,\), "
+     r"the bias of a Keras GRU with reset_after=False"),
+    (lambda: rnnkit.GRU(I, 6), "gru", dict(reset_after=False),
+     r"weights\[0\]\[2\]: mode='gru', reset_after=False expects a bias of shape \(18,\), got \(2, 18\), "
+     r"the bias of a Keras GRU with reset_after=True"),
+    (lambda: rnnkit.LSTM(I, 6), "gru", {},
+     r"weights\[0\]\[1\]: mode='gru' expects a recurrent_kernel of shape \(H, 3·H\) = \(6, 18\), got \(6, 24\), "
+     r"which holds 4 gate blocks of 6 units \(a Keras LSTM\)"),
+    (lambda: rnnkit.GRU(I, 6, bidirectional=True), "lstm", dict(bidirectional=True),
+     r"weights\[0\]\[1\]: mode='lstm' expects a recurrent_kernel of shape \(H, 4·H\) = \(6, 24\), got \(6, 18\), "
+     r"which holds 3 gate blocks of 6 units \(a Keras GRU\)"),
+    (lambda: rnnkit.RNN(I, 6), "gru", {}, r"got \(6, 6\), which holds 1 gate block of 6 units \(a Keras SimpleRNN\)"),
+    (lambda: rnnkit.LSTM(I, 6, bidirectional=True), "lstm", {},
+     r"weights\[0\]: expected 3 arrays .* got 6, which is a layer with bidirectional=True, use_bias=True"),
+    (lambda: rnnkit.LSTM(I, 6, num_layers=2, bidirectional=True), "lstm", dict(bidirectional=True, merge="sum"),
+     r"weights\[1\]\[0\]: expected a kernel of shape \(6, 24\), got \(12, 24\); layer 0's outputs have 6 features"),
+], ids=["gru-reset_before-read-as-after", "gru-reset_after-read-as-before", "lstm-as-gru", "gru-as-lstm",
+        "simplernn-as-gru", "bidirectional-as-one", "concat-read-as-sum"])
+def test_weights_that_are_not_the_mode_say_what_they_are(module, mode, options, message):
+    """Review finding 12: an IndexError or 'regate: ... is not 3 gate blocks' before; now the
+    array is named, with what mode and options expect and what its shape implies."""
+    with pytest.raises(ValueError, match=message):
+        rkeras.from_keras(rkeras.to_keras(module()), mode, **options)
+
+
+def test_weights_not_one_list_per_layer_are_refused():
+    with pytest.raises(ValueError, match="weights: expected one list of arrays per layer, got an empty list"):
+        rkeras.from_keras([], "lstm")
+    one_layer = rkeras.to_keras(rnnkit.LSTM(I, 6))[0]
+    with pytest.raises(TypeError, match=r"weights\[0\]: expected one layer's list of arrays .* got ndarray"):
+        rkeras.from_keras(one_layer, "lstm")
+
+
+def test_bfloat16_exports_float32_and_imports_exactly():
+    """Review finding 16: numpy has no bfloat16, so to_keras gives float32 arrays (exact);
+    bfloat16 arrays (ml_dtypes', as Keras's jax backend returns them) import through float32."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    module = rnnkit.GRU(I, 6, num_layers=2, bidirectional=True).to(torch.bfloat16)
+    weights = rkeras.to_keras(module)
+    assert all(a.dtype == "float32" for layer in weights for a in layer)
+    as_bf16 = [[a.astype(ml_dtypes.bfloat16) for a in layer] for layer in weights]
+    back = rkeras.from_keras(as_bf16, "gru", bidirectional=True, dtype=torch.bfloat16)
+    assert torch.equal(back.flat_weights, module.flat_weights)

@@ -10,8 +10,8 @@ MXNet 1.9.1's CPU kernel computes the float64 ReLU RNN with each ReLU output rou
 float32 (see test_mxnet_rounds_float64_relu_to_float32), so that case is held to the
 float32 tolerance in float64 too.
 
-Not verified: the state clip (rnnkit's cell_clip), which MXNet 1.9.1 applies only in its
-GPU kernel.
+Not verified against MXNet: the state clip (rnnkit's cell_clip, MXNet's state_clip_min/max
+settings), which MXNet 1.9.1 applies only in its GPU kernel; its round trip is checked here.
 """
 import re
 import sys
@@ -104,13 +104,72 @@ def test_gluon_export(name, tag):
 
 
 def test_gluon_names_round_trip_in_registration_order():
-    module = rnnkit.LSTM(3, 5, num_layers=2, bidirectional=True, proj_size=2, cell_clip=0.5)
+    module = rnnkit.LSTM(3, 5, num_layers=2, bidirectional=True, proj_size=2)
     named = rmx.to_gluon(module)
     assert list(named)[:5] == ["l0_i2h_weight", "l0_h2h_weight", "l0_i2h_bias", "l0_h2h_bias", "l0_h2r_weight"]
     assert named["r1_i2h_weight"].shape == (20, 4)
-    back = rmx.from_gluon(named, "lstm", cell_clip=0.5)
+    back = rmx.from_gluon(named, "lstm")
     assert back.spec == module.spec
     assert_close(back.flat_weights.detach(), module.flat_weights.detach(), "flat")
+
+
+def _run(module, x):
+    with torch.no_grad():
+        return module.eval()(x)[0]
+
+
+def test_cell_clip_round_trips_as_mxnet_settings():
+    """Review finding 4: the state clip is a layer setting, returned beside the parameters under
+    MXNet's names and taken back by the importers, so the round trip computes the clipped LSTM."""
+    module = rnnkit.LSTM(5, 6, num_layers=2, bidirectional=True, proj_size=3, cell_clip=0.1)
+    x = torch.randn(7, 3, 5)
+    named, settings = rmx.to_gluon(module, with_settings=True)
+    assert settings == {"state_clip_min": -0.1, "state_clip_max": 0.1}  # gluon.rnn.LSTM's arguments
+    flat, op_settings = rmx.to_mxnet_flat(module, with_settings=True)
+    assert op_settings == {"lstm_state_clip_min": -0.1, "lstm_state_clip_max": 0.1}  # mx.nd.RNN's
+    for back in (rmx.from_gluon(named, "lstm", **settings),
+                 rmx.from_mxnet_flat(flat, "lstm", 5, 6, 2, bidirectional=True, proj_size=3, **op_settings)):
+        assert back.spec == module.spec
+        assert torch.equal(_run(back, x), _run(module, x))
+    unclipped = rmx.from_gluon(named, "lstm")
+    assert (_run(unclipped, x) - _run(module, x)).abs().max() > 1e-2  # what the settings carry
+    assert rmx.to_gluon(rnnkit.GRU(5, 6), with_settings=True)[1] == {}
+
+
+@pytest.mark.parametrize("export", [rmx.to_gluon, rmx.to_mxnet_flat], ids=["to_gluon", "to_mxnet_flat"])
+def test_cell_clip_without_its_settings_is_refused(export):
+    """The parameters alone would make an unclipped MXNet layer: refused, naming cell_clip."""
+    with pytest.raises(ValueError, match="cell_clip: MXNet holds the state clip in the layer's settings .* "
+                                         "with_settings=True"):
+        export(rnnkit.LSTM(5, 6, cell_clip=0.1))
+
+
+def test_clip_settings_must_be_one_symmetric_clip():
+    named = rmx.to_gluon(rnnkit.LSTM(3, 4))
+    with pytest.raises(ValueError, match=r"state_clip_min, state_clip_max: .* expected both, with "
+                                         r"state_clip_min == -state_clip_max; got -0.5 and 0.25"):
+        rmx.from_gluon(named, "lstm", state_clip_min=-0.5, state_clip_max=0.25)
+    with pytest.raises(ValueError, match="got None and 0.5"):
+        rmx.from_gluon(named, "lstm", state_clip_max=0.5)
+    with pytest.raises(ValueError, match=r"cell_clip, lstm_state_clip_max: two different clips"):
+        rmx.from_mxnet_flat(rmx.to_mxnet_flat(rnnkit.LSTM(3, 4)), "lstm", 3, 4, cell_clip=0.2,
+                            lstm_state_clip_min=-0.5, lstm_state_clip_max=0.5)
+    assert rmx.from_gluon(named, "lstm", cell_clip=0.5, state_clip_min=-0.5, state_clip_max=0.5).spec.cell_clip == 0.5
+
+
+def test_bfloat16_exports_float32_and_imports_exactly():
+    """Review finding 16: numpy has no bfloat16, so the arrays are float32 (exact); bfloat16
+    arrays (ml_dtypes', as jax and others hand them) import through float32."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    module = rnnkit.LSTM(3, 4, num_layers=2, bidirectional=True, proj_size=2).to(torch.bfloat16)
+    named, flat = rmx.to_gluon(module), rmx.to_mxnet_flat(module)
+    assert named["l0_i2h_weight"].dtype == np.float32 and flat.dtype == np.float32
+    as_bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in named.items()}
+    back = rmx.from_gluon(as_bf16, "lstm", dtype=torch.bfloat16)
+    assert torch.equal(back.flat_weights, module.flat_weights)
+    back = rmx.from_mxnet_flat(flat.astype(ml_dtypes.bfloat16), "lstm", 3, 4, 2, bidirectional=True, proj_size=2,
+                               dtype=torch.bfloat16)
+    assert torch.equal(back.flat_weights, module.flat_weights)
 
 
 def test_gluon_names_refused():

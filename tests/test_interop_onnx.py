@@ -209,3 +209,77 @@ def test_import_reads_merge_and_batch_first_from_the_glue():
     back = ronnx.import_model(model)
     assert back.spec.merge == "sum" and back.spec.batch_first
     assert_close(back.flat_weights.detach(), module.flat_weights.detach(), "weights")
+
+
+def _edit_initializer(model, prefix: str, change):
+    for init in model.graph.initializer:
+        if init.name.startswith(prefix):
+            init.CopyFrom(numpy_helper.from_array(change(numpy_helper.to_array(init).copy()), init.name))
+
+
+@pytest.mark.parametrize("bias_mode, half", [("single_input", "recurrent"), ("single_recurrent", "input"),
+                                             ("none", "both")])
+def test_import_takes_the_graphs_bias_over_the_metadata(bias_mode, half):
+    """Review finding 6: after export, a tool edits the half of B the module's bias mode left
+    zero and keeps metadata_props. The import took bias_mode from the metadata and dropped that
+    half (0.50 off onnxruntime); the graph's tensors win now."""
+    module = rnnkit.LSTM(4, 6, num_layers=2, bidirectional=True, bias_mode=bias_mode).eval()
+    model = ronnx.export(module)
+    assert ronnx.import_model(model).spec.bias_mode == bias_mode  # untouched: the metadata's mode
+    gh = 4 * 6
+    columns = {"recurrent": slice(gh, None), "input": slice(None, gh), "both": slice(None)}[half]
+
+    def edit(b):
+        b[:, columns] += 0.5
+        return b
+
+    if bias_mode == "none":  # no B to edit: add one to the first node, as a tool would
+        node = next(n for n in model.graph.node if n.op_type == "LSTM")
+        model.graph.initializer.append(numpy_helper.from_array(np.full((2, 2 * gh), 0.5, np.float32), "B_added"))
+        assert list(node.input[3:]) == []  # the exporter writes no B without a bias
+        node.input.append("B_added")
+    else:
+        _edit_initializer(model, "B_", edit)
+    onnx.checker.check_model(model)
+    x = torch.randn(T, B, 4)
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"input": x.numpy()})[0]
+    back = ronnx.import_model(model).eval()
+    assert back.spec.bias_mode == "double"
+    with torch.no_grad():
+        assert_close(torch.from_numpy(y), back(x)[0], f"{bias_mode}: onnxruntime vs imported")
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("B_", lambda b: b[:, : b.shape[1] // 2].copy(),
+     r"B: node 'LSTM_\d+' \(LSTM\) input 'B_l0_\d+' expected shape \[1, 2·4·6\] = \(1, 48\), got \(1, 24\)"),
+    ("P_", lambda p: p[:, :12].copy(),
+     r"P: node 'LSTM_\d+' \(LSTM\) input 'P_l0_\d+' expected shape \[1, 3·6\] = \(1, 18\), got \(1, 12\)"),
+    ("W_", lambda w: w[:, :12].copy(),
+     r"W: node 'LSTM_\d+' \(LSTM\) input 'W_l0_\d+' expected shape \[1, 4·6, 4\] = \(1, 24, 4\), got \(1, 12, 4\)"),
+    ("R_", lambda r: r[0].copy(), r"R: node 'LSTM_\d+' \(LSTM\) input 'R_l0_\d+' expected a 3-D tensor"),
+], ids=["B", "P", "W", "R"])
+def test_import_names_the_node_and_input_of_a_misshapen_tensor(name, change, message):
+    """Review finding 17: 'weights: bias_hh_l0 expected shape (4,), got (0,)' or a regate
+    message before, naming neither the ONNX input nor the node."""
+    model = ronnx.export(rnnkit.LSTM(4, 6, peephole=True))
+    _edit_initializer(model, name, change)
+    with pytest.raises(ValueError, match=message):
+        ronnx.import_model(model)
+
+
+def test_bfloat16_module_exports_a_float32_model_with_its_values():
+    """Review finding 16: numpy (and onnxruntime's recurrent kernels) have no bfloat16; the model
+    is float32 with the module's values exactly, and a bfloat16 model imports through float32."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    module = rnnkit.GRU(4, 6, num_layers=2, bidirectional=True).to(torch.bfloat16).eval()
+    model = ronnx.export(module)
+    assert model.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    assert torch.equal(ronnx.import_model(model, dtype=torch.bfloat16).flat_weights, module.flat_weights)
+    x = torch.randn(T, B, 4).to(torch.bfloat16)
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"input": x.float().numpy()})[0]
+    with torch.no_grad():
+        reference = ronnx.import_model(model)(x.float())[0]  # the same values in float32
+    assert_close(torch.from_numpy(y), reference, "float32 model")
+    _edit_initializer(model, "", lambda a: a.astype(ml_dtypes.bfloat16) if a.dtype == np.float32 else a)
+    assert torch.equal(ronnx.import_model(model, dtype=torch.bfloat16).flat_weights, module.flat_weights)

@@ -9,6 +9,7 @@ loading :func:`to_tf`'s variables into them.
 CudnnLSTM / CudnnGRU canonical weights are checked only for their addressing: TF 2.21's
 canonical-weight ops have no CPU kernel.
 """
+import copy
 import sys
 from pathlib import Path
 
@@ -141,3 +142,82 @@ def test_cudnn_canonical_round_trip():
 def test_refuses_what_the_cells_cannot_represent(module, message):
     with pytest.raises(ValueError, match=message):
         rtf.to_tf(module())
+
+
+@pytest.mark.parametrize("module, message", [
+    (lambda: rnnkit.LSTM(3, 4, cell_clip=0.1), "cell_clip: TF CudnnRNN cannot represent"),
+    (lambda: rnnkit.LSTM(3, 4, peephole=True), "peephole: TF CudnnRNN cannot represent"),
+    (lambda: rnnkit.LSTM(3, 4, proj_size=2, proj_clip=0.5), "proj_clip: TF CudnnRNN cannot represent"),
+    (lambda: rnnkit.GRU(3, 4, zoneout=0.1), "zoneout: TF CudnnRNN cannot represent"),
+], ids=["cell_clip", "peephole", "proj_clip", "zoneout"])
+def test_cudnn_refuses_what_tf_cudnn_layers_cannot_represent(module, message):
+    """TF's CudnnLSTM takes no clip, though cuDNN's descriptor has one."""
+    with pytest.raises(ValueError, match=message):
+        rtf.to_tf_cudnn(module())
+
+
+@pytest.mark.parametrize("bias_mode", ["single_input", "single_recurrent", "none"])
+def test_cudnn_single_bias_modes_export_tf_double_bias(bias_mode):
+    """TF's cuDNN layers always have 2G biases; the ones the module lacks are zeros (exact)."""
+    module = rnnkit.LSTM(3, 5, num_layers=2, bidirectional=True, proj_size=2, bias_mode=bias_mode).eval()
+    weights, biases = rtf.to_tf_cudnn(module)
+    assert len(weights) == 2 * 2 * 9 and len(biases) == 2 * 2 * 8
+    assert all(b.shape == (5,) for b in biases)
+    present = {"single_input": range(4), "single_recurrent": range(4, 8), "none": ()}[bias_mode]
+    assert all(not torch.any(b) for k, b in enumerate(biases) if k % 8 not in present)
+    back = rtf.from_tf_cudnn(weights, biases, "lstm", 3, 5, 2, bidirectional=True, proj_size=2).eval()
+    x = torch.randn(4, 2, 3)
+    with torch.no_grad():
+        assert_close(back(x)[0], module(x)[0], "y")
+
+
+def _tf_lstm(**options):
+    return rtf.to_tf(rnnkit.LSTM(3, 4, **options))
+
+
+def _edit(variables, name, value):
+    variables["cells"][0][0][name] = value
+    return variables
+
+
+def _drop(variables, name):
+    del variables["cells"][0][0][name]
+    return variables
+
+
+@pytest.mark.parametrize("variables, message", [
+    (lambda: _drop(_tf_lstm(peephole=True), "w_f_diag"), r"cells\[0\]\[0\] has no w_f_diag"),
+    (lambda: _drop(_tf_lstm(peephole=True), "w_o_diag"), r"cells\[0\]\[0\] has no w_o_diag"),
+    (lambda: _edit(_tf_lstm(), "bias", np.zeros(12, np.float32)),
+     r"cells\[0\]\[0\]\['bias'\] expected shape \(16,\), got \(12,\)"),
+    (lambda: _edit(_tf_lstm(peephole=True), "w_i_diag", np.zeros(3, np.float32)),
+     r"cells\[0\]\[0\]\['w_i_diag'\] expected shape \(4,\), got \(3,\)"),
+    (lambda: _edit(rtf.to_tf(rnnkit.GRU(3, 4, reset_after=False)), "gates/bias", np.zeros(7, np.float32)),
+     r"cells\[0\]\[0\]\['gates/bias'\] expected shape \(8,\), got \(7,\)"),
+], ids=["no-w_f_diag", "no-w_o_diag", "lstm-bias-length", "peephole-length", "gru-bias-length"])
+def test_import_names_the_missing_or_misshapen_variable(variables, message):
+    with pytest.raises(ValueError, match=message):
+        rtf.from_tf(variables())
+
+
+def test_explicit_none_removes_the_config_clips():
+    """None means no clip; the default "config" takes the config's."""
+    variables = rtf.to_tf(rnnkit.LSTM(3, 4, proj_size=2, cell_clip=0.5, proj_clip=0.25))
+    assert (rtf.from_tf(variables).spec.cell_clip, rtf.from_tf(variables).spec.proj_clip) == (0.5, 0.25)
+    unclipped = rtf.from_tf(variables, cell_clip=None, proj_clip=None).spec
+    assert unclipped.cell_clip is None and unclipped.proj_clip is None
+    with pytest.raises(ValueError, match="cell_clip: expected a number, None or 'config', got 'none'"):
+        rtf.from_tf(variables, cell_clip="none")
+    with pytest.raises(TypeError, match="forget_bias: expected a number, got None"):
+        rtf.from_tf(variables, forget_bias=None)
+
+
+def test_bfloat16_modules_export_exact_float32():
+    module = rnnkit.LSTM(3, 4, proj_size=2, peephole=True).to(torch.bfloat16)
+    exported = rtf.to_tf(module)["cells"][0][0]
+    widened = rtf.to_tf(copy.deepcopy(module).float())["cells"][0][0]
+    assert sorted(exported) == sorted(widened)
+    for name, value in exported.items():
+        assert value.dtype == np.float32 and np.array_equal(value, widened[name]), name
+    weights, biases = rtf.to_tf_cudnn(rnnkit.GRU(3, 4).to(torch.bfloat16))
+    assert all(t.dtype == torch.bfloat16 for t in weights + biases)

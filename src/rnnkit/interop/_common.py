@@ -162,3 +162,28 @@ def load_pieces(module, pieces: Dict[str, object]) -> None:
 def suffix(layer: int, direction: int) -> str:
     """The torch.nn name suffix of one layer-direction: ``_l1``, ``_l0_reverse``."""
     return f"_l{layer}" + ("_reverse" if direction else "")
+
+
+def exported_pieces(module) -> Dict[str, np.ndarray]:
+    """`numpy_pieces`, with a bfloat16 module's values as float32 arrays.
+
+    numpy has no bfloat16 and every bfloat16 is a float32, so the values are exact; the
+    format's own library casts them to its bfloat16 when its layer is built in that dtype.
+    """
+    return {name: (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).cpu().numpy()
+            for name, tensor in torch_pieces(module).items()}
+
+
+def imported_array(value, name: str = "value") -> np.ndarray:
+    """`to_numpy` for importers: a bfloat16 array (a torch tensor, or ml_dtypes' bfloat16 that
+    jax and ONNX hand over) comes back as float32, which holds it exactly and which torch reads.
+
+    The module's dtype is the importer's ``dtype`` argument, so ``dtype=torch.bfloat16`` gives
+    back the same bfloat16 values.
+    """
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
+        value = value.float()
+    array = to_numpy(value, name)
+    if array.dtype.name == "bfloat16":
+        array = array.astype(np.float32)
+    return array

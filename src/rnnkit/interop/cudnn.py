@@ -21,8 +21,14 @@ NO_BIAS). The gate order is rnnkit's own (docs/spec.md, "Gate orders elsewhere":
 PyTorch share it), so no reordering happens here.
 
 What cuDNN cannot represent, and is refused naming the option: peephole, coupled_gates,
-layer_norm, zoneout, proj_clip, reset_after=False, merge="sum", per-layer sizes. cuDNN's
-cell clip (``cudnnRNNSetClip_v8``) is a descriptor setting, carried in ``config``.
+layer_norm, zoneout (its evaluation-mode expectation changes the function), proj_clip,
+reset_after=False, merge="sum", per-layer sizes. cuDNN's cell clip (``cudnnRNNSetClip_v8``,
+symmetric here) is a descriptor setting, carried in ``config``.
+
+Import reads ``config`` strictly: each mode is cudnn.h's name or its enum value, the fields
+it does not read (``dataType``, ``mathPrec``, ``algo``, ...) are refused rather than ignored,
+and the tables must hold exactly the entries the config uses. A bfloat16 or float16 module
+exports tensors of its own dtype.
 
 Example:
     >>> params = rnnkit.interop.cudnn.to_cudnn(lstm)
@@ -31,7 +37,9 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+import math
+import numbers
+from typing import Dict, Mapping, Tuple
 
 import torch
 
@@ -47,6 +55,17 @@ CUDNN_BIAS = {
     "none": "CUDNN_RNN_NO_BIAS",
 }
 FMT = "cuDNN"
+# cudnn.h's enums, in the order of their values: a config filled from cuDNN may hold the integers.
+CUDNN_ENUMS = {
+    "cellMode": ("CUDNN_RNN_RELU", "CUDNN_RNN_TANH", "CUDNN_LSTM", "CUDNN_GRU"),
+    "biasMode": ("CUDNN_RNN_NO_BIAS", "CUDNN_RNN_SINGLE_INP_BIAS", "CUDNN_RNN_DOUBLE_BIAS",
+                 "CUDNN_RNN_SINGLE_REC_BIAS"),
+    "dirMode": ("CUDNN_UNIDIRECTIONAL", "CUDNN_BIDIRECTIONAL"),
+    "inputMode": ("CUDNN_LINEAR_INPUT", "CUDNN_SKIP_INPUT"),
+}
+PARTS = ("config", "matrices", "biases")
+CONFIG_REQUIRED = ("cellMode", "biasMode", "dirMode", "inputSize", "hiddenSize", "numLayers")
+CONFIG_OPTIONAL = ("projSize", "cellClip", "inputMode")
 
 
 def check_spec(spec: RNNSpec) -> None:
@@ -97,33 +116,51 @@ def from_cudnn(params: dict, *, batch_first: bool = False, dtype=None):
     """Build an rnnkit module from `to_cudnn`'s structure (or one filled from cuDNN).
 
     Args:
-        params: ``{"config", "matrices", "biases"}`` as described in `to_cudnn`.
+        params: ``{"config", "matrices", "biases"}`` as described in `to_cudnn`. ``config``
+            needs ``cellMode``, ``biasMode``, ``dirMode``, ``inputSize``, ``hiddenSize`` and
+            ``numLayers``; it may have ``projSize`` (default: ``hiddenSize``, no projection),
+            ``cellClip`` (default None) and ``inputMode`` (only ``CUDNN_LINEAR_INPUT``: rnnkit
+            has no skip-input layer). The modes are cudnn.h's names or their enum values
+            (``dirMode=1`` is ``CUDNN_BIDIRECTIONAL``). The tables must hold exactly the
+            entries the config uses: every matrix and bias of every pseudo-layer, and no other.
         batch_first: the module's input layout (not a cuDNN weight property).
         dtype: the module's dtype (default float32).
+
+    Raises:
+        TypeError: ``params`` or one of its parts is not a mapping.
+        ValueError: naming the config field or table entry for a missing key, a key
+            `from_cudnn` does not read (``dataType``, ``mathPrec``, ``algo``: the precision is
+            ``dtype``), a value outside what rnnkit computes, an entry the config does not use,
+            or a matrix or bias of the wrong shape.
     """
-    config = params["config"]
-    mode = {v: k for k, v in CUDNN_MODES.items()}.get(config["cellMode"])
-    if mode is None:
-        raise ValueError(f"config['cellMode']: expected one of {tuple(CUDNN_MODES.values())}, got {config['cellMode']!r}")
-    bias_mode = {v: k for k, v in CUDNN_BIAS.items()}.get(config["biasMode"])
-    if bias_mode is None:
-        raise ValueError(f"config['biasMode']: expected one of {tuple(CUDNN_BIAS.values())}, got {config['biasMode']!r}")
-    hidden, proj = config["hiddenSize"], config.get("projSize", config["hiddenSize"])
+    config, matrices, biases = _parts(params)
+    mode = {v: k for k, v in CUDNN_MODES.items()}[_enum(config, "cellMode", tuple(CUDNN_MODES.values()))]
+    bias_mode = {v: k for k, v in CUDNN_BIAS.items()}[_enum(config, "biasMode", tuple(CUDNN_BIAS.values()))]
+    bidirectional = _enum(config, "dirMode", CUDNN_ENUMS["dirMode"]) == "CUDNN_BIDIRECTIONAL"
+    if "inputMode" in config:
+        _enum(config, "inputMode", ("CUDNN_LINEAR_INPUT",))
+    input_size, hidden, num_layers = (_size(config, field) for field in ("inputSize", "hiddenSize", "numLayers"))
+    proj = _size(config, "projSize") if "projSize" in config else hidden
+    if proj > hidden or (proj != hidden and mode != "lstm"):
+        limit = (f"at most hiddenSize ({hidden})" if mode == "lstm"
+                 else f"hiddenSize ({hidden}): only CUDNN_LSTM projects")
+        raise ValueError(f"config['projSize']: expected {limit}, got {proj}")
+    clip = config.get("cellClip")
+    if clip is not None and (mode != "lstm" or not isinstance(clip, numbers.Real) or not 0 < clip < math.inf):
+        expected = "a positive float or None" if mode == "lstm" else "None: cuDNN clips only CUDNN_LSTM cells"
+        raise ValueError(f"config['cellClip']: expected {expected}, got {clip!r}")
     spec = RNNSpec(
-        mode, config["inputSize"], hidden, config["numLayers"],
-        bidirectional=config["dirMode"] == "CUDNN_BIDIRECTIONAL",
+        mode, input_size, hidden, num_layers,
+        bidirectional=bidirectional,
         proj_size=0 if proj == hidden else proj,
-        cell_clip=config.get("cellClip"),
+        cell_clip=None if clip is None else float(clip),
         bias_mode=bias_mode,
         batch_first=batch_first,
     )
-    matrices, biases = params["matrices"], params["biases"]
-    G, D = spec.gates, spec.num_directions
-
-    def get(table, key, what):
-        if key not in table:
-            raise ValueError(f"{what}: no entry for (pseudoLayer, linLayerID)={key}")
-        return torch.as_tensor(table[key])
+    G, D, cell = spec.gates, spec.num_directions, spec.cell(0)
+    bias_ids = [i for i in range(2 * G) if (cell.has_bias_ih if i < G else cell.has_bias_hh)]
+    _check_table("matrices", matrices, _entry_shapes(spec))
+    _check_table("biases", biases, {(p, i): (hidden,) for p in range(num_layers * D) for i in bias_ids})
 
     pieces = {}
     for layer in range(spec.num_layers):
@@ -131,9 +168,89 @@ def from_cudnn(params: dict, *, batch_first: bool = False, dtype=None):
             pseudo, s = layer * D + direction, suffix(layer, direction)
             for offset, (weight, bias) in enumerate((("weight_ih", "bias_ih"), ("weight_hh", "bias_hh"))):
                 ids = range(offset * G, (offset + 1) * G)
-                pieces[weight + s] = torch.cat([get(matrices, (pseudo, i), "matrices") for i in ids])
-                if (bias == "bias_ih" and spec.cell(0).has_bias_ih) or (bias == "bias_hh" and spec.cell(0).has_bias_hh):
-                    pieces[bias + s] = torch.cat([get(biases, (pseudo, i), "biases") for i in ids])
+                pieces[weight + s] = torch.cat([matrices[(pseudo, i)] for i in ids])
+                if ids[0] in bias_ids:
+                    pieces[bias + s] = torch.cat([biases[(pseudo, i)] for i in ids])
             if spec.proj_sizes[layer]:
-                pieces["weight_hr" + s] = get(matrices, (pseudo, PROJECTION_ID), "matrices")
+                pieces["weight_hr" + s] = matrices[(pseudo, PROJECTION_ID)]
     return build_module(spec, pieces, dtype)
+
+
+def _parts(params) -> Tuple[dict, dict, dict]:
+    """``params``'s config and its two tables (the tables' values as tensors), checking the keys."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params: expected a mapping with {PARTS}, got {type(params).__name__}")
+    _check_keys("params", params, PARTS, ())
+    for part in PARTS:
+        if not isinstance(params[part], Mapping):
+            raise TypeError(f"params['{part}']: expected a mapping, got {type(params[part]).__name__}")
+    config = params["config"]
+    _check_keys("config", config, CONFIG_REQUIRED, CONFIG_OPTIONAL)
+    tables = []
+    for part in ("matrices", "biases"):
+        table = {}
+        for key, value in params[part].items():
+            try:
+                table[key] = torch.as_tensor(value)
+            except (TypeError, RuntimeError, ValueError) as error:
+                raise TypeError(f"{part}[{key!r}]: expected an array, got {type(value).__name__}") from error
+        tables.append(table)
+    return config, tables[0], tables[1]
+
+
+def _check_keys(what: str, mapping: Mapping, required: Tuple[str, ...], optional: Tuple[str, ...]) -> None:
+    missing = [key for key in required if key not in mapping]
+    if missing:
+        raise ValueError(f"{what}: no {missing} (expected the keys {required}"
+                         + (f", optionally {optional}" if optional else "") + f"), got {list(mapping)}")
+    unexpected = [key for key in mapping if key not in required + optional]
+    if unexpected:
+        raise ValueError(f"{what}: unexpected keys {unexpected} (expected the keys {required}"
+                         + (f", optionally {optional}" if optional else "") + ")")
+
+
+def _enum(config: Mapping, field: str, accepted: Tuple[str, ...]) -> str:
+    """``config[field]`` as its cudnn.h name, which must be one of ``accepted``."""
+    value, names = config[field], CUDNN_ENUMS[field]
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < len(names):
+        value = names[value]
+    if not isinstance(value, str) or value not in accepted:
+        expected = ", ".join(f"{name!r} ({names.index(name)})" for name in accepted)
+        raise ValueError(f"config['{field}']: expected {'one of ' if len(accepted) > 1 else ''}{expected}, "
+                         f"got {config[field]!r}")
+    return value
+
+
+def _size(config: Mapping, field: str) -> int:
+    value = config[field]
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"config['{field}']: expected a positive integer, got {value!r}")
+    return int(value)
+
+
+def _entry_shapes(spec: RNNSpec) -> Dict[Tuple[int, int], Tuple[int, ...]]:
+    """{(pseudoLayer, linLayerID): shape} of every matrix ``spec`` has (see the module docstring)."""
+    G, D, shapes = spec.gates, spec.num_directions, {}
+    for layer in range(spec.num_layers):
+        cell = spec.cell(layer)
+        for direction in range(D):
+            pseudo = layer * D + direction
+            for i in range(2 * G):
+                shapes[(pseudo, i)] = (cell.hidden_size, cell.input_size if i < G else cell.output_size)
+            if cell.proj_size:
+                shapes[(pseudo, PROJECTION_ID)] = (cell.proj_size, cell.hidden_size)
+    return shapes
+
+
+def _check_table(what: str, table: Dict, shapes: Dict[Tuple[int, int], Tuple[int, ...]]) -> None:
+    """``table`` has exactly the keys of ``shapes``, each value of its shape."""
+    missing = [key for key in shapes if key not in table]
+    if missing:
+        raise ValueError(f"{what}: no entry for (pseudoLayer, linLayerID) {missing}")
+    unexpected = sorted((key for key in table if key not in shapes), key=repr)
+    if unexpected:
+        raise ValueError(f"{what}: unexpected (pseudoLayer, linLayerID) entries {unexpected}, which the config "
+                         f"does not use (expected exactly {sorted(shapes)})")
+    for key, shape in shapes.items():
+        if tuple(table[key].shape) != shape:
+            raise ValueError(f"{what}[{key}]: expected shape {shape}, got {tuple(table[key].shape)}")

@@ -20,12 +20,16 @@ takes b_R + β_h (β_h sits inside r ∘ (·) with b_R, as rnnkit's LN_h(R h) + 
 
 Zoneout: a Haste layer's ``zoneout=p`` zones out h only; in evaluation Haste computes
 h = p·h_prev + (1 − p)·h_new, rnnkit's evaluation zoneout with ``zoneout=p``. The
-probability is a layer setting, not a weight: build the Haste layers with
-``zoneout=module.spec.zoneout[0]``, and give ``from_haste`` the layers' ``zoneout``.
+probability is a layer setting, not a weight, so `to_haste`'s dicts do not hold it: build
+the Haste layers with ``zoneout=module.spec.zoneout[0]``, and give ``from_haste`` the
+layers' ``zoneout``. ``from_haste(to_haste(module), mode)`` without it builds a module
+with zoneout 0, which in evaluation computes something other than the zoneout module.
 
 Refused naming the option: bidirectional, proj_size, peephole, coupled_gates, cell_clip,
 zoneout=(p_h, p_c) with p_c ≠ 0 (Haste never zones out c), reset_after=False, RNN modes.
 Haste's DropConnect (``dropout``) is training-only, like rnnkit's, and is not exported.
+A bfloat16 module exports float32 arrays (numpy has no bfloat16; the values are exact);
+bfloat16 tensors import through float32, into the module's ``dtype``.
 
 Example:
     >>> layers = rnnkit.interop.haste.to_haste(lstm)        # [{"kernel", ...}] per layer
@@ -39,7 +43,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from ..spec import RNNSpec
-from ._common import build_module, numpy_pieces, refuse, refuse_mode, regate, spec_of, suffix, to_numpy
+from ._common import build_module, exported_pieces, imported_array, refuse, refuse_mode, regate, spec_of, suffix
 
 HASTE_GATES = {"lstm": "igfo", "gru": "zrn"}
 RNNKIT_GATES = {"lstm": "ifgo", "gru": "rzn"}
@@ -65,11 +69,12 @@ def to_haste(module) -> List[Dict[str, np.ndarray]]:
     """One dict of Haste weights per layer, keyed as that Haste layer's ``state_dict()``.
 
     The layers are Haste ``LSTM`` / ``GRU`` (or ``LayerNormLSTM`` / ``LayerNormGRU`` when the
-    module has layer_norm) with ``zoneout=module.spec.zoneout[0]``.
+    module has layer_norm) with ``zoneout=module.spec.zoneout[0]``: the dicts do not hold
+    the zoneout, a layer setting; give it to the Haste layers and to `from_haste` yourself.
     """
     spec = spec_of(module)
     check_spec(spec)
-    pieces = numpy_pieces(module)
+    pieces = exported_pieces(module)
     ours, theirs = RNNKIT_GATES[spec.mode], HASTE_GATES[spec.mode]
     layers = []
     for layer in range(spec.num_layers):
@@ -106,7 +111,8 @@ def from_haste(layers: Sequence[Dict[str, object]], mode: str, *, zoneout: float
             LSTM / GRU keys, plus ``gamma`` (and for LSTM ``gamma_h``, ``beta_h``) for the
             LayerNorm variants.
         mode: "lstm" (LSTM, LayerNormLSTM) or "gru" (GRU, LayerNormGRU).
-        zoneout: the Haste layers' ``zoneout`` (they must share it).
+        zoneout: the Haste layers' ``zoneout`` (they must share it); not in the dicts, so
+            the default 0 is right only for layers built without zoneout.
         batch_first: the module's layout (Haste's own ``batch_first``).
         dtype: the module's dtype (default float32).
 
@@ -127,7 +133,7 @@ def from_haste(layers: Sequence[Dict[str, object]], mode: str, *, zoneout: float
             kind = ("LayerNorm" if layer_norm else "") + mode.upper()
             raise ValueError(f"layers[{k}]: a Haste {kind} layer has keys {list(expected)}; "
                              f"missing {missing}, unexpected {extra}")
-        arrays.append({key: to_numpy(weights[key], f"layers[{k}][{key!r}]") for key in expected})
+        arrays.append({key: imported_array(weights[key], f"layers[{k}][{key!r}]") for key in expected})
     G = 4 if mode == "lstm" else 3
     hidden = [int(w["recurrent_kernel"].shape[0]) for w in arrays]
     spec = RNNSpec(mode, int(arrays[0]["kernel"].shape[0]), hidden if len(set(hidden)) > 1 else hidden[0],

@@ -18,7 +18,12 @@ are the forward layer's followed by the backward layer's; its merge modes "conca
 Not representable, refused naming the option: proj_size, peephole, coupled_gates,
 cell_clip, layer_norm, zoneout. Per-layer sizes are fine (one Keras layer per rnnkit
 layer). Keras's ``recurrent_activation``/``activation`` must be the defaults (sigmoid,
-tanh; SimpleRNN tanh or relu).
+tanh; SimpleRNN tanh or relu). ``from_keras`` checks the arrays against its ``mode`` and
+options and names the array whose shape says otherwise (another layer type, the other GRU
+``reset_after``, a Bidirectional layer, a layer with or without bias).
+
+A bfloat16 module exports float32 arrays (numpy has no bfloat16; the values are exact);
+bfloat16 arrays import through float32, into the module's ``dtype``.
 
 Keras's ``go_backwards=True`` outside a ``Bidirectional`` wrapper returns the outputs in
 reversed time order: no rnnkit module computes that, so the functions that take Keras
@@ -38,10 +43,11 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from ..spec import RNNSpec
-from ._common import build_module, numpy_pieces, refuse, regate, rnnkit_gates, spec_of, suffix
+from ._common import build_module, exported_pieces, imported_array, refuse, regate, rnnkit_gates, spec_of, suffix
 
 KERAS_GATES = {"lstm": "ifgo", "gru": "zrn", "rnn_tanh": "h", "rnn_relu": "h"}
 LAYER_CLASSES = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "SimpleRNN", "rnn_relu": "SimpleRNN"}
+LAYERS_WITH_GATES = {4: "a Keras LSTM", 3: "a Keras GRU", 1: "a Keras SimpleRNN"}
 FMT = "Keras"
 
 
@@ -59,11 +65,12 @@ def to_keras(module) -> List[List[np.ndarray]]:
 
     A bidirectional layer's list is the forward direction's arrays followed by the
     backward direction's (Keras ``Bidirectional`` order). Without bias (bias_mode "none")
-    the layer is a Keras layer with ``use_bias=False``.
+    the layer is a Keras layer with ``use_bias=False``. A bfloat16 module gives float32
+    arrays (numpy has no bfloat16; the values are exact).
     """
     spec = spec_of(module)
     check_spec(spec)
-    pieces = numpy_pieces(module)
+    pieces = exported_pieces(module)
     ours, theirs = rnnkit_gates(spec), KERAS_GATES[spec.mode]
     layers = []
     for layer in range(spec.num_layers):
@@ -83,6 +90,73 @@ def to_keras(module) -> List[List[np.ndarray]]:
     return layers
 
 
+def _layer_arrays(weights, D: int, use_bias: bool) -> List[List[np.ndarray]]:
+    """``weights`` as one list of numpy arrays per layer, their number checked (bfloat16 read as float32)."""
+    if not isinstance(weights, (list, tuple)):
+        raise TypeError(f"weights: expected a list with one list of arrays per layer, got {type(weights).__name__}")
+    if not weights:
+        raise ValueError("weights: expected one list of arrays per layer, got an empty list")
+    per_direction = 2 + int(use_bias)
+    layers = []
+    for k, arrays in enumerate(weights):
+        if not isinstance(arrays, (list, tuple)):
+            raise TypeError(f"weights[{k}]: expected one layer's list of arrays (layer.get_weights()), got "
+                            f"{type(arrays).__name__}; weights holds one such list per layer")
+        if len(arrays) != D * per_direction:
+            implied = [f"bidirectional={d == 2}, use_bias={bias}" for d in (1, 2) for bias in (True, False)
+                       if d * (2 + bias) == len(arrays)]
+            raise ValueError(
+                f"weights[{k}]: expected {D * per_direction} arrays (kernel, recurrent_kernel"
+                f"{', bias' if use_bias else ''} per direction; bidirectional={D == 2}, use_bias={use_bias}), got "
+                f"{len(arrays)}" + (f", which is a layer with {implied[0]}" if implied else ""))
+        layers.append([imported_array(a, f"weights[{k}][{i}]") for i, a in enumerate(arrays)])
+    return layers
+
+
+def _check_shapes(layers, mode: str, D: int, use_bias: bool, reset_after: bool, merge: str) -> List[int]:
+    """The layers' hidden sizes, after checking every array's shape against ``mode`` and the options."""
+    G = len(KERAS_GATES[mode])
+    per_direction = 2 + int(use_bias)
+    hidden, features = [], None
+    for k, arrays in enumerate(layers):
+        for direction in range(D):
+            first = direction * per_direction
+            where = lambda j: f"weights[{k}][{first + j}]"  # noqa: E731
+            side = " (backward layer)" if direction else ""
+            kernel, recurrent = arrays[first : first + 2]
+            for j, (name, array) in enumerate((("kernel", kernel), ("recurrent_kernel", recurrent))):
+                if array.ndim != 2:
+                    raise ValueError(f"{where(j)}: expected a 2-D {name}{side}, got shape {array.shape}")
+            H = recurrent.shape[0] if direction == 0 else hidden[-1]
+            if recurrent.shape != (H, G * H):
+                blocks = recurrent.shape[1] / recurrent.shape[0] if recurrent.shape[0] else 0
+                implied = (f", which holds {int(blocks)} gate block{'s' if blocks != 1 else ''} of "
+                           f"{recurrent.shape[0]} units ({LAYERS_WITH_GATES[int(blocks)]})"
+                           if blocks in LAYERS_WITH_GATES else "")
+                raise ValueError(f"{where(1)}: mode={mode!r} expects a recurrent_kernel{side} of shape (H, {G}·H) = "
+                                 f"{(H, G * H)}, got {recurrent.shape}{implied}")
+            if direction == 0:
+                hidden.append(H)
+            inputs = kernel.shape[0] if features is None else features
+            if kernel.shape != (inputs, G * H):
+                merged = f" (bidirectional, merge={merge!r})" if D == 2 else ""
+                before = "" if features is None else f"; layer {k - 1}'s outputs have {features} features{merged}"
+                raise ValueError(f"{where(0)}: expected a kernel{side} of shape {(inputs, G * H)}, got {kernel.shape}{before}")
+            if use_bias:
+                bias = arrays[first + 2]
+                two = mode == "gru" and reset_after
+                expected = (2, G * H) if two else (G * H,)
+                if bias.shape != expected:
+                    other = (G * H,) if two else (2, G * H)
+                    why = (f", the bias of a Keras GRU with reset_after={not reset_after}"
+                           if mode == "gru" and bias.shape == other else "")
+                    raise ValueError(f"{where(2)}: mode={mode!r}"
+                                     f"{f', reset_after={reset_after}' if mode == 'gru' else ''} expects a bias{side} "
+                                     f"of shape {expected}, got {bias.shape}{why}")
+        features = hidden[-1] * (D if merge == "concat" else 1)
+    return hidden
+
+
 def from_keras(
     weights: Sequence[Sequence[np.ndarray]],
     mode: str,
@@ -99,7 +173,7 @@ def from_keras(
 
     Args:
         weights: per layer, the arrays of ``layer.get_weights()`` (a Bidirectional
-            layer's: forward then backward).
+            layer's: forward then backward). bfloat16 arrays are read as float32 (exact).
         mode: "lstm", "gru", "rnn_tanh" or "rnn_relu" (SimpleRNN's activation).
         reset_after: the Keras GRU's ``reset_after``.
         bidirectional: the layers are Keras ``Bidirectional`` wrappers.
@@ -107,19 +181,30 @@ def from_keras(
         use_bias: the Keras layers' ``use_bias``.
         bias_mode: where a single Keras bias goes: "double" (default; into bias_ih,
             bias_hh zero, as torch.nn expects) or "single_input" / "single_recurrent".
+            Layers without a bias (``use_bias=False``) make bias_mode "none"; any other
+            bias_mode with them, or "none" with ``use_bias=True``, is refused.
         batch_first: the module's layout (Keras itself is batch-first).
+        dtype: the module's dtype (default float32).
+
+    Raises:
+        ValueError: naming the array, when the arrays' number or shapes are not those of
+            ``mode`` with these options (saying what they are instead: another layer type,
+            the other reset_after, a bidirectional layer, a layer with(out) bias).
     """
     if mode not in KERAS_GATES:
         raise ValueError(f"mode: expected one of {tuple(KERAS_GATES)}, got {mode!r}")
+    if use_bias and bias_mode == "none":
+        raise ValueError("bias_mode, use_bias: bias_mode='none' would drop the Keras layers' bias (use_bias=True); "
+                         "for layers without a bias pass use_bias=False")
+    if not use_bias and bias_mode not in (None, "none"):
+        raise ValueError(f"bias_mode, use_bias: the Keras layers have no bias (use_bias=False), so there is none for "
+                         f"bias_mode={bias_mode!r}; leave bias_mode unset (or 'none')")
     bias_mode = bias_mode or ("double" if use_bias else "none")
     D = 2 if bidirectional else 1
     per_direction = 2 + int(use_bias)
-    for k, arrays in enumerate(weights):
-        if len(arrays) != D * per_direction:
-            raise ValueError(f"weights[{k}]: expected {D * per_direction} arrays "
-                             f"(kernel, recurrent_kernel{', bias' if use_bias else ''} per direction), got {len(arrays)}")
-    hidden = [int(np.shape(arrays[1])[0]) for arrays in weights]
-    spec = RNNSpec(mode, int(np.shape(weights[0][0])[0]), hidden if len(set(hidden)) > 1 else hidden[0],
+    weights = _layer_arrays(weights, D, use_bias)
+    hidden = _check_shapes(weights, mode, D, use_bias, reset_after, merge)
+    spec = RNNSpec(mode, int(weights[0][0].shape[0]), hidden if len(set(hidden)) > 1 else hidden[0],
                    len(weights), bidirectional=bidirectional, merge=merge, reset_after=reset_after if mode == "gru" else True,
                    bias_mode=bias_mode, batch_first=batch_first)
     ours, theirs = rnnkit_gates(spec), KERAS_GATES[mode]
@@ -129,11 +214,11 @@ def from_keras(
         for direction in range(D):
             s = suffix(layer, direction)
             kernel, recurrent, *bias = arrays[direction * per_direction : (direction + 1) * per_direction]
-            pieces["weight_ih" + s] = regate(np.asarray(kernel).T, theirs, ours)
-            pieces["weight_hh" + s] = regate(np.asarray(recurrent).T, theirs, ours)
+            pieces["weight_ih" + s] = regate(kernel.T, theirs, ours)
+            pieces["weight_hh" + s] = regate(recurrent.T, theirs, ours)
             if not bias:
                 continue
-            bias = np.asarray(bias[0])
+            bias = bias[0]
             if _uses_two_biases(spec):
                 b_W, b_R = bias[0], bias[1]
                 if not (cell.has_bias_ih and cell.has_bias_hh) and np.any(bias[int(cell.has_bias_ih)]):

@@ -20,7 +20,15 @@ Not representable in ONNX, refused naming the option: proj_size / proj_clip (ONN
 has no projection), cell_clip (ONNX ``clip`` clips the gate pre-activations, not c),
 layer_norm, zoneout. Supported beyond one node: stacked layers (chained nodes), per-layer
 sizes, bidirectional with merge "concat" (Transpose + Reshape) or "sum" (ReduceSum),
-variable lengths, initial states, batch_first (Transpose), every bias mode.
+variable lengths, initial states, batch_first (Transpose), every bias mode. A bfloat16
+module exports a float32 model (its weights exactly; numpy, and onnxruntime's recurrent
+kernels, have no bfloat16); a bfloat16 model imports through float32, into the module's
+``dtype``.
+
+On import the graph's tensors decide what the module computes. A model written by
+`export` also carries the module's options in its metadata; its bias mode is used only
+where the graph's B is zero in the half that mode drops, so a B edited after export is
+imported whole (bias_mode "double").
 
 Example:
     >>> rnnkit.interop.onnx.export(lstm, "lstm.onnx", include_lengths=True)
@@ -36,7 +44,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ..spec import RNNSpec
-from ._common import build_module, numpy_pieces, refuse, regate, rnnkit_gates, spec_of, suffix
+from ._common import build_module, exported_pieces, imported_array, refuse, regate, rnnkit_gates, spec_of, suffix
 
 ONNX_GATES = {"lstm": "iofg", "gru": "zrn", "rnn_tanh": "h", "rnn_relu": "h"}
 ONNX_PEEPHOLES = "iof"
@@ -71,7 +79,7 @@ def layer_tensors(module, layer: int) -> Dict[str, Optional[np.ndarray]]:
     """The W, R, B, P initializers of one layer's ONNX node (B, P None when absent)."""
     spec = spec_of(module)
     check_spec(spec)
-    return _layer_tensors(spec, numpy_pieces(module), layer)
+    return _layer_tensors(spec, exported_pieces(module), layer)
 
 
 def _layer_tensors(spec: RNNSpec, pieces: Dict[str, np.ndarray], layer: int) -> Dict[str, Optional[np.ndarray]]:
@@ -153,6 +161,8 @@ def export(
         dynamic_axes: T and B are symbolic; otherwise fixed to ``sequence_length`` and
             ``batch_size``.
 
+    A bfloat16 module gives a float32 model with the same weight values.
+
     Raises:
         ValueError: for an option ONNX cannot represent (see the module docstring).
     """
@@ -163,7 +173,7 @@ def export(
     check_spec(spec)
     if isinstance(opset, bool) or not isinstance(opset, int) or opset < MIN_OPSET:
         raise ValueError(f"opset: expected an int >= {MIN_OPSET}, got {opset!r}")
-    pieces = numpy_pieces(module)
+    pieces = exported_pieces(module)
     dtype = next(iter(pieces.values())).dtype
     elem = helper.np_dtype_to_tensor_dtype(dtype)
     L, D = spec.num_layers, spec.num_directions
@@ -448,7 +458,9 @@ def import_model(model, *, batch_first: Optional[bool] = None, dtype=None):
     states concatenated; W, R, B, P must be initializers (or Constant nodes). A single
     node whose raw outputs are the graph's outputs (as other exporters write) imports
     too. Merge ("concat" / "sum") and batch_first are read from the glue; a model written
-    by `export` also carries its options in its metadata.
+    by `export` also carries its options in its metadata, whose bias mode is taken only
+    where the graph's B holds zeros in the half that mode drops (else "double": the graph
+    wins).
 
     Args:
         model: a path or an ``onnx.ModelProto`` (not modified).
@@ -457,8 +469,9 @@ def import_model(model, *, batch_first: Optional[bool] = None, dtype=None):
 
     Raises:
         ValueError: naming the node, for any node that is not part of such a stack (an
-            Add, a MatMul, a branch), and for a node attribute rnnkit cannot represent
-            (clip, non-default activations, direction="reverse", mixed operator types).
+            Add, a MatMul, a branch), for a node attribute rnnkit cannot represent
+            (clip, non-default activations, direction="reverse", mixed operator types),
+            and for a W, R, B or P of the wrong shape (naming the input, expected and got).
     """
     onnx = _onnx()
     from onnx import numpy_helper
@@ -481,7 +494,7 @@ def import_model(model, *, batch_first: Optional[bool] = None, dtype=None):
     def tensor(node, index: int):
         if len(node.input) <= index or node.input[index] == "":
             return None
-        return values[node.input[index]]
+        return imported_array(values[node.input[index]], node.input[index])
 
     layers = []
     for node in nodes:
@@ -508,8 +521,12 @@ def import_model(model, *, batch_first: Optional[bool] = None, dtype=None):
         W, R = tensor(node, 1), tensor(node, 2)
         if W is None or R is None:
             raise ValueError(f"W, R: node {node.name!r} lacks its weights")
+        for name, index, value in (("W", 1, W), ("R", 2, R)):
+            if value.ndim != 3:
+                raise ValueError(f"{name}: {_StackReader._where(node)} input {node.input[index]!r} expected a 3-D "
+                                 f"tensor [num_directions, gates·hidden_size, ·], got shape {value.shape}")
         layers.append(dict(
-            mode=mode, D=D, W=W, R=R, B=tensor(node, 3),
+            node=node, mode=mode, D=D, W=W, R=R, B=tensor(node, 3),
             P=tensor(node, 7) if op == "LSTM" else None,
             hidden=int(a.get("hidden_size", R.shape[-1])),
             coupled=bool(a.get("input_forget", 0)),
@@ -544,14 +561,27 @@ def import_model(model, *, batch_first: Optional[bool] = None, dtype=None):
         peephole=all(peephole),
         coupled_gates=first["coupled"],
         reset_after=first["reset_after"],
-        bias_mode="double" if any(layer["B"] is not None for layer in layers) else "none",
         batch_first=bool(glue_batch_first if batch_first is None else batch_first),
     )
     listed = stored.get("per_layer") or isinstance(stored.get("hidden_size"), list) or len(set(hidden)) > 1
-    if stored:  # written by export: the half of B a single bias mode left zero is dropped again
-        options.update(bias_mode=stored.get("bias_mode", options["bias_mode"]), dropout=stored.get("dropout", 0.0))
-    spec = RNNSpec(first["mode"], int(first["W"].shape[-1]), hidden if listed else hidden[0], len(layers), **options)
-    return build_module(spec, _pieces_from_layers(spec, layers), dtype)
+    sizes = (first["mode"], int(first["W"].shape[-1]), hidden if listed else hidden[0], len(layers))
+    pieces = _pieces_from_layers(RNNSpec(*sizes, bias_mode="double", **options), layers)
+    general = "double" if any(layer["B"] is not None for layer in layers) else "none"
+    bias_mode = stored.get("bias_mode", general)
+    if not _drops_only_zeros(pieces, bias_mode):  # B edited after export: the graph's biases win
+        bias_mode = general
+    spec = RNNSpec(*sizes, bias_mode=bias_mode, dropout=stored.get("dropout", 0.0), **options)
+    return build_module(spec, pieces, dtype)
+
+
+DROPPED_BIASES = {"double": (), "single_input": ("bias_hh",), "single_recurrent": ("bias_ih",),
+                  "none": ("bias_ih", "bias_hh")}
+
+
+def _drops_only_zeros(pieces: Dict[str, np.ndarray], bias_mode: str) -> bool:
+    """Whether every bias piece that ``bias_mode`` has no place for is zero."""
+    dropped = DROPPED_BIASES.get(bias_mode, ())
+    return not any(np.any(value) for name, value in pieces.items() if name.startswith(dropped))
 
 
 def _pieces_from_layers(spec: RNNSpec, layers: List[dict]) -> Dict[str, np.ndarray]:
@@ -560,10 +590,16 @@ def _pieces_from_layers(spec: RNNSpec, layers: List[dict]) -> Dict[str, np.ndarr
     for k, layer in enumerate(layers):
         cell = spec.cell(k)
         gh = len(theirs) * cell.hidden_size
-        for name, value, shape in (("W", layer["W"], (spec.num_directions, gh, cell.input_size)),
-                                   ("R", layer["R"], (spec.num_directions, gh, cell.hidden_size))):
-            if tuple(value.shape) != shape:
-                raise ValueError(f"{name}: layer {k} expected shape {shape}, got {tuple(value.shape)}")
+        D, G, node = spec.num_directions, len(theirs), layer["node"]
+        expected = {"W": (1, (D, gh, cell.input_size), f"[{D}, {G}·{cell.hidden_size}, {cell.input_size}]"),
+                    "R": (2, (D, gh, cell.hidden_size), f"[{D}, {G}·{cell.hidden_size}, {cell.hidden_size}]"),
+                    "B": (3, (D, 2 * gh), f"[{D}, 2·{G}·{cell.hidden_size}]"),
+                    "P": (7, (D, len(ONNX_PEEPHOLES) * cell.hidden_size), f"[{D}, 3·{cell.hidden_size}]")}
+        for name, (index, shape, formula) in expected.items():
+            value = layer[name]
+            if value is not None and tuple(value.shape) != shape:
+                raise ValueError(f"{name}: {_StackReader._where(node)} input {node.input[index]!r} expected shape "
+                                 f"{formula} = {shape}, got {tuple(value.shape)}")
         for direction in range(spec.num_directions):
             s = suffix(k, direction)
             pieces["weight_ih" + s] = regate(layer["W"][direction], theirs, ours)

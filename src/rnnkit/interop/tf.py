@@ -36,10 +36,15 @@ direction starts at each sequence's last valid step, as rnnkit does.
 Refused naming the option: coupled_gates (TF's CoupledInputForgetGateLSTMCell is another
 cell), layer_norm, zoneout, merge="sum", GRU reset_after=True, RNN modes.
 
-CudnnLSTM / CudnnGRU (``tf.contrib.cudnn_rnn``) keep cuDNN's canonical weights: see
-`to_tf_cudnn`, built on `rnnkit.interop.cudnn`. TF 2.21's
+CudnnLSTM / CudnnGRU / CudnnRNNTanh / CudnnRNNRelu (``tf.contrib.cudnn_rnn``) keep cuDNN's
+canonical weights: see `to_tf_cudnn`, built on `rnnkit.interop.cudnn`. They refuse what
+cuDNN refuses, and cell_clip too: TF's cuDNN layers take no clip. They always have both
+biases; a module with fewer exports zeros for the missing ones (exact). TF 2.21's
 ``CudnnRNNParamsToCanonical`` / ``CudnnRNNCanonicalToParams`` have no CPU kernel, so that
 path is checked only against cuDNN's documented (pseudoLayer, linLayerID) addressing.
+
+A bfloat16 module exports float32 arrays from `to_tf` (numpy has no bfloat16; the values
+are exact) and bfloat16 tensors from `to_tf_cudnn`.
 
 Example:
     >>> tf_vars = rnnkit.interop.tf.to_tf(lstm, forget_bias=1.0)   # cells[layer][direction]
@@ -49,6 +54,7 @@ Example:
 """
 from __future__ import annotations
 
+import numbers
 import re
 from typing import Dict, List, Mapping, Tuple
 
@@ -57,13 +63,16 @@ import torch
 
 from ..spec import RNNSpec
 from . import cudnn
-from ._common import build_module, numpy_pieces, refuse, refuse_mode, regate, spec_of, suffix, to_numpy
+from ._common import build_module, exported_pieces, refuse, refuse_mode, regate, spec_of, suffix, to_numpy
 
 TF_GATES = "igfo"
 CELL_NAMES = {"lstm": "LSTMCell", "gru": "GRUCell"}
 LSTM_VARIABLES = ("kernel", "bias", "w_i_diag", "w_f_diag", "w_o_diag", "projection/kernel")
 GRU_VARIABLES = ("gates/kernel", "gates/bias", "candidate/kernel", "candidate/bias")
 FMT = "TF 1.x rnn_cell"
+CUDNN_FMT = "TF CudnnRNN"
+PEEPHOLE_VARIABLES = ("w_i_diag", "w_f_diag", "w_o_diag")
+FROM_CONFIG = "config"  # from_tf's settings: take the value from variables["config"]
 
 
 def check_spec(spec: RNNSpec) -> None:
@@ -94,11 +103,12 @@ def to_tf(module, *, forget_bias: float = 1.0) -> dict:
         "cells": [[{variable name: array} per direction] per layer]}``; variable names are
         those of the TF cell's scope (``kernel``, ``bias``, ``w_i_diag``, ``projection/kernel``;
         GRU ``gates/kernel``, ``gates/bias``, ``candidate/kernel``, ``candidate/bias``).
-        ``num_units`` and ``num_proj`` are per-layer lists.
+        ``num_units`` and ``num_proj`` are per-layer lists. Arrays have the module's dtype,
+        but a bfloat16 module's are float32 (exact; numpy has no bfloat16).
     """
     spec = spec_of(module)
     check_spec(spec)
-    pieces = numpy_pieces(module)
+    pieces = exported_pieces(module)
     cells = []
     for layer in range(spec.num_layers):
         cell, directions = spec.cell(layer), []
@@ -182,17 +192,20 @@ def cells_from_names(named: Mapping[str, object]) -> List[List[Dict[str, object]
     return cells
 
 
-def from_tf(variables, *, forget_bias=None, cell_clip=None, proj_clip=None, batch_first: bool = False, dtype=None):
+def from_tf(variables, *, forget_bias=FROM_CONFIG, cell_clip=FROM_CONFIG, proj_clip=FROM_CONFIG,
+            batch_first: bool = False, dtype=None):
     """Build an rnnkit LSTM or GRU from TF 1.x LSTMCell / BasicLSTMCell / GRUCell variables.
 
     Args:
         variables: `to_tf`'s ``{"config", "cells"}``, or TF's own names mapped to
             arrays (grouped by `cells_from_names`). Sizes, peepholes, the projection,
             layers and directions are read from the arrays.
-        forget_bias: the LSTMCells' forget_bias (a setting, not a variable); default:
-            ``variables["config"]``'s, else TF's default 1.0.
-        cell_clip: the LSTMCells' cell_clip; default: the config's, else None.
-        proj_clip: the LSTMCells' proj_clip; default: the config's, else None.
+        forget_bias: the LSTMCells' forget_bias (a setting, not a variable), a number;
+            ``"config"`` (the default): ``variables["config"]``'s, else TF's default 1.0.
+        cell_clip: the LSTMCells' cell_clip, or None for no clip; ``"config"`` (the
+            default): the config's, else None. An explicit None removes a clip the config has.
+        proj_clip: the LSTMCells' proj_clip, or None; ``"config"`` (the default) as for
+            cell_clip.
         batch_first: the module's layout (``time_major=False`` in TF).
         dtype: the module's dtype (default float32).
 
@@ -203,8 +216,11 @@ def from_tf(variables, *, forget_bias=None, cell_clip=None, proj_clip=None, batc
         config, cells = dict(variables.get("config") or {}), variables["cells"]
     else:
         config, cells = {}, cells_from_names(variables)
-    given = dict(forget_bias=forget_bias, cell_clip=cell_clip, proj_clip=proj_clip)
-    config.update({key: value for key, value in given.items() if value is not None})
+    for key, value in dict(forget_bias=forget_bias, cell_clip=cell_clip, proj_clip=proj_clip).items():
+        if not isinstance(value, str):
+            config[key] = value
+        elif value != FROM_CONFIG:
+            raise ValueError(f"{key}: expected a number, None or {FROM_CONFIG!r}, got {value!r}")
     if not cells:
         raise ValueError("variables: no cells")
     gru = ["gates/kernel" in directions[0] for directions in cells]
@@ -232,20 +248,39 @@ def _require(v: dict, names, where: str) -> None:
         raise ValueError(f"variables: {where} has no {missing[0]}")
 
 
-def _split_kernel(kernel: np.ndarray, rows: int, where: str, expected: tuple) -> Tuple[np.ndarray, np.ndarray]:
+def _check_shape(v: dict, name: str, expected: tuple, where: str) -> None:
+    if tuple(v[name].shape) != tuple(expected):
+        raise ValueError(f"variables: {where}['{name}'] expected shape {tuple(expected)}, got {tuple(v[name].shape)}")
+
+
+def _columns(v: dict, name: str, where: str, blocks: int) -> int:
+    """The size of one of ``blocks`` gate blocks along the columns of the matrix ``v[name]``."""
+    shape = tuple(v[name].shape)
+    if len(shape) != 2 or shape[1] % blocks or not shape[1]:
+        blocks_of = f" of {blocks} gate blocks of columns" if blocks > 1 else ""
+        raise ValueError(f"variables: {where}['{name}'] expected a matrix{blocks_of}, got shape {shape}")
+    return shape[1] // blocks
+
+
+def _split_kernel(v: dict, name: str, rows: int, where: str, expected: tuple) -> Tuple[np.ndarray, np.ndarray]:
     """A TF kernel (I + Hr, G·H) -> (W, R) as rnnkit's (G·H, I), (G·H, Hr)."""
-    if kernel.shape != expected:
-        raise ValueError(f"variables: {where} expected shape {expected}, got {kernel.shape}")
-    return kernel[:rows].T, kernel[rows:].T
+    _check_shape(v, name, expected, where)
+    return v[name][:rows].T, v[name][rows:].T
 
 
 def _lstm_from_tf(cells, config: dict, batch_first: bool, dtype):
     forget_bias = config.get("forget_bias", 1.0)
+    if not isinstance(forget_bias, numbers.Real):
+        raise TypeError(f"forget_bias: expected a number, got {forget_bias!r}")
     for layer, directions in enumerate(cells):
         for direction, v in enumerate(directions):
-            _require(v, ("kernel", "bias"), f"cells[{layer}][{direction}]")
-    hidden = [int(directions[0]["bias"].shape[0]) // 4 for directions in cells]
-    proj = [int(d[0]["projection/kernel"].shape[1]) if "projection/kernel" in d[0] else 0 for d in cells]
+            where = f"cells[{layer}][{direction}]"
+            _require(v, ("kernel", "bias"), where)
+            if any(name in v for name in PEEPHOLE_VARIABLES):
+                _require(v, PEEPHOLE_VARIABLES, where)
+    hidden = [_columns(directions[0], "kernel", f"cells[{layer}][0]", 4) for layer, directions in enumerate(cells)]
+    proj = [_columns(d[0], "projection/kernel", f"cells[{layer}][0]", 1) if "projection/kernel" in d[0] else 0
+            for layer, d in enumerate(cells)]
     out = [p or h for p, h in zip(proj, hidden)]
     input_size = int(cells[0][0]["kernel"].shape[0]) - out[0]
     peephole = ["w_i_diag" in v for directions in cells for v in directions]
@@ -263,9 +298,17 @@ def _lstm_from_tf(cells, config: dict, batch_first: bool, dtype):
         cell = spec.cell(layer)
         for direction, v in enumerate(directions):
             s, H, where = suffix(layer, direction), cell.hidden_size, f"cells[{layer}][{direction}]"
-            kernel = regate(v["kernel"], TF_GATES, "ifgo", axis=1)
-            pieces["weight_ih" + s], pieces["weight_hh" + s] = _split_kernel(
-                kernel, cell.input_size, where + "['kernel']", (cell.input_size + cell.output_size, 4 * H))
+            _check_shape(v, "bias", (4 * H,), where)
+            if spec.peephole:
+                for name in PEEPHOLE_VARIABLES:
+                    _check_shape(v, name, (H,), where)
+            if cell.proj_size:
+                _check_shape(v, "projection/kernel", (H, cell.proj_size), where)
+            elif "projection/kernel" in v:
+                raise ValueError(f"variables: {where} has a projection/kernel, but cells[{layer}][0] has none")
+            W, R = _split_kernel(v, "kernel", cell.input_size, where, (cell.input_size + cell.output_size, 4 * H))
+            pieces["weight_ih" + s] = regate(W, TF_GATES, "ifgo")
+            pieces["weight_hh" + s] = regate(R, TF_GATES, "ifgo")
             bias = v["bias"].copy()
             bias[2 * H : 3 * H] += forget_bias
             pieces["bias_ih" + s] = regate(bias, TF_GATES, "ifgo")
@@ -281,7 +324,8 @@ def _gru_from_tf(cells, batch_first: bool, dtype):
     for layer, directions in enumerate(cells):
         for direction, v in enumerate(directions):
             _require(v, GRU_VARIABLES, f"cells[{layer}][{direction}]")
-    hidden = [int(directions[0]["candidate/bias"].shape[0]) for directions in cells]
+    hidden = [_columns(directions[0], "candidate/kernel", f"cells[{layer}][0]", 1)
+              for layer, directions in enumerate(cells)]
     input_size = int(cells[0][0]["gates/kernel"].shape[0]) - hidden[0]
     spec = RNNSpec("gru", input_size, hidden if len(set(hidden)) > 1 else hidden[0], len(cells),
                    bidirectional=len(cells[0]) == 2, reset_after=False, batch_first=batch_first)
@@ -291,8 +335,10 @@ def _gru_from_tf(cells, batch_first: bool, dtype):
         for direction, v in enumerate(directions):
             s, H, where = suffix(layer, direction), cell.hidden_size, f"cells[{layer}][{direction}]"
             rows = cell.input_size + H
-            W_rz, R_rz = _split_kernel(v["gates/kernel"], cell.input_size, where + "['gates/kernel']", (rows, 2 * H))
-            W_n, R_n = _split_kernel(v["candidate/kernel"], cell.input_size, where + "['candidate/kernel']", (rows, H))
+            W_rz, R_rz = _split_kernel(v, "gates/kernel", cell.input_size, where, (rows, 2 * H))
+            W_n, R_n = _split_kernel(v, "candidate/kernel", cell.input_size, where, (rows, H))
+            _check_shape(v, "gates/bias", (2 * H,), where)
+            _check_shape(v, "candidate/bias", (H,), where)
             pieces["weight_ih" + s] = np.concatenate([W_rz, W_n])
             pieces["weight_hh" + s] = np.concatenate([R_rz, R_n])
             bias = np.concatenate([v["gates/bias"], v["candidate/bias"]])
@@ -300,15 +346,33 @@ def _gru_from_tf(cells, batch_first: bool, dtype):
     return build_module(spec, pieces, dtype)
 
 
+def check_cudnn_spec(spec: RNNSpec) -> None:
+    """Raise a ValueError naming the first option of ``spec`` that TF's cuDNN layers cannot represent."""
+    refuse("cudnn", CUDNN_FMT, spec)
+    if spec.cell_clip is not None:  # cuDNN's descriptor has a clip, but no TF cuDNN layer takes one
+        raise ValueError(f"cell_clip: {CUDNN_FMT} cannot represent this option of the {spec.mode} module")
+
+
 def to_tf_cudnn(module) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """CudnnLSTM / CudnnGRU / CudnnRNNTanh / CudnnRNNRelu canonical (weights, biases).
 
     The lists run over layers, directions, then cuDNN's linLayerIDs (docs/spec.md: TF's cuDNN
     layers keep cuDNN's gate order), as ``CudnnRNNParamsToCanonical`` returns them;
-    each matrix is (H, in) as cuDNN stores it, the projection (linLayerID 8) last.
+    each matrix is (H, in) as cuDNN stores it, the projection (linLayerID 8) last. The
+    biases are TF's double-bias list, 2G per layer-direction, (H,) each: zeros where the
+    module's bias_mode has none, which computes the same. Tensors have the module's dtype.
+
+    Raises:
+        ValueError: naming an option TF's cuDNN layers lack: what `rnnkit.interop.cudnn`
+            refuses, and cell_clip.
     """
+    spec = spec_of(module)
+    check_cudnn_spec(spec)
     params = cudnn.to_cudnn(module)
-    return sorted_values(params["matrices"]), sorted_values(params["biases"])
+    biases, zeros = params["biases"], params["matrices"][(0, 0)].new_zeros(spec.hidden_sizes[0])
+    double = {(pseudo, i): biases[(pseudo, i)] if (pseudo, i) in biases else zeros.clone()
+              for pseudo in range(spec.num_layers * spec.num_directions) for i in range(2 * spec.gates)}
+    return sorted_values(params["matrices"]), sorted_values(double)
 
 
 def sorted_values(table: dict) -> list:
