@@ -1060,3 +1060,14 @@ def test_a_model_too_large_for_memory_is_one_line(tmp_path, corpus, capsys):
     status, _, err = run(capsys, "train", "--text", corpus, "--out", tmp_path / "run", *SMALL, "--embedding", 2_000_000_000)
     assert_one_line_error(status, err)
     assert "memory" in err and not (tmp_path / "run").exists()
+
+
+def test_paths_that_are_not_run_directories_say_what_they_are(tmp_path, corpus, capsys):
+    (tmp_path / "file").write_text("")
+    status, _, err = run(capsys, "sample", tmp_path / "file")
+    assert_one_line_error(status, err)
+    assert "not a directory" in err
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", tmp_path / "link", *SMALL)
+    assert_one_line_error(status, err)
+    assert "symbolic link" in err and "does not exist" in err

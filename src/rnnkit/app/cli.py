@@ -453,7 +453,8 @@ def _trained(args):
     device = _device(args.device)
     directory = Path(args.directory)
     if not directory.is_dir():
-        raise UserError(f"{directory}: no such directory (the --out of rnnkit train)")
+        what = "not a directory" if directory.exists() else "no such directory"
+        raise UserError(f"{directory}: {what} (expected the --out directory of rnnkit train)")
     saved = train.read_run(directory)
     if _int8_asked(args) and args.backend != "auto":
         flag = "--int8" if args.command == "sample" else "--precision int8"

@@ -176,6 +176,8 @@ def check_fresh_directory(directory: Path) -> None:
     run replaces). A checkpoint there (continue it with --resume), or a config.json, vocab.json,
     log.jsonl or curve.png not written by an rnnkit run, is never overwritten."""
     directory = Path(directory)
+    if directory.is_symlink() and not directory.exists():
+        raise UserError(f"--out {directory}: a symbolic link to {os.readlink(directory)}, which does not exist")
     if directory.exists() and not directory.is_dir():
         raise UserError(f"--out {directory}: not a directory")
     for name in (CHECKPOINT_FILE, BEST_FILE):
