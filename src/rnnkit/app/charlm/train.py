@@ -28,9 +28,8 @@ import rnnkit
 
 from ..errors import UserError
 from .checkpoint import (BEST_FILE, CHECKPOINT_FILE, CONFIG_FILE, Checkpoint, DirectoryLock, atomic_write,
-                         check_fresh_directory, update_run_config,
-                         check_same_run, error_reason, read_run_files, remove_stale_temporaries, run_identity,
-                         write_run_files)
+                         check_fresh_directory, check_same_run, error_reason, read_run_files, remove_stale_temporaries,
+                         run_identity, update_run_config, write_run_files)
 from .data import Streams, Vocabulary, fingerprint, read_corpus, stdlib_corpus
 from .history import CURVE_FILE, LN2, LOG_FILE, History, append_log, rewrite_log
 from .model import CharLM, ModelConfig, build_model, detach, require_int, require_number, state_from_tensors, state_tensors
@@ -39,7 +38,7 @@ SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("fp32", "bf16")
 DEFAULT_FINAL_LR_FRACTION = 0.1
 # how often a run evaluates and how much it reads then: saved in config.json's "settings", not
-# part of the run's identity (a resumed run reuses them; --eval-every / --eval-chars change them)
+# part of the run's identity (a resumed run reuses them; --eval-every may change them then)
 DEFAULT_SETTINGS = {"eval_every": 100, "eval_chars": 50_000}
 IGNORED = -100  # the target of evaluate's padding: cross_entropy's ignore_index
 
@@ -222,8 +221,8 @@ class SavedRun:
     def corpus_text(self, text: Optional[str] = None) -> str:
         """The corpus the run was trained on: ``text`` (a path the user gave) or the one config.json
         names; a UserError if it is not that corpus (its fingerprint differs)."""
-        source = text or self.corpus["source"]
-        if text:
+        source = self.corpus["source"]
+        if text is not None:
             corpus, where = read_corpus(text), f"--text {text}"
         elif source == "stdlib":
             corpus, where = stdlib_corpus(), "the standard library"
@@ -316,7 +315,6 @@ def prepare(directory: Path, model_config: ModelConfig, train_config: TrainConfi
     temporaries that killed writes left there are removed. When resuming, log.jsonl is
     rewritten from the checkpoint's history, and config.json takes ``corpus`` and ``settings``
     where they changed (the corpus's path, when it moved; the evaluation interval).
-    ``settings`` (e.g. the evaluation interval) go into config.json, for a resumed run to reuse.
     """
     directory, device = Path(directory), torch.device(device)
     if not resume:
