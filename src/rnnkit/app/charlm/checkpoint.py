@@ -173,8 +173,9 @@ def read_run_files(directory: Path) -> Tuple[ModelConfig, dict, Vocabulary]:
 def check_fresh_directory(directory: Path) -> None:
     """A UserError unless a new run may write into ``directory``: it may not exist yet, or hold
     other files, or the files of an rnnkit run that never reached a checkpoint (which the new
-    run replaces). A checkpoint there (continue it with --resume), or a config.json, vocab.json,
-    log.jsonl or curve.png not written by an rnnkit run, is never overwritten."""
+    run replaces). A checkpoint there (continue it with --resume), a log.jsonl with evaluations
+    (a run whose checkpoints were deleted), or a config.json, vocab.json, log.jsonl or curve.png
+    not written by an rnnkit run, is never overwritten."""
     directory = Path(directory)
     if directory.is_symlink() and not directory.exists():
         raise UserError(f"--out {directory}: a symbolic link to {os.readlink(directory)}, which does not exist")
