@@ -734,3 +734,76 @@ def test_meta_construction_to_empty_reset_parameters(name):
             assert torch.equal(module.state_dict()[key], value), key
     run_step(module, 1)
     assert_grads_are_views(module)
+
+
+# ---- torch.nn's attributes, read at every call --------------------------------------------
+
+ATTRIBUTE_TWINS = [
+    (lambda: torch.nn.LSTM(I, H, num_layers=2, dropout=0.5, dtype=F64),
+     lambda: rnnkit.LSTM(I, H, num_layers=2, dropout=0.5, dtype=F64)),
+    (lambda: torch.nn.GRU(I, H, dtype=F64), lambda: rnnkit.GRU(I, H, dtype=F64)),
+    (lambda: torch.nn.RNN(I, H, dtype=F64), lambda: rnnkit.RNN(I, H, dtype=F64)),
+]
+
+
+@pytest.mark.parametrize("twins", ATTRIBUTE_TWINS, ids=["lstm", "gru", "rnn"])
+def test_attributes_set_after_construction_take_effect_as_in_torch_nn(twins):
+    """m.dropout = 0 (a schedule), m.batch_first = True, rnn.nonlinearity = 'relu': torch.nn reads
+    them at every call; rnnkit kept copies that nothing read, so they quietly did nothing."""
+    torch.manual_seed(0)
+    ours, theirs = twins[1](), twins[0]()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(T, B, I, dtype=F64)
+    ours.dropout = theirs.dropout = 0.0
+    assert_close(ours(x)[0], theirs(x)[0])  # training mode: dropout off now, so equal
+    ours.batch_first = theirs.batch_first = True
+    assert_close(ours(x)[0], theirs(x)[0])
+    for name in ("mode", "input_size", "hidden_size", "num_layers", "bias", "batch_first", "dropout", "bidirectional",
+                 "proj_size"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+
+
+def test_a_new_nonlinearity_takes_effect_in_every_path():
+    """torch.nn.RNNCell reads nonlinearity at every call; torch.nn.RNN reads the mode it set at
+    construction, so there setting it quietly does nothing: rnnkit's RNN takes it, as its cell."""
+    torch.manual_seed(0)
+    x = torch.randn(T, B, I, dtype=F64)
+    for value in ("relu", "tanh", "relu"):
+        theirs = torch.nn.RNN(I, H, nonlinearity=value, dtype=F64)
+        ours = rnnkit.RNN(I, H, nonlinearity="relu" if value == "tanh" else "tanh", dtype=F64)
+        ours.load_state_dict(theirs.state_dict())
+        ours.nonlinearity = value
+        assert ours.mode == theirs.mode and ours.nonlinearity == value
+        assert_close(ours(x)[0], theirs(x)[0])
+        theirs_cell, ours_cell = torch.nn.RNNCell(I, H, dtype=F64), rnnkit.RNNCell(I, H, dtype=F64)
+        ours_cell.load_state_dict(theirs_cell.state_dict())
+        ours_cell(x[0])  # the first call builds its one-step plan with the old function
+        ours_cell.nonlinearity = theirs_cell.nonlinearity = value
+        assert_close(ours_cell(x[0]), theirs_cell(x[0]))
+        with torch.no_grad():  # the one-step plan of an inference call, rebuilt for the new function
+            assert_close(ours_cell(x[0]), theirs_cell(x[0]))
+
+
+@pytest.mark.parametrize("name", ["input_size", "hidden_size", "num_layers", "bias", "bidirectional", "proj_size", "mode"])
+def test_attributes_that_fix_the_shapes_refuse_to_change(name):
+    module = rnnkit.LSTM(I, H)
+    with pytest.raises(AttributeError, match=f"LSTM.{name} is fixed at construction"):
+        setattr(module, name, getattr(module, name))
+
+
+def test_bad_values_of_settable_attributes_are_refused():
+    module = rnnkit.LSTM(I, H, num_layers=2)
+    with pytest.raises(ValueError, match=r"dropout: expected a probability in \[0, 1\), got 2"):
+        module.dropout = 2
+    with pytest.raises(TypeError, match="batch_first: expected a bool"):
+        module.batch_first = "yes"
+    with pytest.raises(ValueError, match="nonlinearity: expected 'tanh' or 'relu', got 'gelu'"):
+        rnnkit.RNN(I, H).nonlinearity = "gelu"
+    assert module.dropout == 0.0 and module.batch_first is False
+
+
+def test_numpy_bools_are_taken_as_torch_nn_takes_them():
+    import numpy as np
+
+    assert rnnkit.LSTM(I, H, bidirectional=np.bool_(True)).bidirectional is True
+    assert rnnkit.LSTMCell(I, H, bias=np.bool_(False)).bias is False

@@ -4,6 +4,7 @@ from __future__ import annotations
 import warnings
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
@@ -17,8 +18,9 @@ from .spec import RNNSpec
 
 
 def _bias_mode(bias, bias_mode: Optional[str]) -> str:
-    if not isinstance(bias, bool):
+    if not isinstance(bias, (bool, np.bool_)):  # numpy's bool too, as torch.nn takes it
         raise TypeError(f"bias: expected a bool, got {type(bias).__name__} {bias!r}")
+    bias = bool(bias)
     if bias_mode is None:
         return "double" if bias else "none"
     if not bias and bias_mode != "none":
@@ -178,6 +180,32 @@ class _PackedModule(nn.Module):
                 "flatten_parameters() to pack them again.",
                 stacklevel=3,
             )
+
+    # ---- torch.nn's attribute names, read from the spec -----------------------------------------
+    # torch.nn reads its attributes at every call, so code sets them after construction (a
+    # dropout schedule, batch_first for a new pipeline). Those the weights do not depend on
+    # (dropout, batch_first, nonlinearity) take effect from the next call; those that fix the
+    # weights' shapes raise when set, rather than being quietly ignored.
+
+    def _respec(self, **changes) -> None:
+        """Rebuild the spec with ``changes`` (validated as the constructor validates them)."""
+        spec = RNNSpec(**{**self.spec.options(), **changes})
+        self.spec, self.layout = spec, Layout(spec, suffixes=not isinstance(self, _Cell))
+        self.__dict__.pop("_plan", None)  # the one-step plans hold the old scalars
+
+    def _set_nonlinearity(self, value) -> None:
+        if value not in ("tanh", "relu"):
+            raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {value!r}")
+        self._respec(mode=f"rnn_{value}")
+
+    def _fixed(self, name: str):
+        raise AttributeError(f"{type(self).__name__}.{name} is fixed at construction (it sets the parameters' "
+                             f"shapes); build a new module instead")
+
+    input_size = property(lambda self: self.spec.input_size, lambda self, value: self._fixed("input_size"))
+    hidden_size = property(lambda self: list(self.spec.hidden_sizes) if self.spec.per_layer else self.spec.hidden_sizes[0],
+                           lambda self, value: self._fixed("hidden_size"))
+    bias = property(lambda self: self.spec.bias_mode != "none", lambda self, value: self._fixed("bias"))
 
     def __getstate__(self):
         """deepcopy / pickle without the one-step plans (compiled objects; rebuilt on the next call)."""
@@ -442,6 +470,9 @@ def one_step_call(spec: RNNSpec, plans_of, input, hx, lengths):
     return (y, (h_n, torch.stack(cs))) if lstm else (y, h_n)
 
 
+TORCH_MODE = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN_TANH", "rnn_relu": "RNN_RELU"}  # torch.nn's .mode
+
+
 class _Recurrent(_PackedModule):
     def __init__(
         self,
@@ -474,11 +505,15 @@ class _Recurrent(_PackedModule):
             **options,
         )
         self._init_packed(spec, True, backend, forget_bias, device, dtype)
-        # torch.nn's attribute names, for code that reads them
-        self.mode, self.input_size, self.num_layers = mode, input_size, num_layers
-        self.hidden_size = hidden_size
-        self.proj_size = options.get("proj_size", 0)
-        self.bias, self.batch_first, self.dropout, self.bidirectional = bias, batch_first, dropout, bidirectional
+
+    # torch.nn's attribute names (see _PackedModule._respec); mode as torch.nn spells it
+    mode = property(lambda self: TORCH_MODE[self.spec.mode], lambda self, value: self._fixed("mode"))
+    num_layers = property(lambda self: self.spec.num_layers, lambda self, value: self._fixed("num_layers"))
+    bidirectional = property(lambda self: self.spec.bidirectional, lambda self, value: self._fixed("bidirectional"))
+    proj_size = property(lambda self: list(self.spec.proj_sizes) if self.spec.per_layer else self.spec.proj_sizes[0],
+                         lambda self, value: self._fixed("proj_size"))
+    dropout = property(lambda self: self.spec.dropout, lambda self, value: self._respec(dropout=value))
+    batch_first = property(lambda self: self.spec.batch_first, lambda self, value: self._respec(batch_first=value))
 
     def forward(self, input, hx=None, lengths=None):
         """Run the stack over a sequence.
@@ -678,7 +713,8 @@ class RNN(_Recurrent):
             raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
         super().__init__(f"rnn_{nonlinearity}", input_size, hidden_size, num_layers, bias, batch_first, dropout,
                          bidirectional, **options)
-        self.nonlinearity = nonlinearity
+
+    nonlinearity = property(lambda self: self.spec.mode[len("rnn_"):], lambda self, value: self._set_nonlinearity(value))
 
 
 # ---- cells: one step, for generation --------------------------------------------------
@@ -696,7 +732,6 @@ class _Cell(_PackedModule):
             )
         spec = RNNSpec(mode, input_size, hidden_size, 1, bias_mode=_bias_mode(bias, bias_mode), **options)
         self._init_packed(spec, False, backend, forget_bias, device, dtype)
-        self.input_size, self.hidden_size, self.bias = input_size, hidden_size, bias
 
     def _forward(self, input, hx):
         plans = self._step_plans(input, hx) if isinstance(input, torch.Tensor) else None
@@ -844,7 +879,8 @@ class RNNCell(_Cell):
         if nonlinearity not in ("tanh", "relu"):
             raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
         super().__init__(f"rnn_{nonlinearity}", input_size, hidden_size, bias, **options)
-        self.nonlinearity = nonlinearity
+
+    nonlinearity = property(lambda self: self.spec.mode[len("rnn_"):], lambda self, value: self._set_nonlinearity(value))
 
     def forward(self, input, hx=None):
         """One step: input (B, I) or (I,), h (B, H) or (H,) or None (zeros) -> h', shaped like h."""

@@ -13,6 +13,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, FrozenSet, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
+
 MODES = ("rnn_tanh", "rnn_relu", "lstm", "gru")
 BIAS_MODES = ("double", "single_input", "single_recurrent", "none")
 MERGES = ("concat", "sum")
@@ -164,9 +166,9 @@ def _probability(name: str, value) -> float:
 
 
 def _flag(name: str, value) -> bool:
-    if not isinstance(value, bool):
+    if not isinstance(value, (bool, np.bool_)):  # numpy's bool too, as torch.nn takes it
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
-    return value
+    return bool(value)
 
 
 def _clip(name: str, value) -> Optional[float]:
