@@ -1037,3 +1037,15 @@ def test_func_grad_of_grad_fused_matches_reference(name):
 
         results[backend] = grad(lambda x: grad(loss)(x).square().sum())(x)
     assert_close(results["fused"], results["reference"], f"{name} grad of grad")
+
+
+def test_torchscript_as_the_readme_says():
+    """README: jit.script is not supported; jit.trace (check_trace=False) computes correctly at other T and B."""
+    module = rnnkit.LSTM(4, 5).eval()
+    with pytest.raises(Exception):
+        torch.jit.script(module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's warnings about Python values
+        traced = torch.jit.trace(module, (torch.randn(3, 2, 4),), check_trace=False)
+    x = torch.randn(6, 3, 4)
+    assert torch.equal(traced(x)[0], module(x)[0])
