@@ -4,7 +4,6 @@ from __future__ import annotations
 import warnings
 from typing import Optional
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
@@ -14,13 +13,11 @@ from . import functional
 from .masks import draw_pass
 from .params import TORCH_PIECES, Layout, PassWeights, initialize
 from .passes import _direct
-from .spec import RNNSpec
+from .spec import RNNSpec, _flag
 
 
 def _bias_mode(bias, bias_mode: Optional[str]) -> str:
-    if not isinstance(bias, (bool, np.bool_)):  # numpy's bool too, as torch.nn takes it
-        raise TypeError(f"bias: expected a bool, got {type(bias).__name__} {bias!r}")
-    bias = bool(bias)
+    bias = _flag("bias", bias)
     if bias_mode is None:
         return "double" if bias else "none"
     if not bias and bias_mode != "none":
@@ -192,11 +189,6 @@ class _PackedModule(nn.Module):
         spec = RNNSpec(**{**self.spec.options(), **changes})
         self.spec, self.layout = spec, Layout(spec, suffixes=not isinstance(self, _Cell))
         self.__dict__.pop("_plan", None)  # the one-step plans hold the old scalars
-
-    def _set_nonlinearity(self, value) -> None:
-        if value not in ("tanh", "relu"):
-            raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {value!r}")
-        self._respec(mode=f"rnn_{value}")
 
     def _fixed(self, name: str):
         raise AttributeError(f"{type(self).__name__}.{name} is fixed at construction (it sets the parameters' "
@@ -470,6 +462,16 @@ def one_step_call(spec: RNNSpec, plans_of, input, hx, lengths):
     return (y, (h_n, torch.stack(cs))) if lstm else (y, h_n)
 
 
+def _rnn_mode(nonlinearity) -> str:
+    """RNN / RNNCell's ``nonlinearity`` -> the spec's mode, or a ValueError naming it."""
+    if nonlinearity not in ("tanh", "relu"):
+        raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
+    return f"rnn_{nonlinearity}"
+
+
+# RNN's and RNNCell's nonlinearity, read from the spec and set through it (_PackedModule._respec)
+_NONLINEARITY = property(lambda self: self.spec.mode[len("rnn_"):], lambda self, value: self._respec(mode=_rnn_mode(value)))
+
 TORCH_MODE = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN_TANH", "rnn_relu": "RNN_RELU"}  # torch.nn's .mode
 
 
@@ -709,12 +711,10 @@ class RNN(_Recurrent):
 
     def __init__(self, input_size, hidden_size, num_layers=1, nonlinearity="tanh", bias=True, batch_first=False,
                  dropout=0.0, bidirectional=False, **options):
-        if nonlinearity not in ("tanh", "relu"):
-            raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
-        super().__init__(f"rnn_{nonlinearity}", input_size, hidden_size, num_layers, bias, batch_first, dropout,
+        super().__init__(_rnn_mode(nonlinearity), input_size, hidden_size, num_layers, bias, batch_first, dropout,
                          bidirectional, **options)
 
-    nonlinearity = property(lambda self: self.spec.mode[len("rnn_"):], lambda self, value: self._set_nonlinearity(value))
+    nonlinearity = _NONLINEARITY
 
 
 # ---- cells: one step, for generation --------------------------------------------------
@@ -876,11 +876,9 @@ class RNNCell(_Cell):
     """
 
     def __init__(self, input_size, hidden_size, bias=True, nonlinearity="tanh", **options):
-        if nonlinearity not in ("tanh", "relu"):
-            raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
-        super().__init__(f"rnn_{nonlinearity}", input_size, hidden_size, bias, **options)
+        super().__init__(_rnn_mode(nonlinearity), input_size, hidden_size, bias, **options)
 
-    nonlinearity = property(lambda self: self.spec.mode[len("rnn_"):], lambda self, value: self._set_nonlinearity(value))
+    nonlinearity = _NONLINEARITY
 
     def forward(self, input, hx=None):
         """One step: input (B, I) or (I,), h (B, H) or (H,) or None (zeros) -> h', shaped like h."""

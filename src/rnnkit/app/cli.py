@@ -17,6 +17,7 @@ and training logic live in `rnnkit.app.charlm`; this file parses and reports.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import math
 import os
@@ -255,9 +256,10 @@ def _resolve(args):
             raise UserError(f"--resume: no checkpoint in {out} ({files.CHECKPOINT_FILE} is missing)")
         saved = train.read_run(out)
         given_settings = {"eval_chars": args.eval_chars} if args.eval_chars is not None else {}
-        for section, given in ((saved.model, given_model), (saved.training, given_train), (saved.settings, given_settings)):
+        for section, given in ((dataclasses.asdict(saved.model), given_model),
+                               (dataclasses.asdict(saved.training), given_train), (saved.settings, given_settings)):
             for key, value in given.items():
-                was = section[key] if isinstance(section, dict) else getattr(section, key)
+                was = section[key]
                 if was != value:
                     flag, config = model.flag(key), out / files.CONFIG_FILE
                     said = (f"{flag}: the run in {config} was trained {'with' if was else 'without'} it"
@@ -456,8 +458,8 @@ def _trained(args):
         what = "not a directory" if directory.exists() else "no such directory"
         raise UserError(f"{directory}: {what} (expected the --out directory of rnnkit train)")
     saved = train.read_run(directory)
-    if _int8_asked(args) and args.backend != "auto":
-        flag = "--int8" if args.command == "sample" else "--precision int8"
+    flag = _int8_flag(args)
+    if flag and args.backend != "auto":
         raise UserError(f"--backend {args.backend}: with {flag} the recurrent layers run on rnnkit's int8 kernels "
                         f"(rnnkit.quantize), not on a backend; leave --backend out")
     network = model.build_model(saved.model, args.backend)
@@ -471,8 +473,11 @@ def _trained(args):
     return network.to(device), saved
 
 
-def _int8_asked(args) -> bool:
-    return getattr(args, "int8", False) or getattr(args, "precision", None) == "int8"
+def _int8_flag(args) -> Optional[str]:
+    """The flag that asked for int8 (sample's --int8, eval's --precision int8), or None."""
+    if getattr(args, "int8", False):
+        return "--int8"
+    return "--precision int8" if getattr(args, "precision", None) == "int8" else None
 
 
 def _int8(network, flag: str):
@@ -485,7 +490,7 @@ def _sample(args) -> int:
     network, saved = _trained(args)
     precision = saved.training.precision
     if args.int8:
-        network, precision = _int8(network, "--int8"), "fp32"
+        network, precision = _int8(network, _int8_flag(args)), "fp32"
     else:
         train.check_precision(network, precision, args.backend)
     prime = args.prime if args.prime is not None else sample.default_prime(saved.vocabulary)
@@ -504,7 +509,7 @@ def _eval(args) -> int:
         ids = ids[: args.chars + 1]
     precision = args.precision
     if precision == "int8":
-        network, precision = _int8(network, "--precision int8"), "fp32"
+        network, precision = _int8(network, _int8_flag(args)), "fp32"
     else:
         train.check_precision(network, precision, args.backend)
     bpc = train.evaluate(network, ids, saved.training.batch, saved.training.bptt, precision)

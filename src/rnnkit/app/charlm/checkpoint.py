@@ -25,7 +25,7 @@ import torch
 
 from ..errors import UserError
 from .data import Vocabulary
-from .model import ModelConfig
+from .model import ModelConfig, flag
 
 FORMAT = "rnnkit-charlm/2"
 CONFIG_FILE, VOCAB_FILE = "config.json", "vocab.json"
@@ -289,7 +289,7 @@ def check_same_run(path: Path, checkpoint: "Checkpoint", identity: dict) -> None
         mine, other = identity[section], theirs.get(section) or {}
         for key in sorted(set(mine) | set(other)):
             if mine.get(key) != other.get(key):
-                name = key if key == "vocab_size" else "--" + key.replace("_", "-")
+                name = key if key == "vocab_size" else flag(key)
                 raise UserError(f"{path} belongs to another run: {name} is {json.dumps(other.get(key))} there, "
                                 f"{json.dumps(mine.get(key))} in {config}; {again}")
 
@@ -362,21 +362,23 @@ class Checkpoint:
                 else:
                     parts[kind][name] = value
             state = [parts["state"][str(k)] for k in range(len(parts["state"]))]
-            for name, kind in (("progress", dict), ("param_groups", list), ("evaluations", list), ("run", dict)):
-                if name in metadata and not isinstance(json.loads(metadata[name]), kind):
-                    raise TypeError(f"{name}: expected a JSON {'object' if kind is dict else 'list'}")
+            kinds = {"progress": dict, "param_groups": list, "evaluations": list, "run": dict}  # "run": newer files only
+            meta = {name: json.loads(metadata[name]) for name in kinds if name != "run" or name in metadata}
+            for name, value in meta.items():
+                if not isinstance(value, kinds[name]):
+                    raise TypeError(f"{name}: expected a JSON {'object' if kinds[name] is dict else 'list'}")
             if not all(isinstance(r, dict) and isinstance(r.get("step"), int) and isinstance(r.get("val_bpc"), float)
-                       for r in json.loads(metadata["evaluations"])):
+                       for r in meta["evaluations"]):
                 raise TypeError("evaluations: expected records with a step and a val_bpc")
             return cls(
                 model=parts["model"],
-                optimizer={"state": entries, "param_groups": json.loads(metadata["param_groups"])},
+                optimizer={"state": entries, "param_groups": meta["param_groups"]},
                 state=state,
                 rng=parts["rng"],
-                progress=json.loads(metadata["progress"]),
+                progress=meta["progress"],
                 history=parts["history"],
-                evaluations=json.loads(metadata["evaluations"]),
-                run=json.loads(metadata["run"]) if "run" in metadata else None,
+                evaluations=meta["evaluations"],
+                run=meta.get("run"),
             )
         except (KeyError, ValueError, TypeError) as error:
             raise UserError(f"{path}: damaged checkpoint ({type(error).__name__}: {error})".splitlines()[0]) from None

@@ -32,7 +32,8 @@ from .checkpoint import (BEST_FILE, CHECKPOINT_FILE, CONFIG_FILE, Checkpoint, Di
                          run_identity, update_run_config, write_run_files)
 from .data import Streams, Vocabulary, fingerprint, read_corpus, stdlib_corpus
 from .history import CURVE_FILE, LN2, LOG_FILE, History, append_log, rewrite_log
-from .model import CharLM, ModelConfig, build_model, detach, require_int, require_number, state_from_tensors, state_tensors
+from .model import (CharLM, ModelConfig, build_model, detach, flag, require_int, require_number, state_from_tensors,
+                    state_tensors)
 
 SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("fp32", "bf16")
@@ -78,8 +79,7 @@ class TrainConfig:
         if self.schedule == "constant":
             for name in ("final_lr_fraction", "decay_steps"):
                 if getattr(self, name) is not None:
-                    flag = "--" + name.replace("_", "-")
-                    raise ValueError(f"{flag}: only with --schedule cosine (the schedule is constant)")
+                    raise ValueError(f"{flag(name)}: only with --schedule cosine (the schedule is constant)")
         else:
             require_number("final_lr_fraction", self.final_lr_fraction, "a number in [0, 1]", lambda v: 0 <= v <= 1)
             require_int("decay_steps", self.decay_steps, 1)
@@ -121,10 +121,8 @@ def check_precision(model: CharLM, precision: str, backend: str) -> None:
     The check runs in eval mode and leaves the random generator as it found it.
     """
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     try:
-        with _same_random_numbers(device), torch.no_grad(), autocast(precision, device):
+        with _in_mode(model, False), _same_random_numbers(device), torch.no_grad(), autocast(precision, device):
             model(torch.zeros(2, 1, dtype=torch.int64, device=device))
     except rnnkit.BackendUnavailableError:
         raise
@@ -135,6 +133,15 @@ def check_precision(model: CharLM, precision: str, backend: str) -> None:
         raise UserError(f"--precision {precision}: the model cannot run under torch.autocast({device.type}, bfloat16) "
                         f"with --backend {backend} here ({type(error).__name__}: {reason}); try --backend fused or "
                         f"--backend reference, or --precision fp32") from None
+
+
+@contextlib.contextmanager
+def _in_mode(model: nn.Module, training: bool):
+    """A block run in training or evaluation mode; the model's mode comes back after it."""
+    was_training = model.training
+    model.train(training)
+    try:
+        yield
     finally:
         model.train(was_training)
 
@@ -150,16 +157,13 @@ def check_trains(model: CharLM, precision: str, backend: str) -> None:
     gradients, the mode and the random generator as they were; before a run writes any file."""
     check_precision(model, precision, backend)
     device = next(model.parameters()).device
-    was_training = model.training
-    model.train()
     try:
-        with _same_random_numbers(device):
+        with _in_mode(model, True), _same_random_numbers(device):
             with autocast(precision, device):
                 logits, _ = model(torch.zeros(2, 1, dtype=torch.int64, device=device))
             logits.float().sum().backward()
     finally:
         model.zero_grad(set_to_none=True)
-        model.train(was_training)
 
 
 def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -194,16 +198,13 @@ def evaluate(model: CharLM, ids: torch.Tensor, batch: int, bptt: int, precision:
     targets = torch.full((batch * length,), IGNORED, dtype=ids.dtype)
     inputs[:scored], targets[:scored] = ids[:scored], ids[1:]
     inputs, targets = (t.view(batch, length).t().to(device) for t in (inputs, targets))
-    was_training = model.training
-    model.eval()
     total, state = 0.0, None
-    with torch.no_grad(), autocast(precision, device):
+    with _in_mode(model, False), torch.no_grad(), autocast(precision, device):
         for start in range(0, length, bptt):
             logits, state = model(inputs[start : start + bptt], state)
             target = targets[start : start + bptt]
             total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="sum",
                                      ignore_index=IGNORED).item()
-    model.train(was_training)
     return total / scored / LN2
 
 
@@ -381,13 +382,8 @@ def _restore(run: Run, checkpoint: Checkpoint) -> None:
 
 def _state_shapes(run: Run) -> List[tuple]:
     """The shapes of the state the run carries between chunks (one step of the model tells them)."""
-    with _same_random_numbers(run.device), torch.no_grad():
-        was_training = run.model.training
-        run.model.eval()
-        try:
-            _, state = run.model(torch.zeros(1, run.config.batch, dtype=torch.int64, device=run.device))
-        finally:
-            run.model.train(was_training)
+    with _in_mode(run.model, False), _same_random_numbers(run.device), torch.no_grad():
+        _, state = run.model(torch.zeros(1, run.config.batch, dtype=torch.int64, device=run.device))
     return [tuple(t.shape) for t in state_tensors(state)]
 
 
