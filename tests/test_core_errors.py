@@ -103,10 +103,11 @@ CASES = [
     ("cell_clip-on-rnn", lambda: rnnkit.RNN(I, H, cell_clip=1.0, backend=REF), ["cell_clip", "rnn_tanh"]),
     ("proj_clip-without-proj", lambda: rnnkit.LSTM(I, H, proj_clip=1.0, backend=REF), ["proj_clip", "proj_size=0"]),
     ("cell_clip-negative", lambda: rnnkit.LSTM(I, H, cell_clip=-1.0, backend=REF), ["cell_clip", "-1.0"]),
-    ("dropout-one", lambda: rnnkit.LSTM(I, H, 2, dropout=1.0, backend=REF), ["dropout", "[0, 1)", "1.0"]),
+    ("dropout-above-one", lambda: rnnkit.LSTM(I, H, 2, dropout=1.5, backend=REF), ["dropout", "[0, 1]", "1.5"]),
+    ("zoneout-one", lambda: rnnkit.GRU(I, H, zoneout=1.0, backend=REF), ["zoneout", "[0, 1)", "1.0"]),
     ("zoneout-negative", lambda: rnnkit.GRU(I, H, zoneout=-0.1, backend=REF), ["zoneout", "[0, 1)", "-0.1"]),
     ("recurrent_dropout-above-one", lambda: rnnkit.RNN(I, H, recurrent_dropout=1.5, backend=REF),
-     ["recurrent_dropout", "[0, 1)", "1.5"]),
+     ["recurrent_dropout", "[0, 1]", "1.5"]),
     ("zoneout-pair-c-one", lambda: rnnkit.LSTM(I, H, zoneout=(0.1, 1.0), backend=REF), ["zoneout[1]", "1.0"]),
     ("dropconnect-string", lambda: rnnkit.LSTM(I, H, dropconnect="0.1", backend=REF), ["dropconnect", "str"]),
     ("hidden-list-length", lambda: rnnkit.LSTM(I, [6, 5], 3, backend=REF), ["hidden_size", "3", "2 entries"]),
@@ -162,6 +163,40 @@ def test_bad_input_raises_a_clear_error(call, needles):
     )
     for needle in needles[1:]:
         assert needle in message, f"{needle!r} missing from: {message}"
+
+
+# (id, the same mistake made with torch.nn and with rnnkit): torch.nn raises RuntimeError for a
+# shape or device that does not fit and ValueError for a wrong dtype; code catching those must
+# catch rnnkit's error too (rnnkit's are also ValueError / TypeError, as the catalogue checks).
+_TORCH_LSTM, _KIT_LSTM = torch.nn.LSTM(I, H, 2), rnnkit.LSTM(I, H, 2, backend=REF)
+_TORCH_CELL, _KIT_CELL = torch.nn.GRUCell(I, H), rnnkit.GRUCell(I, H, backend=REF)
+SAME_CLASS_AS_TORCH = [
+    ("feature-size", lambda m: m(x(T, B, 7))),
+    ("h0-batch", lambda m: m(x(), (torch.zeros(2, B + 1, H), torch.zeros(2, B, H)))),
+    ("c0-size", lambda m: m(x(), (torch.zeros(2, B, H), torch.zeros(2, B, H + 1)))),
+    ("T0", lambda m: m(x(0, B, I))),
+    ("rank-4", lambda m: m(x(T, B, I, 1))),
+    ("float64-input", lambda m: m(x(dtype=torch.float64))),
+    ("input-on-meta", lambda m: m(x().to("meta"))),
+]
+SAME_CLASS_AS_TORCH_CELL = [
+    ("cell-feature-size", lambda m: m(x(B, 7))),
+    ("cell-h-batch", lambda m: m(x(B, I), torch.zeros(B + 1, H))),
+    ("cell-rank-3", lambda m: m(x(B, 1, I))),
+]
+
+
+@pytest.mark.parametrize("call", [c[1] for c in SAME_CLASS_AS_TORCH + SAME_CLASS_AS_TORCH_CELL],
+                         ids=[c[0] for c in SAME_CLASS_AS_TORCH + SAME_CLASS_AS_TORCH_CELL])
+def test_errors_are_of_the_class_torch_nn_raises(call):
+    cell = call in [c[1] for c in SAME_CLASS_AS_TORCH_CELL]
+    with pytest.raises(Exception) as torch_error:
+        call(_TORCH_CELL if cell else _TORCH_LSTM)
+    expected = type(torch_error.value)
+    assert expected in (RuntimeError, ValueError)
+    with pytest.raises(expected) as info:
+        call(_KIT_CELL if cell else _KIT_LSTM)
+    assert isinstance(info.value, (ValueError, TypeError))
 
 
 def test_device_mismatch_names_both_devices():

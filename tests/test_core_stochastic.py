@@ -296,3 +296,33 @@ def test_dropout_between_layers_only_in_training_and_not_on_the_last(monkeypatch
             assert_close(out, calls[k][0], f"layer {k} output")
             layer_input = calls[k][1]
     assert_close(y, out, "y")
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_a_dropout_of_one_drops_everything_as_torch_nn_does(backend):
+    """torch.nn takes dropout=1 (the next layer sees zeros); so does rnnkit, for each dropout:
+    a mask of zeros, not 0/0 = NaN. input_dropout=1 is a zero input, recurrent_dropout=1 and
+    dropconnect=1 a zero R."""
+    torch.manual_seed(0)
+    x = torch.randn(T, B, I, dtype=DT)
+    reference = torch.nn.LSTM(I, H, 2, dropout=1.0).double()
+    module = rnnkit.LSTM(I, H, 2, dropout=1.0, backend=backend).double()
+    module.load_state_dict(reference.state_dict())
+    assert_close(module.train()(x)[0], reference.train()(x)[0])
+
+    plain = _randomize(rnnkit.GRU(I, H, backend=backend).double())
+    for option, same_as in [("input_dropout", lambda m: m(torch.zeros_like(x))[0]),
+                            ("recurrent_dropout", None), ("dropconnect", None)]:
+        module = rnnkit.GRU(I, H, backend=backend, **{option: 1.0}).double()
+        module.load_state_dict(plain.state_dict())
+        if same_as is None:
+            zero_r = rnnkit.GRU(I, H, backend=backend).double()
+            zero_r.load_state_dict(plain.state_dict())
+            with torch.no_grad():
+                zero_r.weight_hh_l0.zero_()
+            expected = zero_r(x)[0]
+        else:
+            expected = same_as(plain)
+        got = module.train()(x)[0]
+        assert torch.isfinite(got).all(), option
+        assert_close(got, expected)

@@ -23,6 +23,17 @@ State = Union[torch.Tensor, List[torch.Tensor]]
 
 # ---- argument checks -----------------------------------------------------------------
 
+class MismatchError(ValueError, RuntimeError):
+    """An input or state whose shape or device does not fit the module. A ValueError, as rnnkit
+    reports bad arguments, and a RuntimeError, as torch.nn raises for the same mistake, so code
+    written for torch.nn (``except RuntimeError``) catches it too."""
+
+
+class DTypeMismatchError(TypeError, ValueError):
+    """An input or state whose dtype is not the weights'. A TypeError, as rnnkit reports a wrong
+    dtype, and a ValueError, as torch.nn raises for the same mistake."""
+
+
 def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
@@ -32,11 +43,11 @@ def check_tensor(name: str, value, shape: Optional[tuple], like: torch.Tensor) -
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a tensor of shape {shape}, got {type(value).__name__}")
     if shape is not None and _shape(value) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {_shape(value)}")
+        raise MismatchError(f"{name}: expected shape {tuple(shape)}, got {_shape(value)}")
     if value.dtype != like.dtype:
-        raise TypeError(f"{name}: expected dtype {_expected_dtype(like)}, got {value.dtype}")
+        raise DTypeMismatchError(f"{name}: expected dtype {_expected_dtype(like)}, got {value.dtype}")
     if value.device != like.device:
-        raise ValueError(f"{name}: expected a tensor on {like.device} (the device of the weights), got {value.device}")
+        raise MismatchError(f"{name}: expected a tensor on {like.device} (the device of the weights), got {value.device}")
     return value
 
 
@@ -69,7 +80,7 @@ def check_weights(spec: RNNSpec, weights, layout: Layout) -> torch.Tensor:
     if not isinstance(weights, torch.Tensor):
         raise TypeError(f"weights: expected the packed 1-D parameter tensor, got {type(weights).__name__}")
     if weights.dim() != 1 or weights.numel() != layout.numel:
-        raise ValueError(f"weights: expected a 1-D tensor of {layout.numel} values for this spec, got shape {_shape(weights)}")
+        raise MismatchError(f"weights: expected a 1-D tensor of {layout.numel} values for this spec, got shape {_shape(weights)}")
     if not weights.is_floating_point():
         raise TypeError(f"weights: expected a floating-point tensor, got {weights.dtype}")
     return weights
@@ -83,12 +94,12 @@ def check_input(spec: RNNSpec, input, weights: torch.Tensor, batch_first: bool) 
     if input.dim() not in (2, 3):
         raise ValueError(f"input: expected a 3-D tensor {layout} or a 2-D unbatched (T, input_size), got shape {_shape(input)}")
     if input.shape[-1] != spec.input_size:
-        raise ValueError(f"input: expected feature size input_size={spec.input_size} in the last axis, got shape {_shape(input)}")
+        raise MismatchError(f"input: expected feature size input_size={spec.input_size} in the last axis, got shape {_shape(input)}")
     check_tensor("input", input, None, weights)
     unbatched = input.dim() == 2
     x = input.unsqueeze(1) if unbatched else (input.transpose(0, 1) if batch_first else input)
     if x.shape[0] == 0:
-        raise ValueError(f"input: expected at least one time step, got shape {_shape(input)}")
+        raise MismatchError(f"input: expected at least one time step, got shape {_shape(input)}")
     return x, unbatched
 
 

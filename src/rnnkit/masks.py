@@ -31,7 +31,11 @@ class PassMasks(NamedTuple):
 
 
 def _dropout_mask(shape, p: float, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(1.0 - p).div_(1.0 - p)
+    """Keep with probability 1 − p, scaled by 1/(1 − p); all zeros for p = 1 (as torch's dropout)."""
+    mask = torch.empty(shape, dtype=like.dtype, device=like.device)
+    if p >= 1.0:
+        return mask.zero_()
+    return mask.bernoulli_(1.0 - p).div_(1.0 - p)
 
 
 def _keep_old(shape, p: float, like: torch.Tensor) -> torch.Tensor:

@@ -406,7 +406,8 @@ def check_cell_input(spec: RNNSpec, input) -> None:
     if input.dim() not in (1, 2):
         raise ValueError(f"input: expected a 2-D tensor (B, input_size) or 1-D (input_size,), got shape {tuple(input.shape)}")
     if input.shape[-1] != spec.input_size:  # checked here so the message shows the caller's shape
-        raise ValueError(f"input: expected feature size input_size={spec.input_size} in the last axis, got shape {tuple(input.shape)}")
+        raise functional.MismatchError(f"input: expected feature size input_size={spec.input_size} in the last axis, "
+                                       f"got shape {tuple(input.shape)}")
 
 
 def step_plans(spec: RNNSpec, passes, like: torch.Tensor, scales=None) -> list:

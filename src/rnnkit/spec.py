@@ -157,11 +157,14 @@ def _positive_int(name: str, value) -> int:
     return int(value)
 
 
-def _probability(name: str, value) -> float:
+def _probability(name: str, value, one: bool = False) -> float:
+    """A probability in [0, 1), or [0, 1] with ``one`` (a dropout: p = 1 drops everything, as
+    torch.nn's ``dropout=1`` does; a zoneout of 1 would freeze the state, so it is refused)."""
+    interval = "[0, 1]" if one else "[0, 1)"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a probability in [0, 1), got {type(value).__name__} {value!r}")
-    if not 0.0 <= float(value) < 1.0:
-        raise _fail(name, "a probability in [0, 1)", value)
+        raise TypeError(f"{name}: expected a probability in {interval}, got {type(value).__name__} {value!r}")
+    if not (0.0 <= float(value) <= 1.0 if one else 0.0 <= float(value) < 1.0):
+        raise _fail(name, f"a probability in {interval}", value)
     return float(value)
 
 
@@ -301,7 +304,7 @@ class RNNSpec:
             raise _fail("bias_mode", f"one of {BIAS_MODES}", bias_mode)
         set_("bias_mode", bias_mode)
         for name in ("dropout", "input_dropout", "recurrent_dropout", "dropconnect"):
-            set_(name, _probability(name, locals()[name]))
+            set_(name, _probability(name, locals()[name], one=True))
         set_("proj_clip", _clip("proj_clip", proj_clip))
         set_("cell_clip", _clip("cell_clip", cell_clip))
         set_("zoneout", self._zoneout(zoneout))
