@@ -530,7 +530,7 @@ def test_bench_refuses_an_out_it_cannot_write_before_measuring(tmp_path, capsys,
     status = cli.main(["bench", "--quick", "--shapes", "tiny", "--variants", "lstm", "--out", str(tmp_path / "a-file" / "out")])
     err = capsys.readouterr().err
     assert status == 1
-    assert err.strip().splitlines() == [f"rnnkit bench: --out {tmp_path / 'a-file' / 'out'}: Not a directory"]
+    assert err.strip().splitlines() == [f"rnnkit: error: --out {tmp_path / 'a-file' / 'out'}: Not a directory"]
 
 
 def test_bench_step_refuses_sequence_variants(capsys, tmp_path):
@@ -539,3 +539,15 @@ def test_bench_step_refuses_sequence_variants(capsys, tmp_path):
 
     status = cli.main(["bench", "--step", "--quick", "--variants", "lstm", "--out", str(tmp_path / "out")])
     assert status == 2 and "--variants: with --step" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without CUDA")
+def test_bench_without_cuda_says_what_train_says(capsys, tmp_path):
+    """bench --device cuda without CUDA exited 2 (a usage status) with its own wording."""
+    from rnnkit.app import cli
+
+    train = cli.main(["train", "--device", "cuda", "--out", str(tmp_path / "t"), "--steps", "1"])
+    train_err = capsys.readouterr().err
+    status = cli.main(["bench", "--device", "cuda", "--quick", "--out", str(tmp_path / "b")])
+    assert (status, capsys.readouterr().err) == (train, train_err) == (1, train_err)
+    assert train_err.startswith("rnnkit: error: --device cuda:")

@@ -36,6 +36,7 @@ import rnnkit
 from . import machine
 from .charlm import checkpoint as files
 from .charlm import data, history, model, sample, train
+from . import errors
 from .errors import UserError
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -214,7 +215,7 @@ def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device cuda: torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)")
+        raise errors.no_cuda()
     return torch.device(name)
 
 

@@ -25,6 +25,7 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
+from .. import errors
 from . import report
 from .measure import Case, measure_case, sgemm_gflops
 from .registry import (CPU_GRID, DEFAULT_VARIANTS, GPU_GRID, QUICK_GRID, QUICK_STEP_GRID, SHAPES, STEP_GRID,
@@ -157,26 +158,30 @@ def _plan(args: argparse.Namespace, notes: List[str]) -> Plan:
     )
 
 
+def _failed(message) -> int:
+    """What the command prints for an error that is not a usage error (as ``rnnkit train`` does); -> its status."""
+    print(f"rnnkit: error: {message}", file=sys.stderr)
+    return 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed flags describe; write JSON, markdown and PNG; -> exit status."""
     if args.list:
         _print_registries()
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("rnnkit bench: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
-        return 2
+        return _failed(errors.no_cuda())
     notes: List[str] = []
     try:
         plan = _plan(args, notes)
-    except ValueError as error:
-        print(f"rnnkit bench: {error}", file=sys.stderr)
+    except ValueError as error:  # flags that cannot go together: a usage error, as argparse reports one
+        print(f"rnnkit bench: error: {error} (see rnnkit bench --help)", file=sys.stderr)
         return 2
     for note in notes:
         print(f"rnnkit bench: {note}", file=sys.stderr)
     unwritable = _unwritable(plan.out)
     if unwritable:  # now, not after the first case's minutes of measuring
-        print(f"rnnkit bench: --out {plan.out}: {unwritable}", file=sys.stderr)
-        return 1
+        return _failed(f"--out {plan.out}: {unwritable}")
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(plan.threads)  # the same for every runner
     load_samples = [(report.load_average(), 0)]  # (1-minute load average, our threads running meanwhile)
