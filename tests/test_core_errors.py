@@ -58,6 +58,8 @@ CASES = [
     ("input-integer", lambda: gru()(torch.ones(T, B, I, dtype=torch.int64)), ["input", "torch.float32", "torch.int64"]),
     ("input-not-a-tensor", lambda: gru()(x().tolist()), ["input", "tensor", "list"]),
     ("input-T0", lambda: gru()(x(0, B, I)), ["input", "at least one time step", "(0, 3, 4)"]),
+    ("input-packed-with-lengths-beyond-T",  # torch's pack_padded_sequence does not check them
+     lambda: gru()(pack_padded_sequence(x(), [T + 1, 3, 2])), ["input", "batch_sizes", "sum 11", "10 data rows"]),
     ("input-T0-batch_first", lambda: gru(batch_first=True)(x(B, 0, I)), ["input", "at least one time step", "(3, 0, 4)"]),
     # ---- initial states
     ("h0-batch-mismatch", lambda: gru()(x(), torch.randn(2, B - 1, H)), ["hx", "(2, 3, 6)", "(2, 2, 6)"]),

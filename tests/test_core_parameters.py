@@ -793,7 +793,7 @@ def test_attributes_that_fix_the_shapes_refuse_to_change(name):
 
 def test_bad_values_of_settable_attributes_are_refused():
     module = rnnkit.LSTM(I, H, num_layers=2)
-    with pytest.raises(ValueError, match=r"dropout: expected a probability in \[0, 1\), got 2"):
+    with pytest.raises(ValueError, match=r"dropout: expected a probability in \[0, 1\], got 2"):
         module.dropout = 2
     with pytest.raises(TypeError, match="batch_first: expected a bool"):
         module.batch_first = "yes"

@@ -371,3 +371,73 @@ def test_awkward_shapes_match_torch_nn(variant, steps, batch, hidden):
     views = dict(zip([name for name, _ in module.named_parameters()], grads[1:]))
     for (name, _), grad_ref in zip(reference.named_parameters(), grads_ref[1:]):
         assert_close(views[name], grad_ref, f"d{name}")
+
+
+# ---- torch.nn.RNNBase's helpers (_flat_weights, check_forward_args, permute_hidden, ...) ------
+
+HELPER_CONFIGS = {
+    "lstm-proj-bi": (torch.nn.LSTM, rnnkit.LSTM, dict(num_layers=2, bidirectional=True, proj_size=P)),
+    "gru-batch_first": (torch.nn.GRU, rnnkit.GRU, dict(num_layers=2, batch_first=True)),
+    "rnn-no-bias": (torch.nn.RNN, rnnkit.RNN, dict(bias=False)),
+}
+
+
+def _helper_pair(config):
+    torch_cls, kit_cls, kwargs = HELPER_CONFIGS[config]
+    reference = torch_cls(I, H, **kwargs)
+    module = kit_cls(I, H, backend="reference", **kwargs)
+    module.load_state_dict(reference.state_dict())
+    return reference, module
+
+
+@pytest.mark.parametrize("config", sorted(HELPER_CONFIGS))
+def test_rnnbase_helpers_match_torch_nn(config):
+    """Code written against torch.nn.RNNBase (subclasses that override forward, introspection
+    over _flat_weights) reads the same names, values and shapes, and gets the same errors."""
+    reference, module = _helper_pair(config)
+    assert module._flat_weights_names == reference._flat_weights_names
+    assert module._all_weights == reference._all_weights
+    assert [w.shape for w in module._flat_weights] == [w.shape for w in reference._flat_weights]
+    assert all(torch.equal(a, b) for a, b in zip(module._flat_weights, reference._flat_weights))
+
+    x = torch.randn(B, T, I) if reference.batch_first else torch.randn(T, B, I)
+    _, hidden = reference(x)
+    assert module.get_expected_hidden_size(x, None) == reference.get_expected_hidden_size(x, None)
+    module.check_forward_args(x, hidden, None)  # the module's own final state fits
+    packed = pack_padded_sequence(x, [T, 2, 1], batch_first=reference.batch_first)
+    assert module.get_expected_hidden_size(packed.data, packed.batch_sizes) == \
+        reference.get_expected_hidden_size(packed.data, packed.batch_sizes)
+    module.check_forward_args(packed.data, hidden, packed.batch_sizes)
+
+    permutation = torch.tensor([2, 0, 1])
+    for got, want in zip(torch.utils._pytree.tree_leaves(module.permute_hidden(hidden, permutation)),
+                         torch.utils._pytree.tree_leaves(reference.permute_hidden(hidden, permutation))):
+        assert torch.equal(got, want)
+    assert module.permute_hidden(hidden, None) is hidden
+
+    lstm = isinstance(hidden, tuple)
+    bad_states = [(hidden[0][:, :2], hidden[1]), (hidden[0], hidden[1][:, :2])] if lstm else [hidden[:, :2]]
+    bad_inputs = [x[..., :2], x.double()]
+    for bad in bad_states:
+        with pytest.raises(RuntimeError):
+            reference.check_forward_args(x, bad, None)
+        with pytest.raises(RuntimeError, match="size"):
+            module.check_forward_args(x, bad, None)
+    for bad in bad_inputs:
+        with pytest.raises(Exception) as expected:
+            reference.check_forward_args(bad, hidden, None)
+        with pytest.raises(type(expected.value)):
+            module.check_forward_args(bad, hidden, None)
+
+
+def test_rnnbase_helpers_with_per_layer_sizes():
+    module = rnnkit.LSTM(I, [H, 5], 2, bidirectional=True, proj_size=[3, 2], backend="reference")
+    x = torch.randn(T, B, I)
+    _, hidden = module(x)
+    assert module.get_expected_hidden_size(x) == [tuple(h.shape) for h in hidden[0]]
+    assert module.get_expected_cell_size(x) == [tuple(c.shape) for c in hidden[1]]
+    module.check_forward_args(x, hidden, None)
+    with pytest.raises(RuntimeError, match=r"hidden\[1\]\[1\]"):
+        module.check_forward_args(x, (hidden[0], [hidden[1][0], hidden[1][1][:, :2]]), None)
+    permuted = module.permute_hidden(hidden, torch.tensor([1, 2, 0]))
+    assert torch.equal(permuted[1][1], hidden[1][1][:, [1, 2, 0]])

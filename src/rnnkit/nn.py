@@ -383,12 +383,31 @@ class _PackedModule(nn.Module):
         return f"backend={self.backend!r}{ran}" if (self.backend != "auto" or ran) else ""
 
 
+def _check_packed(input: PackedSequence) -> None:
+    """A PackedSequence whose data has the rows its batch_sizes promise: torch's
+    pack_padded_sequence does not check lengths against the padded input's T, and one built
+    with longer lengths failed deep inside unpacking."""
+    data, sizes = input.data, input.batch_sizes
+    if not isinstance(data, torch.Tensor) or data.dim() != 2:
+        raise functional.MismatchError(f"input: expected a PackedSequence with 2-D data (rows, input_size), got data "
+                                       f"of shape {tuple(getattr(data, 'shape', ()))}")
+    if torch.compiler.is_compiling() or sizes.device.type == "meta":
+        return
+    total = int(sizes.sum())
+    if total != data.shape[0] or (sizes.numel() and (int(sizes.min()) < 1 or bool((sizes[1:] > sizes[:-1]).any()))):
+        raise functional.MismatchError(
+            f"input: a PackedSequence whose batch_sizes ({sizes.tolist()[:8]}{'...' if sizes.numel() > 8 else ''}, "
+            f"sum {total}) do not describe its {data.shape[0]} data rows; was it packed with lengths longer than "
+            "the padded input?")
+
+
 def sequence_call(run, input, hx, lengths, batch_first: bool):
     """The stacks' call convention around ``run(input, hx, lengths, batch_first) -> (y, hy)``: a
     PackedSequence input is run padded with its lengths, and its output packed the same way."""
     if isinstance(input, PackedSequence):
         if lengths is not None:
             raise ValueError("lengths: a PackedSequence carries its own lengths; pass lengths=None")
+        _check_packed(input)
         padded, lens = pad_packed_sequence(input)  # [T, B, I], batch in original order
         y, hy = run(padded, hx, lens, False)
         order = input.sorted_indices
@@ -548,11 +567,75 @@ class _Recurrent(_PackedModule):
     @property
     def all_weights(self):
         """torch.nn's list of per-layer-direction weight lists (torch.nn's pieces, then the extras)."""
+        return [[getattr(self, name) for name in names] for names in self._all_weights]
+
+    # ---- torch.nn.RNNBase's helpers, for code written against them (subclasses, introspection) ----
+
+    @property
+    def _all_weights(self) -> list:
+        """The parameter names of each layer-direction, as torch.nn.RNNBase lists them."""
         D = self.spec.num_directions
-        return [
-            [getattr(self, e.name) for e in self.layout if e.layer * D + e.direction == i]
-            for i in range(self.spec.num_layers * D)
-        ]
+        return [[e.name for e in self.layout if e.layer * D + e.direction == i] for i in range(self.spec.num_layers * D)]
+
+    @property
+    def _flat_weights_names(self) -> list:
+        return [name for names in self._all_weights for name in names]
+
+    @property
+    def _flat_weights(self) -> list:
+        """The weights as the module computes with them now (a parametrized one's value), in
+        ``_flat_weights_names``' order. Read-only: assign a parameter by name to change one."""
+        return [getattr(self, name) for name in self._flat_weights_names]
+
+    def _batch_size(self, input, batch_sizes) -> int:
+        if batch_sizes is not None:
+            return int(batch_sizes[0])
+        return 1 if input.dim() == 2 else input.size(0 if self.spec.batch_first else 1)
+
+    def get_expected_hidden_size(self, input, batch_sizes=None):
+        """h_0's shape for this input (a list of one shape per layer with per-layer sizes)."""
+        return functional._state_shapes(self.spec, self._batch_size(input, batch_sizes))[0]
+
+    def check_input(self, input, batch_sizes=None) -> None:
+        """The input's rank, feature size, dtype and device (with ``batch_sizes``: a PackedSequence's 2-D data)."""
+        like = self._current()[0]
+        if batch_sizes is None:
+            functional.check_input(self.spec, input, like, self.spec.batch_first)
+        elif not isinstance(input, torch.Tensor) or input.dim() != 2:
+            raise functional.MismatchError(f"input: expected a PackedSequence's 2-D data (rows, input_size) with "
+                                           f"batch_sizes, got shape {tuple(getattr(input, 'shape', ()))}")
+        else:
+            functional.check_tensor("input", input, (input.shape[0], self.spec.input_size), like)
+
+    def check_hidden_size(self, hx, expected_hidden_size, msg: str = "Expected hidden size {}, got {}") -> None:
+        if tuple(hx.size()) != tuple(expected_hidden_size):
+            raise functional.MismatchError(msg.format(tuple(expected_hidden_size), list(hx.size())))
+
+    def check_forward_args(self, input, hidden, batch_sizes=None) -> None:
+        """What torch.nn checks before a call: the input, then each state tensor's shape."""
+        self.check_input(input, batch_sizes)
+        h_shape = self.get_expected_hidden_size(input, batch_sizes)
+        if self.spec.mode == "lstm":
+            parts = [("hidden[0]", hidden[0], h_shape), ("hidden[1]", hidden[1], self.get_expected_cell_size(input, batch_sizes))]
+        else:
+            parts = [("hidden", hidden, h_shape)]
+        for name, value, shape in parts:
+            pairs = zip(value, shape) if self.spec.per_layer else [(value, shape)]
+            for k, (tensor, expected) in enumerate(pairs):
+                label = f"{name}[{k}]" if self.spec.per_layer else name
+                self.check_hidden_size(tensor, expected, f"Expected {label} size {{}}, got {{}}")
+
+    def permute_hidden(self, hx, permutation):
+        """hx with its batch axis reordered by ``permutation`` (None: hx itself), for every state tensor."""
+        if permutation is None:
+            return hx
+
+        def permute(value):
+            if isinstance(value, (list, tuple)):
+                return type(value)(permute(v) for v in value)
+            return value.index_select(1, permutation)
+
+        return permute(hx)
 
     def extra_repr(self) -> str:
         defaults = RNNSpec(self.spec.mode, 1, 1).options()
@@ -630,6 +713,10 @@ class LSTM(_Recurrent):
                  bidirectional=False, proj_size=0, **options):
         super().__init__("lstm", input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
                          proj_size=proj_size, **options)
+
+    def get_expected_cell_size(self, input, batch_sizes=None):
+        """c_0's shape for this input (a list of one shape per layer with per-layer sizes)."""
+        return functional._state_shapes(self.spec, self._batch_size(input, batch_sizes))[1]
 
 
 class GRU(_Recurrent):
