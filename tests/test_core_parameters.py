@@ -807,3 +807,15 @@ def test_numpy_bools_are_taken_as_torch_nn_takes_them():
 
     assert rnnkit.LSTM(I, H, bidirectional=np.bool_(True)).bidirectional is True
     assert rnnkit.LSTMCell(I, H, bias=np.bool_(False)).bias is False
+
+
+@pytest.mark.parametrize("name", ["weight_ih_l0", "bias_hh_l0", "weight_hh_l1"])
+def test_an_in_place_edit_of_a_parameter_before_backward_is_refused(name):
+    """The gradient would be computed with the edited weights (wrong): autograd must see the
+    edit, as it does for torch.nn's LSTM (README: state_dict() values are the one limit)."""
+    module = rnnkit.LSTM(I, H, num_layers=2)
+    y, _ = module(torch.randn(5, 2, I))
+    with torch.no_grad():
+        getattr(module, name).mul_(0.5)
+    with pytest.raises(RuntimeError, match="modified"):
+        y.sum().backward()
