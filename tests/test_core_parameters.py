@@ -784,6 +784,47 @@ def test_a_new_nonlinearity_takes_effect_in_every_path():
             assert_close(ours_cell(x[0]), theirs_cell(x[0]))
 
 
+# (option, value at construction, the value set later): each set value must act as if the module
+# had been built with it (same outputs in training under one seed, on a fresh twin)
+RNNKIT_SETTABLE = [
+    ("zoneout", 0.5, 0.0), ("zoneout", 0.0, [0.2, 0.3]), ("input_dropout", 0.4, 0.0), ("recurrent_dropout", 0.0, 0.3),
+    ("dropconnect", 0.5, 0.1), ("cell_clip", 0.05, None), ("proj_clip", None, 0.1),
+]
+
+
+@pytest.mark.parametrize("name,before,after", RNNKIT_SETTABLE, ids=[f"{n}-{a}" for n, _, a in RNNKIT_SETTABLE])
+@pytest.mark.parametrize("cell", [False, True], ids=["stack", "cell"])
+def test_rnnkit_options_set_after_construction_take_effect(name, before, after, cell):
+    """m.zoneout = 0 for fine-tuning, m.recurrent_dropout = 0.3 in a schedule: kept as plain
+    attributes that nothing read, so the old masks were still drawn, silently."""
+    if cell and name in ("input_dropout", "recurrent_dropout", "dropconnect"):
+        module = rnnkit.LSTMCell(I, H, proj_size=3)
+        with pytest.raises(TypeError, match=f"{name}: a per-sequence option"):
+            setattr(module, name, after)
+        assert getattr(module, name) == 0.0
+        return
+    make = (lambda **kw: rnnkit.LSTMCell(I, H, proj_size=3, dtype=F64, **kw)) if cell else \
+        (lambda **kw: rnnkit.LSTM(I, H, num_layers=2, proj_size=3, dtype=F64, **kw))
+    module, twin = make(**{name: before}), make(**{name: after})
+    twin.load_state_dict(module.state_dict())
+    setattr(module, name, after)
+    assert getattr(module, name) == getattr(twin, name) and module.spec == twin.spec
+    x = torch.randn(B, I, dtype=F64) if cell else torch.randn(T, B, I, dtype=F64)
+    for train in (True, False):
+        module.train(train), twin.train(train)
+        torch.manual_seed(1)
+        ours = module(x)
+        torch.manual_seed(1)
+        assert_close(ours[0], twin(x)[0])
+
+
+@pytest.mark.parametrize("name", ["peephole", "coupled_gates", "layer_norm", "bias_mode", "merge"])
+def test_rnnkit_options_that_fix_the_parameters_refuse_to_change(name):
+    module = rnnkit.LSTM(I, H)
+    with pytest.raises(AttributeError, match=f"LSTM.{name} is fixed at construction"):
+        setattr(module, name, getattr(module, name))
+
+
 @pytest.mark.parametrize("name", ["input_size", "hidden_size", "num_layers", "bias", "bidirectional", "proj_size", "mode"])
 def test_attributes_that_fix_the_shapes_refuse_to_change(name):
     module = rnnkit.LSTM(I, H)
@@ -819,3 +860,13 @@ def test_an_in_place_edit_of_a_parameter_before_backward_is_refused(name):
         getattr(module, name).mul_(0.5)
     with pytest.raises(RuntimeError, match="modified"):
         y.sum().backward()
+
+
+def test_a_new_reset_after_takes_effect():
+    module, twin = rnnkit.GRU(I, H, dtype=F64), rnnkit.GRU(I, H, reset_after=False, dtype=F64)
+    twin.load_state_dict(module.state_dict())
+    x = torch.randn(T, B, I, dtype=F64)
+    assert (module(x)[0] - twin(x)[0]).abs().max() > 1e-3
+    module.reset_after = False
+    assert module.reset_after is False
+    assert_close(module(x)[0], twin(x)[0])

@@ -198,6 +198,16 @@ class _PackedModule(nn.Module):
     hidden_size = property(lambda self: list(self.spec.hidden_sizes) if self.spec.per_layer else self.spec.hidden_sizes[0],
                            lambda self, value: self._fixed("hidden_size"))
     bias = property(lambda self: self.spec.bias_mode != "none", lambda self, value: self._fixed("bias"))
+    # rnnkit's options, likewise: the parameters do not depend on these (a zoneout schedule,
+    # a clip changed for fine-tuning), on those below they do
+    zoneout = property(lambda self: self.spec.options()["zoneout"], lambda self, value: self._respec(zoneout=value))
+    cell_clip = property(lambda self: self.spec.cell_clip, lambda self, value: self._respec(cell_clip=value))
+    proj_clip = property(lambda self: self.spec.proj_clip, lambda self, value: self._respec(proj_clip=value))
+    reset_after = property(lambda self: self.spec.reset_after, lambda self, value: self._respec(reset_after=value))
+    peephole = property(lambda self: self.spec.peephole, lambda self, value: self._fixed("peephole"))
+    coupled_gates = property(lambda self: self.spec.coupled_gates, lambda self, value: self._fixed("coupled_gates"))
+    layer_norm = property(lambda self: self.spec.layer_norm, lambda self, value: self._fixed("layer_norm"))
+    bias_mode = property(lambda self: self.spec.bias_mode, lambda self, value: self._fixed("bias_mode"))
 
     def __getstate__(self):
         """deepcopy / pickle without the one-step plans (compiled objects; rebuilt on the next call)."""
@@ -536,6 +546,11 @@ class _Recurrent(_PackedModule):
                          lambda self, value: self._fixed("proj_size"))
     dropout = property(lambda self: self.spec.dropout, lambda self, value: self._respec(dropout=value))
     batch_first = property(lambda self: self.spec.batch_first, lambda self, value: self._respec(batch_first=value))
+    input_dropout = property(lambda self: self.spec.input_dropout, lambda self, value: self._respec(input_dropout=value))
+    recurrent_dropout = property(lambda self: self.spec.recurrent_dropout,
+                                 lambda self, value: self._respec(recurrent_dropout=value))
+    dropconnect = property(lambda self: self.spec.dropconnect, lambda self, value: self._respec(dropconnect=value))
+    merge = property(lambda self: self.spec.merge, lambda self, value: self._fixed("merge"))
 
     def forward(self, input, hx=None, lengths=None):
         """Run the stack over a sequence.
@@ -807,17 +822,28 @@ class RNN(_Recurrent):
 
 # ---- cells: one step, for generation --------------------------------------------------
 
+_SEQUENCE_LEVEL = ("input_dropout", "recurrent_dropout", "dropconnect", "dropout", "bidirectional", "merge", "num_layers",
+                   "batch_first")
+
+
+def _per_sequence(name: str):
+    raise TypeError(f"{name}: a per-sequence option, which a one-step cell does not take; use rnnkit.LSTM / GRU / RNN "
+                    "(or apply the mask to the cell's input yourself)")
+
+
+def _refused_on_cells(name: str) -> property:
+    """A stack's option on a cell: reads as off, and setting it says why it cannot be (it was
+    kept as a plain attribute that nothing read)."""
+    return property(lambda self: getattr(self.spec, name), lambda self, value: _per_sequence(name))
+
+
 class _Cell(_PackedModule):
     def __init__(self, mode, input_size, hidden_size, bias=True, *, bias_mode=None, forget_bias=None,
                  backend="auto", device=None, dtype=None, **options):
         super().__init__()
-        sequence_level = sorted(set(options) & {"input_dropout", "recurrent_dropout", "dropconnect", "dropout",
-                                                "bidirectional", "merge", "num_layers", "batch_first"})
+        sequence_level = sorted(set(options) & set(_SEQUENCE_LEVEL))
         if sequence_level:
-            raise TypeError(
-                f"{sequence_level[0]}: a per-sequence option, which a one-step cell does not take; "
-                "use rnnkit.LSTM / GRU / RNN (or apply the mask to the cell's input yourself)"
-            )
+            _per_sequence(sequence_level[0])
         spec = RNNSpec(mode, input_size, hidden_size, 1, bias_mode=_bias_mode(bias, bias_mode), **options)
         self._init_packed(spec, False, backend, forget_bias, device, dtype)
 
@@ -867,6 +893,10 @@ class _Cell(_PackedModule):
     def extra_repr(self) -> str:
         note = self._backend_note()
         return f"{self.input_size}, {self.hidden_size}" + (f", {note}" if note else "")
+
+
+for _name in _SEQUENCE_LEVEL:
+    setattr(_Cell, _name, _refused_on_cells(_name))
 
 
 class LSTMCell(_Cell):
