@@ -3,6 +3,8 @@ names the argument and, where there is one, the expected and the actual value. A
 nothing the user passes in is modified."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.nn.utils.rnn import pack_padded_sequence
@@ -282,3 +284,61 @@ def test_inputs_are_not_modified(make, make_args, training):
     out = module(*args)
     _sum_outputs(out).backward()
     assert _same(args, before)
+
+
+# ---- weights put in by hand: checked before any kernel reads them --------------------------
+
+@pytest.mark.parametrize("backend", ["auto", "fused", "reference"])
+@pytest.mark.parametrize("steps", [1, 5])
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("name,shape", [("weight_hh_l0", (4 * H, H + 1)), ("weight_hh_l0", (4 * H, H - 1)),
+                                        ("weight_ih_l0", (4 * H, I - 1)), ("bias_hh_l0", (4 * H + 2,))])
+def test_a_weight_of_the_wrong_shape_is_refused_by_name(backend, steps, grad, name, shape):
+    """p.data = ... of the wrong shape went to the fused kernels, which took the sizes from it:
+    outputs of the wrong width, non-finite values or a corrupted heap (the process aborted)."""
+    module = rnnkit.LSTM(I, H, backend=backend)
+    getattr(module, name).data = torch.randn(shape)
+    with torch.set_grad_enabled(grad), pytest.raises(RuntimeError) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one warning that the aliasing is broken
+        module(x(steps, B, I))
+    assert isinstance(info.value, ValueError)
+    message = str(info.value)
+    assert message.startswith(name) and str(tuple(shape)) in message, message
+
+
+def test_a_parametrization_of_the_wrong_shape_and_a_weight_of_another_dtype_are_refused():
+    from torch.nn.utils import parametrize
+
+    class Widen(torch.nn.Module):
+        def forward(self, w):
+            return torch.cat([w, w[:, :1]], 1)
+
+    module = rnnkit.GRU(I, H)
+    parametrize.register_parametrization(module, "weight_hh_l0", Widen(), unsafe=True)
+    with pytest.raises(ValueError, match=r"weight_hh_l0: expected shape \(18, 6\)"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module(x())
+    module = rnnkit.GRUCell(I, H)
+    module.weight_hh.data = module.weight_hh.data.double()
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(TypeError, match="weight_hh: expected dtype torch.float32"), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module(x(B, I))
+
+
+@pytest.mark.skipif(bool(rnnkit.backend.get("fused").unavailable_reason()), reason="the fused kernels are not built here")
+def test_the_fused_kernels_check_every_shape_themselves():
+    """The kernels' own check, behind the modules' (a caller of the backend API directly)."""
+    from rnnkit.masks import PassMasks
+
+    spec = rnnkit.RNNSpec("lstm", I, H)
+    w = rnnkit.LSTM(I, H)._pass_weights()[0]
+    fused = rnnkit.backend.get("fused")
+    h0, c0 = torch.zeros(B, H), torch.zeros(B, H)
+    for bad in [dict(R=torch.randn(4 * H, H - 1)), dict(W=torch.randn(4 * H, I + 1)), dict(b_R=torch.randn(4 * H - 1)),
+                dict(W=torch.randn(3 * H, I), R=torch.randn(3 * H, H))]:
+        with pytest.raises(RuntimeError, match="rnnkit fused"):
+            fused.run_pass(spec.cell(0), x(), h0, c0, w._replace(**bad), None, False, PassMasks())
+    with pytest.raises(RuntimeError, match="h0: expected shape"):
+        fused.run_pass(spec.cell(0), x(), torch.zeros(B + 1, H), c0, w, None, False, PassMasks())

@@ -244,7 +244,27 @@ class _PackedModule(nn.Module):
             return None
         return plans
 
+    def _check_pieces(self, tensors) -> None:
+        """Each weight has its entry's shape, and all have one dtype and device: a weight put in
+        by hand (``p.data = ...``, ``load_state_dict(assign=True)``, a parametrization,
+        functional_call) is checked here, before any kernel reads it (the fused kernels take
+        the sizes from the tensors they are given)."""
+        first = tensors[0]
+        for name, t, (_, _, shape) in zip(self._names, tensors, self._packing):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a tensor of shape {shape}, got {type(t).__name__}")
+            if tuple(t.shape) != shape:
+                raise functional.MismatchError(f"{name}: expected shape {shape} (this module's layout), got "
+                                               f"{tuple(t.shape)}")
+            if t.dtype != first.dtype:
+                raise functional.DTypeMismatchError(f"{name}: expected dtype {first.dtype} (that of "
+                                                    f"{self._names[0]}), got {t.dtype}")
+            if t.device != first.device:
+                raise functional.MismatchError(f"{name}: expected a tensor on {first.device} (that of "
+                                               f"{self._names[0]}), got {t.device}")
+
     def _make_plans(self, tensors) -> Optional[list]:
+        self._check_pieces(tensors)
         W = tensors[0]
         if W.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16) or any(
                 t.dtype != W.dtype or t.device != W.device or not t.is_contiguous() for t in tensors):
@@ -261,9 +281,12 @@ class _PackedModule(nn.Module):
         """One PassWeights per layer-direction: views of the packed buffer through `_Pack`
         when the parameters alias it and a gradient is wanted, else the parameters themselves."""
         tensors = self._current()
-        if _plain_eager():
+        if not _plain_eager():
+            self._check_pieces(tensors)
+        else:
             if not self._aliased(tensors):
                 self._note_unpacked(tensors)
+                self._check_pieces(tensors)
             elif torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
                 views = _Pack.apply(self._flat, self._packing, *tensors)
                 # a frozen weight goes as itself (the same memory), so the kernels skip its gradient

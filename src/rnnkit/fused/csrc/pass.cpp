@@ -19,8 +19,11 @@ void PassArgs::finish() {
                 "only there), all of them or none");
   }
   TORCH_CHECK(!ln || mode != "gru" || reset_after, "rnnkit fused: a layer-norm GRU needs reset_after (docs/spec.md)");
+  TORCH_CHECK(W.dim() == 2 && R.dim() == 2, "rnnkit fused: W and R must be matrices, got ", W.sizes(), " and ",
+              R.sizes());
   GH = W.size(0), Hr = R.size(1);
   H = W_hr.defined() ? W_hr.size(1) : (c0.defined() ? c0.size(1) : Hr);
+  check_sizes();
   if (lengths.defined()) {
     TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B, "lengths: expected shape (", B, ",), got ",
                 lengths.sizes());
@@ -60,6 +63,38 @@ void PassArgs::finish() {
                   " matrices, the biases, gains, states and masks are float32, got ", t->scalar_type());
     }
   }
+}
+
+// Every tensor's shape against the sizes finish() derived: the kernels index them with those
+// sizes, so a mismatch would read or write past an allocation.
+void PassArgs::check_sizes() const {
+  const bool lstm = mode == "lstm";
+  const int64_t G = lstm ? (coupled ? 3 : 4) : (mode == "gru" ? 3 : 1);
+  TORCH_CHECK(GH == G * H, "rnnkit fused: W has ", GH, " rows, expected ", G, " gates of H = ", H);
+  const auto expect = [](const char* name, const Tensor& t, std::vector<int64_t> sizes) {
+    TORCH_CHECK(!t.defined() || t.sizes() == at::IntArrayRef(sizes), "rnnkit fused: ", name, ": expected shape ",
+                at::IntArrayRef(sizes), ", got ", t.sizes());
+  };
+  expect("W", W, {GH, I});
+  expect("R", R, {GH, Hr});
+  expect("b_W", b_W, {GH});
+  expect("b_R", b_R, {GH});
+  TORCH_CHECK(W_hr.defined() || Hr == H, "rnnkit fused: R has ", Hr, " columns, expected H = ", H, " without W_hr");
+  expect("W_hr", W_hr, {Hr, H});
+  expect("peephole", peephole, {coupled ? 2 : 3, H});
+  TORCH_CHECK(!peephole.defined() || lstm, "rnnkit fused: peepholes need mode lstm, got ", mode);
+  expect("ln_x_gain", ln_x_gain, {GH});
+  expect("ln_x_shift", ln_x_shift, {GH});
+  expect("ln_h_gain", ln_h_gain, {GH});
+  expect("ln_h_shift", ln_h_shift, {GH});
+  expect("ln_c_gain", ln_c_gain, {H});
+  expect("ln_c_shift", ln_c_shift, {H});
+  expect("h0", h0, {B, Hr});
+  TORCH_CHECK(!c0.defined() || lstm, "rnnkit fused: c0 is for an LSTM, got mode ", mode);
+  expect("c0", c0, {B, H});
+  expect("recurrent_mask", recurrent_mask, {B, Hr});
+  expect("zoneout_h", zoneout_h, {T, B, Hr});
+  expect("zoneout_c", zoneout_c, {T, B, H});
 }
 
 HalfRows PassArgs::half_rows(WeightSlot slot, int64_t first_row) const {

@@ -80,6 +80,7 @@ struct PassArgs {
   int64_t T = 0, B = 0, I = 0, H = 0, Hr = 0, GH = 0;
 
   void finish();
+  void check_sizes() const;
   const Tensor& weight(WeightSlot slot) const;
   bool layer_norm() const { return ln_h_gain.defined(); }
   bool quantized() const { return W.scalar_type() == at::kChar; }
