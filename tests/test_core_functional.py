@@ -1,9 +1,11 @@
 """The cuDNN-style calls: forward_training + backward_data + backward_weights equal autograd
-through the module; accumulate semantics; reserve lifecycle; forward_inference."""
+through the module; accumulate semantics; reserve lifecycle; forward_inference; the arguments
+the calls (and rnnkit.rnn) refuse or take: PackedSequence, inference mode, spec, layout."""
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import rnnkit
 from helpers import assert_close, flatten, map_tree, packed
@@ -186,3 +188,87 @@ def test_forward_inference_equals_eval_and_keeps_no_graph(make):
     assert_close(hy, hy_ref, "hy")
     y2, _ = rnnkit.forward_inference(module.spec, module.flat_weights, x, hx, lengths, backend=REF)
     assert torch.equal(y, y2)  # no masks: deterministic
+
+
+# ---- arguments the calls refuse or take ---------------------------------------------
+
+def test_rnn_and_forward_inference_take_a_packed_sequence_as_the_modules_do():
+    module = rnnkit.LSTM(I, H, 2, bidirectional=True, backend=REF, dtype=DT).eval()
+    x = torch.randn(T, B, I, dtype=DT)
+    input = pack_padded_sequence(x, [3, 5, 1], enforce_sorted=False)
+    with torch.no_grad():
+        y_ref, hy_ref = module(input)
+    for call in (rnnkit.rnn, rnnkit.forward_inference):
+        y, hy = call(module.spec, module.flat_weights, input, backend=REF)
+        assert isinstance(y, PackedSequence)
+        assert torch.equal(y.batch_sizes, y_ref.batch_sizes) and torch.equal(y.sorted_indices, y_ref.sorted_indices)
+        assert_close(y.data, y_ref.data, call.__name__)
+        assert_close(hy, hy_ref, call.__name__)
+    with pytest.raises(ValueError, match="^lengths"):
+        rnnkit.rnn(module.spec, module.flat_weights, input, lengths=[3, 5, 1])
+
+
+def test_forward_training_refuses_a_packed_sequence_asking_for_a_padded_tensor():
+    module = rnnkit.GRU(I, H, backend=REF, dtype=DT)
+    input = pack_padded_sequence(torch.randn(T, B, I, dtype=DT), [5, 3, 2])
+    expected = r"^input: expected a padded tensor \(T, B, input_size\) with its lengths="
+    with pytest.raises(TypeError, match=expected) as info:
+        rnnkit.forward_training(module.spec, module.flat_weights, input)
+    assert "or a PackedSequence" not in str(info.value)
+    with pytest.raises(TypeError, match=r"^input: expected a tensor \(T, B, input_size\), got list$"):
+        rnnkit.forward_training(module.spec, module.flat_weights, [1.0])
+
+
+def test_forward_training_refuses_inference_mode():
+    module = rnnkit.GRU(I, H, backend=REF, dtype=DT)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode.*forward_inference"):
+        rnnkit.forward_training(module.spec, module.flat_weights, torch.randn(T, B, I, dtype=DT))
+
+
+def test_forward_training_takes_inference_tensors_outside_inference_mode():
+    module = rnnkit.LSTM(I, H, backend=REF, dtype=DT)
+    x, hx = torch.randn(T, B, I, dtype=DT), _states(module)
+    with torch.inference_mode():
+        copies = [t.clone() for t in [module.flat_weights.detach(), x, *hx]]
+    assert all(t.is_inference() for t in copies)
+    results = []
+    for w, x_, h, c in ([module.flat_weights.detach(), x, *hx], copies):
+        y, hy, reserve = rnnkit.forward_training(module.spec, w, x_, (h, c), backend=REF)
+        dy = torch.ones_like(y)
+        results.append([y, *hy, *rnnkit.backward_data(reserve, dy), rnnkit.backward_weights(reserve)])
+    for name, plain, inference in zip(["y", "h_n", "c_n", "dx", "dhx", "dcx", "dw"], *results):
+        assert torch.equal(plain, inference), name
+
+
+SPEC_CALLS = {
+    "forward_training": lambda spec, w, x: rnnkit.forward_training(spec, w, x),
+    "forward_inference": lambda spec, w, x: rnnkit.forward_inference(spec, w, x),
+    "rnn": lambda spec, w, x: rnnkit.rnn(spec, w, x),
+    "rnn-with-layout": lambda spec, w, x: rnnkit.rnn(spec, w, x, layout=rnnkit.Layout(rnnkit.RNNSpec("gru", I, H))),
+}
+
+
+@pytest.mark.parametrize("call", list(SPEC_CALLS))
+def test_a_spec_that_is_not_an_rnnspec_is_a_type_error(call):
+    weights = rnnkit.Layout(rnnkit.RNNSpec("gru", I, H)).new_buffer()
+    with pytest.raises(TypeError, match=r"^spec: expected an rnnkit\.RNNSpec, got str$"):
+        SPEC_CALLS[call]("gru", weights, torch.randn(T, B, I))
+
+
+def test_backward_weights_accumulate_needs_dweights():
+    _, _, y, _, reserve = _gru_call()
+    rnnkit.backward_data(reserve, torch.randn_like(y))
+    with pytest.raises(ValueError, match="^accumulate: .*dweights"):
+        rnnkit.backward_weights(reserve, accumulate=True)
+
+
+def test_rnn_refuses_the_layout_of_another_spec():
+    spec = rnnkit.RNNSpec("lstm", I, H, peephole=True)
+    weights = rnnkit.Layout(spec).new_buffer(dtype=DT)
+    x = torch.randn(T, B, I, dtype=DT)
+    with pytest.raises(ValueError, match="^layout: .*peephole=False; spec has peephole=True"):
+        rnnkit.rnn(spec, weights, x, layout=rnnkit.Layout(rnnkit.RNNSpec("lstm", I, H)))
+    with pytest.raises(TypeError, match="^layout"):
+        rnnkit.rnn(spec, weights, x, layout="lstm")
+    y, _ = rnnkit.rnn(spec, weights, x, layout=rnnkit.Layout(spec), backend=REF)
+    assert torch.equal(y, rnnkit.rnn(spec, weights, x, backend=REF)[0])

@@ -870,3 +870,22 @@ def test_a_new_reset_after_takes_effect():
     module.reset_after = False
     assert module.reset_after is False
     assert_close(module(x)[0], twin(x)[0])
+
+
+def test_reset_parameters_keeps_the_constructors_forget_bias():
+    """reset_parameters() (and so meta -> to_empty -> reset_parameters()) drew the forget gate's
+    bias uniformly again, dropping forget_bias=1 silently."""
+    def forget(module):
+        return (module.bias_ih_l0 + module.bias_hh_l0)[H:2 * H]
+
+    module = rnnkit.LSTM(I, H, forget_bias=1.0)
+    module.reset_parameters()
+    assert torch.equal(forget(module), torch.ones(H))
+    late = rnnkit.LSTM(I, H, forget_bias=1.0, device="meta").to_empty(device="cpu")
+    late.reset_parameters()
+    assert torch.equal(forget(late), torch.ones(H))
+    module.reset_parameters(forget_bias=2.0)
+    assert torch.equal(forget(module), torch.full((H,), 2.0))
+    module.forget_bias = None  # torch.nn's uniform draw
+    module.reset_parameters()
+    assert not torch.equal(forget(module), torch.ones(H))

@@ -7,6 +7,7 @@ import copy
 import pickle
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -357,3 +358,76 @@ def test_nested_module_state_dict_round_trip():
     state["rnn.weight_xx_l0"] = torch.zeros(1)
     with pytest.raises(RuntimeError, match="rnn.weight_xx_l0"):
         model.load_state_dict(state, strict=True)
+
+
+@pytest.mark.parametrize("forget_bias,error,match", [
+    (float("nan"), ValueError, "finite"),
+    (float("inf"), ValueError, "finite"),
+    (-float("inf"), ValueError, "finite"),
+    (True, TypeError, "got bool"),
+    (torch.full((H,), 1.0), TypeError, "got Tensor"),
+    ("1.0", TypeError, "got str"),
+    ([1.0], TypeError, "got list"),
+], ids=["nan", "inf", "-inf", "bool", "per-unit-tensor", "str", "list"])
+def test_forget_bias_must_be_a_finite_real_number(forget_bias, error, match):
+    with pytest.raises(error, match=f"^forget_bias: .*{match}"):
+        rnnkit.LSTM(I, H, forget_bias=forget_bias, backend=REF)
+    with pytest.raises(error, match=f"^forget_bias: .*{match}"):  # at construction, not at to_empty + reset
+        rnnkit.LSTM(I, H, forget_bias=forget_bias, device="meta")
+    with pytest.raises(error, match=f"^forget_bias: .*{match}"):
+        rnnkit.Layout(rnnkit.RNNSpec("lstm", I, H)).new_buffer(forget_bias=forget_bias)
+    module = rnnkit.LSTM(I, H, backend=REF)
+    before = module.flat_weights.detach().clone()
+    with pytest.raises(error, match="^forget_bias"):
+        module.reset_parameters(forget_bias=forget_bias)
+    assert torch.equal(module.flat_weights, before)
+
+
+@pytest.mark.parametrize("forget_bias", [2, np.float32(2.0), np.int64(2)], ids=["int", "numpy-float32", "numpy-int64"])
+def test_forget_bias_takes_ints_and_numpy_scalars(forget_bias):
+    module = rnnkit.LSTM(I, H, forget_bias=forget_bias, backend=REF)
+    assert torch.all(module.bias_ih_l0[H : 2 * H] == 2.0)
+
+
+def test_forget_bias_on_a_gru_is_refused_for_the_family_whatever_its_value():
+    for forget_bias in (1.0, float("nan"), "x"):
+        with pytest.raises(ValueError, match="^forget_bias: needs an LSTM"):
+            rnnkit.GRU(I, H, forget_bias=forget_bias, backend=REF)
+
+
+def test_layout_needs_an_rnnspec():
+    with pytest.raises(TypeError, match=r"^spec: expected an rnnkit\.RNNSpec, got str$"):
+        rnnkit.Layout("gru")
+    with pytest.raises(TypeError, match=r"^spec: expected an rnnkit\.RNNSpec, got CellSpec$"):
+        rnnkit.Layout(rnnkit.CellSpec("gru", I, H))
+
+
+def test_layout_view_names_the_valid_names():
+    layout = rnnkit.Layout(rnnkit.RNNSpec("gru", I, H))
+    with pytest.raises(ValueError, match=r"^name: expected one of this layout's names \(weight_ih_l0, weight_hh_l0, "
+                                         r"bias_ih_l0, bias_hh_l0\), got 'weight_ih'$"):
+        layout.view(layout.new_buffer(), "weight_ih")
+    big = rnnkit.Layout(rnnkit.RNNSpec("lstm", I, H, num_layers=3, bidirectional=True))
+    with pytest.raises(ValueError, match=r"weight_ih_l0_reverse, weight_hh_l0_reverse, \.\.\. \(24 in all\)\), got 'x'$"):
+        big.view(big.new_buffer(), "x")
+
+
+@pytest.mark.parametrize("make,error", [
+    (lambda numel: torch.zeros(10), rnnkit.functional.MismatchError),
+    (lambda numel: torch.zeros(1, numel), rnnkit.functional.MismatchError),
+    (lambda numel: [0.0] * numel, TypeError),
+], ids=["short", "2-D", "list"])
+def test_layout_view_checks_the_buffer(make, error):
+    layout = rnnkit.Layout(rnnkit.RNNSpec("gru", I, H))
+    flat = make(layout.numel)
+    with pytest.raises(error, match="^flat: expected .*1-D") as info:
+        layout.view(flat, "weight_hh_l0")
+    if error is not TypeError:
+        assert f"{layout.numel} values" in str(info.value) and str(tuple(flat.shape)) in str(info.value)
+
+
+def test_new_buffer_needs_a_floating_point_dtype():
+    layout = rnnkit.Layout(rnnkit.RNNSpec("gru", I, H))
+    with pytest.raises(TypeError, match=r"^dtype: expected a floating-point dtype, got torch\.int64$"):
+        layout.new_buffer(dtype=torch.int64)
+    assert layout.new_buffer(dtype=torch.float64).dtype == torch.float64

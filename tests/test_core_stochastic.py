@@ -326,3 +326,22 @@ def test_a_dropout_of_one_drops_everything_as_torch_nn_does(backend):
         got = module.train()(x)[0]
         assert torch.isfinite(got).all(), option
         assert_close(got, expected)
+
+
+@pytest.mark.parametrize("lengths", [None, [6, 2, 4, 5]], ids=["padded", "lengths"])
+@pytest.mark.parametrize("mode", ["gru", "lstm"])
+def test_every_backend_draws_the_same_dropout_masks_under_a_seed(mode, lengths):
+    """native handed the dropout to torch's op, which drew its own masks (on the packed data
+    with lengths): 0.31 away from the reference's under the same seed."""
+    x = torch.randn(T, B, I)
+    outputs = {}
+    for backend in ("native", "fused", "reference"):
+        torch.manual_seed(0)
+        module = (rnnkit.GRU if mode == "gru" else rnnkit.LSTM)(I, H, num_layers=3, dropout=0.5, backend=backend)
+        torch.manual_seed(1)
+        outputs[backend] = module.train()(x, lengths=lengths)[0]
+        assert module.last_backend == backend
+        outputs[backend + " next draw"] = torch.rand(3)  # the same number of draws, too
+    for backend in ("native", "fused"):
+        assert_close(outputs[backend], outputs["reference"])
+        assert torch.equal(outputs[backend + " next draw"], outputs["reference next draw"])

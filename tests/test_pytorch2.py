@@ -498,6 +498,27 @@ def test_vmap_over_stacked_ensemble(name, backend):
     assert_close(actual, expected, f"{name} vmap over an ensemble")
 
 
+@pytest.mark.parametrize("backend", ["auto", "fused", "reference"])
+@pytest.mark.parametrize("option", [dict(recurrent_dropout=0.3), dict(input_dropout=0.3), dict(dropconnect=0.3),
+                                    dict(zoneout=0.3), dict(num_layers=2, dropout=0.3)],
+                         ids=["recurrent_dropout", "input_dropout", "dropconnect", "zoneout", "dropout"])
+def test_vmap_ensemble_in_training_draws_each_members_masks(backend, option):
+    """vmap(randomness="different") over an ensemble in training refused every regularizer
+    ("Cannot ask for different inplace randomness on an unbatched tensor"), where torch.nn's
+    Dropout works: masks are drawn out of place under vmap. Members with equal weights get
+    different masks with "different", the same with "same"."""
+    member = rnnkit.GRU(INPUT, HIDDEN, backend=backend, **option).train()
+    params, buffers = stack_module_state([member, copy.deepcopy(member)])
+    base = copy.deepcopy(member).to("meta")
+    x = torch.randn(T, B, INPUT)
+    run = lambda p, b: functional_call(base, (p, b), (x,))[0]  # noqa: E731
+    different = vmap(run, randomness="different")(params, buffers)
+    assert different.shape == (2, T, B, HIDDEN) and torch.isfinite(different).all()
+    assert (different[0] - different[1]).abs().max() > 1e-3
+    same = vmap(run, randomness="same")(params, buffers)
+    assert_close(same[0], same[1])
+
+
 # ---- 4. torch.onnx.export of the whole model ---------------------------------------------------
 
 ONNX_CASES = {  # name -> (layer, with lengths)
@@ -1049,3 +1070,26 @@ def test_torchscript_as_the_readme_says():
         traced = torch.jit.trace(module, (torch.randn(3, 2, 4),), check_trace=False)
     x = torch.randn(6, 3, 4)
     assert torch.equal(traced(x)[0], module(x)[0])
+
+
+@pytest.mark.parametrize("make", [lambda b: rnnkit.GRU(INPUT, HIDDEN, backend=b),
+                                  lambda b: rnnkit.LSTM(INPUT, HIDDEN, peephole=True, layer_norm=True, backend=b)],
+                         ids=["gru", "lstm_peephole_ln"])
+def test_forward_mode_ad_runs_on_the_reference_backend(make):
+    """jacfwd / jvp / forward_ad failed on 'auto' with "You must implement the jvp function"
+    (the fused op has no jvp rule); 'auto' now picks a backend that has one, and a named fused
+    backend says why it cannot."""
+    import torch.autograd.forward_ad as fwAD
+
+    module = make("auto").double().eval()
+    x = torch.randn(3, 2, INPUT, dtype=torch.float64)
+    forward = torch.func.jacfwd(lambda v: module(v)[0])(x)
+    backward = torch.func.jacrev(lambda v: module(v)[0])(x)
+    assert_close(forward, backward)
+    tangent = torch.randn_like(x)
+    with fwAD.dual_level():
+        y = module(fwAD.make_dual(x, tangent))[0]
+        assert_close(fwAD.unpack_dual(y).tangent, torch.einsum("tbhsci,sci->tbh", backward, tangent))
+    fused = make("fused").double()
+    with pytest.raises(rnnkit.BackendUnavailableError, match="forward-mode AD"):
+        torch.func.jvp(lambda v: fused(v)[0], (x,), (tangent,))

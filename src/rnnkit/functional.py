@@ -8,14 +8,16 @@ direction, and merges their outputs. On top of it sit the cuDNN-style calls
 """
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from . import backend as backends_
 from .masks import draw_pass, layer_dropout
-from .params import Layout, PassWeights
+from .params import Layout, PassWeights, check_spec
 from .spec import RNNSpec
 
 State = Union[torch.Tensor, List[torch.Tensor]]
@@ -86,11 +88,20 @@ def check_weights(spec: RNNSpec, weights, layout: Layout) -> torch.Tensor:
     return weights
 
 
-def check_input(spec: RNNSpec, input, weights: torch.Tensor, batch_first: bool) -> Tuple[torch.Tensor, bool]:
-    """-> (x time-major [T, B, I], unbatched)."""
+def check_input(spec: RNNSpec, input, weights: torch.Tensor, batch_first: bool, *,
+                packed: bool = True) -> Tuple[torch.Tensor, bool]:
+    """-> (x time-major [T, B, I], unbatched).
+
+    ``packed``: the caller takes a PackedSequence (and unpacks it before this check), so a
+    wrong input's message offers one; `forward_training` takes none.
+    """
     layout = "(B, T, input_size)" if batch_first else "(T, B, input_size)"
+    if isinstance(input, PackedSequence):  # only a caller that takes none gets one here
+        raise TypeError(f"input: expected a padded tensor {layout} with its lengths= here, got a PackedSequence "
+                        "(torch.nn.utils.rnn.pad_packed_sequence gives both)")
     if not isinstance(input, torch.Tensor):
-        raise TypeError(f"input: expected a tensor {layout} or a PackedSequence, got {type(input).__name__}")
+        accepted = f"a tensor {layout}" + (" or a PackedSequence" if packed else "")
+        raise TypeError(f"input: expected {accepted}, got {type(input).__name__}")
     if input.dim() not in (2, 3):
         raise ValueError(f"input: expected a 3-D tensor {layout} or a 2-D unbatched (T, input_size), got shape {_shape(input)}")
     if input.shape[-1] != spec.input_size:
@@ -428,24 +439,44 @@ def rnn(
     Args:
         spec: the stack's `RNNSpec`.
         weights: the packed 1-D parameter buffer (``Layout(spec).numel`` values).
-        input: (T, B, I), or (B, T, I) with ``batch_first``, or unbatched (T, I).
+        input: (T, B, I), or (B, T, I) with ``batch_first``, or unbatched (T, I); or a
+            PackedSequence (time-major data, lengths=None), and then y is one, packed the same way.
         hx: initial states, zeros when None. GRU/RNN: h_0 (L·D, B, Hr); LSTM: (h_0, c_0) with
             c_0 (L·D, B, H). With per-layer sizes each is a list of L tensors (D, B, Hr_k).
         lengths: (B,) integers in [1, T], in any order; steps t >= length output zeros and
             leave the state alone.
         training: draw dropout / zoneout masks (True) or use the expectation (False).
         backend: "auto", "reference", or another registered backend's name.
+        layout: ``Layout(spec)``, made once by a caller that runs the same spec often; built
+            here when None. It must be this spec's (``layout.spec == spec``).
         batch_first: overrides ``spec.batch_first``.
 
     Returns:
         (y, h_n) or, for LSTM, (y, (h_n, c_n)); y is (T, B, D·Hr) (``merge="sum"``: Hr).
     """
-    layout = layout if layout is not None else Layout(spec)
+    from .nn import sequence_call  # nn imports this module
+
+    check_spec(spec)
+    if layout is None:
+        layout = Layout(spec)
+    elif not isinstance(layout, Layout):
+        raise TypeError(f"layout: expected an rnnkit.Layout (Layout(spec)) or None, got {type(layout).__name__}")
+    elif layout.spec != spec:
+        differ = [f.name for f in dataclasses.fields(spec) if getattr(spec, f.name) != getattr(layout.spec, f.name)]
+        theirs = ", ".join(f"{name}={getattr(layout.spec, name)!r}" for name in differ)
+        ours = ", ".join(f"{name}={getattr(spec, name)!r}" for name in differ)
+        raise ValueError(f"layout: expected the layout of this spec (Layout(spec)), got one of a spec with {theirs}; "
+                         f"spec has {ours}")
     batch_first = spec.batch_first if batch_first is None else batch_first
     check_weights(spec, weights, layout)
-    y, hy, _ = run(spec, layout.all_pass_weights(weights), input, hx, lengths, training=training, backend=backend,
-                   batch_first=batch_first, like=weights)
-    return y, hy
+    passes = layout.all_pass_weights(weights)
+
+    def run_padded(x, h0, lens, x_batch_first):  # a PackedSequence arrives here padded, with its lengths
+        y, hy, _ = run(spec, passes, x, h0, lens, training=training, backend=backend, batch_first=x_batch_first,
+                       like=weights)
+        return y, hy
+
+    return sequence_call(run_padded, input, hx, lengths, batch_first)
 
 
 # ---- cuDNN's four calls --------------------------------------------------------------
@@ -466,6 +497,12 @@ def _zero_state(spec: RNNSpec, x_time_major: torch.Tensor, unbatched: bool):
     return (h, join_states(spec, c0s, unbatched)) if spec.mode == "lstm" else h
 
 
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a new leaf that requires grad. An inference tensor is copied: autograd
+    records nothing on one."""
+    return (t.clone() if t.is_inference() else t.detach()).requires_grad_(True)
+
+
 class Reserve:
     """What `backward_data` and `backward_weights` need from `forward_training`.
 
@@ -483,7 +520,10 @@ class Reserve:
 def forward_training(spec: RNNSpec, weights: torch.Tensor, input: torch.Tensor, hx=None, lengths=None, *, backend: str = "auto"):
     """Forward pass in training mode that records what backward needs (cudnnRNNForwardTraining).
 
-    Shapes as in `rnn`. Dropouts and zoneout draw their masks.
+    Shapes as in `rnn`, with a padded tensor input (a PackedSequence is refused: pad it and pass
+    its lengths). Dropouts and zoneout draw their masks. Not under torch.inference_mode(), which
+    records nothing for backward (`forward_inference` is the call there); inference tensors
+    made under it are taken outside it (copied).
 
     Returns:
         (y, hy, reserve): ``hy`` is h_n, or (h_n, c_n) for LSTM; pass ``reserve`` to
@@ -494,14 +534,17 @@ def forward_training(spec: RNNSpec, weights: torch.Tensor, input: torch.Tensor, 
         >>> dx, dhx, dcx = backward_data(reserve, dy)
         >>> dw = backward_weights(reserve)
     """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("forward_training: called under torch.inference_mode(), which records nothing for "
+                           "backward_data; call it outside inference mode, or use forward_inference")
     layout = Layout(spec)
     check_weights(spec, weights, layout)
-    x_tm, unbatched = check_input(spec, input, weights, spec.batch_first)
+    x_tm, unbatched = check_input(spec, input, weights, spec.batch_first, packed=False)
     if hx is None:
         hx = _zero_state(spec, x_tm, unbatched)
-    x_leaf = input.detach().requires_grad_(True)
-    hx_leaf = _map(hx, lambda t: t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) else t)
-    w_leaf = weights.detach().requires_grad_(True)
+    x_leaf = _leaf(input)
+    hx_leaf = _map(hx, lambda t: _leaf(t) if isinstance(t, torch.Tensor) else t)
+    w_leaf = _leaf(weights)
     with torch.enable_grad():
         y, hy = rnn(spec, w_leaf, x_leaf, hx_leaf, lengths, training=True, backend=backend, layout=layout)
     reserve = Reserve(spec, (x_leaf, hx_leaf), w_leaf, (y, hy))
@@ -511,7 +554,8 @@ def forward_training(spec: RNNSpec, weights: torch.Tensor, input: torch.Tensor, 
 def forward_inference(spec: RNNSpec, weights: torch.Tensor, input: torch.Tensor, hx=None, lengths=None, *, backend: str = "auto"):
     """Forward pass in inference mode, keeping no per-step activations (cudnnRNNForwardInference).
 
-    Zoneout uses its expectation; dropouts are off. Returns (y, hy) as `rnn`.
+    Zoneout uses its expectation; dropouts are off. Arguments and (y, hy) as `rnn` (a PackedSequence
+    input too).
     """
     with torch.no_grad():
         return rnn(spec, weights, input, hx, lengths, training=False, backend=backend)
@@ -572,7 +616,7 @@ def backward_weights(reserve: Reserve, dweights: Optional[torch.Tensor] = None, 
         dweights: a packed buffer to write into (shape and dtype of the weights); a new
             one is returned when None.
         accumulate: add into ``dweights`` (cuDNN's CUDNN_WGRAD_MODE_ADD) instead of
-            overwriting it (CUDNN_WGRAD_MODE_SET).
+            overwriting it (CUDNN_WGRAD_MODE_SET); needs ``dweights``.
     """
     if not isinstance(reserve, Reserve):
         raise TypeError(f"reserve: expected the Reserve returned by forward_training, got {type(reserve).__name__}")
@@ -580,6 +624,9 @@ def backward_weights(reserve: Reserve, dweights: Optional[torch.Tensor] = None, 
         raise RuntimeError("reserve: call backward_data before backward_weights (as with cuDNN)")
     grad = reserve._dweights
     if dweights is None:
+        if accumulate:
+            raise ValueError("accumulate: True adds the gradient into dweights, got dweights=None; pass the buffer "
+                             "to add into, or accumulate=False for a new one")
         return grad.clone()
     check_tensor("dweights", dweights, _shape(grad), grad)
     with torch.no_grad():

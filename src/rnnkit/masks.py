@@ -30,16 +30,33 @@ class PassMasks(NamedTuple):
     zoneout_c: Zoneout = None
 
 
+def _under_vmap() -> bool:
+    if torch.compiler.is_compiling():  # first: Dynamo must not trace the call below
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+
+
+def _bernoulli(shape, q: float, like: torch.Tensor) -> torch.Tensor:
+    """1 with probability q, else 0. Under torch.func.vmap drawn out of place: with
+    ``randomness="different"`` vmap refuses an in-place draw into a tensor it has not batched,
+    and draws each member's own mask from this one."""
+    if _under_vmap():
+        return torch.bernoulli(torch.full(shape, q, dtype=like.dtype, device=like.device))
+    return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(q)
+
+
 def _dropout_mask(shape, p: float, like: torch.Tensor) -> torch.Tensor:
     """Keep with probability 1 − p, scaled by 1/(1 − p); all zeros for p = 1 (as torch's dropout)."""
-    mask = torch.empty(shape, dtype=like.dtype, device=like.device)
     if p >= 1.0:
-        return mask.zero_()
-    return mask.bernoulli_(1.0 - p).div_(1.0 - p)
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+    return _bernoulli(shape, 1.0 - p, like).div_(1.0 - p)
 
 
 def _keep_old(shape, p: float, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(p)
+    return _bernoulli(shape, p, like)
 
 
 class PassDraw(NamedTuple):

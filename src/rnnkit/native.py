@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
+from .masks import layer_dropout
 from .spec import RNNSpec, options_in_use
 
 _OPS = {"lstm": "lstm", "gru": "gru", "rnn_tanh": "rnn_tanh", "rnn_relu": "rnn_relu"}
@@ -65,12 +66,31 @@ class NativeBackend:
         return op(x, h0, w.W, w.R, w.b_W, w.b_R), None
 
     def run_stack(self, spec, weights, x, h0s, c0s, lengths, training):
-        """Whole stack through torch._VF -> (y [T, B, F], h_ns, c_ns) as functional.run_stack."""
+        """Whole stack through torch._VF -> (y [T, B, F], h_ns, c_ns) as functional.run_stack.
+
+        With dropout between layers in training, layer by layer: the dropout masks come from
+        masks.py, as for every backend (torch's op would draw its own, on packed data with
+        lengths), so a seed gives the same masks whichever backend runs."""
+        if training and spec.dropout and spec.num_layers > 1:
+            D, y, h_ns, c_ns = spec.num_directions, x, [], []
+            for layer in range(spec.num_layers):
+                part = slice(layer * D, (layer + 1) * D)
+                y, h_n, c_n = self._run(spec, 1, weights[part], y, h0s[part], None if c0s is None else c0s[part],
+                                        lengths)
+                h_ns += h_n
+                c_ns = None if c_n is None else c_ns + c_n
+                if layer < spec.num_layers - 1:
+                    y = layer_dropout(y, spec.dropout)
+            return y, h_ns, c_ns
+        return self._run(spec, spec.num_layers, weights, x, h0s, c0s, lengths)
+
+    def _run(self, spec, num_layers, weights, x, h0s, c0s, lengths):
+        """``num_layers`` layers (their ``weights``, ``h0s``, ``c0s``) through torch._VF, no dropout."""
         flat_weights = [getattr(w, slot) for w in weights for slot in _TORCH_SLOTS if getattr(w, slot) is not None]
         hx = torch.stack(h0s)
         state = (hx, torch.stack(c0s)) if spec.mode == "lstm" else hx
         op = getattr(torch._VF, _OPS[spec.mode])
-        args = (flat_weights, spec.bias_mode == "double", spec.num_layers, spec.dropout, training, spec.bidirectional)
+        args = (flat_weights, spec.bias_mode == "double", num_layers, 0.0, False, spec.bidirectional)
         if lengths is None or x.shape[1] == 0:  # an empty batch has nothing to pack
             out = op(x, state, *args, False)
         else:

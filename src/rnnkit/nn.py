@@ -11,7 +11,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from . import backend as backends_
 from . import functional
 from .masks import draw_pass
-from .params import TORCH_PIECES, Layout, PassWeights, initialize
+from .params import TORCH_PIECES, Layout, PassWeights, check_forget_bias, initialize
 from .passes import _direct
 from .spec import RNNSpec, _flag
 
@@ -131,7 +131,8 @@ class _PackedModule(nn.Module):
         for e in torch_first:  # torch.nn's parameter order, the extras after
             self.register_parameter(e.name, nn.Parameter(flat[e.offset:e.offset + e.numel].view(e.shape)))
         self._set_flat(flat)
-        self.reset_parameters(forget_bias=forget_bias)
+        self.forget_bias = check_forget_bias(spec, forget_bias)  # here too: reset_parameters skips the meta device
+        self.reset_parameters()
 
     # ---- the packed buffer -------------------------------------------------------------------
 
@@ -369,7 +370,16 @@ class _PackedModule(nn.Module):
             self.flatten_parameters()
 
     def reset_parameters(self, forget_bias: Optional[float] = None) -> None:
-        """Re-draw the weights as torch.nn does (uniform ±1/sqrt(H)); LN gains 1, shifts 0."""
+        """Re-draw the weights as torch.nn does (uniform ±1/sqrt(H)); LN gains 1, shifts 0.
+
+        Args:
+            forget_bias: the LSTM forget gate's initial bias; None: the module's ``forget_bias``
+                (the constructor's), so that ``to_empty`` + ``reset_parameters()`` initializes
+                as the constructor would. Set ``module.forget_bias = None`` for torch.nn's
+                uniform forget-gate bias.
+        """
+        if forget_bias is None:
+            forget_bias = getattr(self, "forget_bias", None)  # None in a module pickled before it was kept
         any_param = next((p for p in (self._parameters.get(n) for n in self._names) if p is not None), None)
         if any_param is None or any_param.device.type == "meta":
             return
@@ -732,7 +742,8 @@ class LSTM(_Recurrent):
     `PackedSequence` when the input is one; h_n and c_n shaped like h_0 and c_0.
 
     Attributes:
-        weight_ih_l{k}{_reverse} (nn.Parameter): W of layer k, (4H, I) for k = 0, else (4H, D·Hr); (3H, ·) with coupled gates.
+        weight_ih_l{k}{_reverse} (nn.Parameter): W of layer k, (4H, I) for k = 0, else (4H, D·Hr); 3H rows
+            instead of 4H here and below with coupled gates.
         weight_hh_l{k}{_reverse} (nn.Parameter): R, (4H, Hr).
         bias_ih_l{k}{_reverse}, bias_hh_l{k}{_reverse} (nn.Parameter): b_W and b_R, (4H,), as `bias_mode` keeps them.
         weight_hr_l{k}{_reverse} (nn.Parameter): W_hr, (P, H), with a projection.
@@ -867,6 +878,10 @@ class _Cell(_PackedModule):
         sequence_level = sorted(set(options) & set(_SEQUENCE_LEVEL))
         if sequence_level:
             _per_sequence(sequence_level[0])
+        for name, value in (("hidden_size", hidden_size), ("proj_size", options.get("proj_size", 0))):
+            if isinstance(value, (list, tuple)):
+                raise TypeError(f"{name}: expected an int for a cell (a list gives a stack's per-layer sizes), got "
+                                f"{type(value).__name__} {value!r}")
         spec = RNNSpec(mode, input_size, hidden_size, 1, bias_mode=_bias_mode(bias, bias_mode), **options)
         self._init_packed(spec, False, backend, forget_bias, device, dtype)
 

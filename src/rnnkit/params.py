@@ -22,6 +22,7 @@ always views of the current buffer (after ``.to()``, ``load_state_dict``, deepco
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
@@ -115,6 +116,13 @@ def cell_pieces(cell: CellSpec) -> List[Tuple[str, Tuple[int, ...]]]:
 TORCH_PIECES = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")
 
 
+def check_spec(spec) -> RNNSpec:
+    """An `RNNSpec`, or a TypeError naming what came instead (a mode string, a CellSpec, ...)."""
+    if not isinstance(spec, RNNSpec):
+        raise TypeError(f"spec: expected an rnnkit.RNNSpec, got {type(spec).__name__}")
+    return spec
+
+
 class Layout:
     """Where every parameter of a stack (or a cell) lives in the packed buffer.
 
@@ -125,6 +133,7 @@ class Layout:
     """
 
     def __init__(self, spec: RNNSpec, suffixes: bool = True):
+        check_spec(spec)
         if not suffixes and (spec.num_layers != 1 or spec.bidirectional):
             raise ValueError("Layout: suffix-free names need one layer and one direction")
         self.spec = spec
@@ -150,8 +159,24 @@ class Layout:
         return iter(self.entries)
 
     def view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        entry = self.index[name]
+        """The piece ``name`` (an entry's name, e.g. ``"weight_hh_l0"``) as a view of ``flat``."""
+        self._check_buffer(flat)
+        entry = self.index.get(name)
+        if entry is None:
+            names = list(self.index)
+            shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+            raise ValueError(f"name: expected one of this layout's names ({shown}), got {name!r}")
         return flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
+
+    def _check_buffer(self, flat) -> None:
+        """A 1-D tensor of ``numel`` values, or an error naming ``flat``."""
+        from .functional import MismatchError  # functional imports this module
+
+        if not isinstance(flat, torch.Tensor):
+            raise TypeError(f"flat: expected the packed 1-D parameter tensor, got {type(flat).__name__}")
+        if flat.dim() != 1 or flat.numel() != self.numel:
+            raise MismatchError(f"flat: expected a 1-D tensor of {self.numel} values (this layout's numel), "
+                                f"got shape {tuple(flat.shape)}")
 
     def named_views(self, flat: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {e.name: flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries}
@@ -181,9 +206,31 @@ class Layout:
 
     def new_buffer(self, device=None, dtype=None, forget_bias: Optional[float] = None) -> torch.Tensor:
         """A freshly initialized packed buffer (see `initialize`)."""
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype: expected a floating-point dtype, got {dtype!r}")
         flat = torch.empty(self.numel, device=device, dtype=dtype or torch.get_default_dtype())
         initialize(self, flat, forget_bias=forget_bias)
         return flat
+
+
+def check_forget_bias(spec: RNNSpec, forget_bias) -> Optional[float]:
+    """``forget_bias`` as a float (or None), or an error naming it: it needs an LSTM with a forget
+    gate and a bias, and a finite real number."""
+    if forget_bias is None:
+        return None
+    if spec.mode != "lstm" or spec.coupled_gates:
+        raise ValueError(
+            f"forget_bias: needs an LSTM with a forget gate, got mode={spec.mode!r}, "
+            f"coupled_gates={spec.coupled_gates}"
+        )
+    if spec.bias_mode == "none":
+        raise ValueError("forget_bias: needs a bias, got bias_mode='none'")
+    if not isinstance(forget_bias, numbers.Real) or isinstance(forget_bias, bool):
+        raise TypeError(f"forget_bias: expected a real number (int or float) or None, got {type(forget_bias).__name__}")
+    forget_bias = float(forget_bias)
+    if not math.isfinite(forget_bias):
+        raise ValueError(f"forget_bias: expected a finite number, got {forget_bias}")
+    return forget_bias
 
 
 @torch.no_grad()
@@ -195,16 +242,10 @@ def initialize(layout: Layout, flat: torch.Tensor, forget_bias: Optional[float] 
     rnnkit stack without extras starts from the same weights as its torch.nn twin.
     Layer-norm gains start at 1 and shifts at 0. ``forget_bias`` (LSTM without coupled
     gates) sets the forget-gate slice of the bias to that value (split between the biases
-    of "double" mode as bias_ih = forget_bias, bias_hh = 0).
+    of "double" mode as bias_ih = forget_bias, bias_hh = 0); a finite real number or None.
     """
     spec = layout.spec
-    if forget_bias is not None and (spec.mode != "lstm" or spec.coupled_gates):
-        raise ValueError(
-            f"forget_bias: needs an LSTM with a forget gate, got mode={spec.mode!r}, "
-            f"coupled_gates={spec.coupled_gates}"
-        )
-    if forget_bias is not None and spec.bias_mode == "none":
-        raise ValueError("forget_bias: needs a bias, got bias_mode='none'")
+    forget_bias = check_forget_bias(spec, forget_bias)
     standard = [e for e in layout if e.piece in TORCH_PIECES]
     extras = [e for e in layout if e.piece not in TORCH_PIECES]
     for entry in standard + extras:

@@ -192,6 +192,22 @@ def _any_batched(values) -> bool:
                for v in values if isinstance(v, torch.Tensor))
 
 
+def forward_ad_reason() -> Optional[str]:
+    """Why the passes' ops cannot run now, when forward-mode AD is on (torch.func.jvp / jacfwd,
+    torch.autograd.forward_ad): they have a backward rule and a vmap rule, no jvp rule. None
+    otherwise (and always while torch.compile traces)."""
+    if torch.compiler.is_compiling():
+        return None
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    if torch.autograd.forward_ad._current_level >= 0 or any(
+            i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters()):
+        return ("forward-mode AD (torch.func.jvp / jacfwd, torch.autograd.forward_ad) needs a jvp rule, which these "
+                "kernels' ops do not have; backend='reference' (chosen by 'auto') computes it")
+    return None
+
+
 def _direct(x: torch.Tensor) -> bool:
     """Whether an op's implementation can be called without the dispatcher: eager, plain tensors,
     no torch.func transform, no dispatch mode (fake tensors, export), no tracing."""

@@ -121,6 +121,25 @@ class CellSpec:
     zoneout_h: float = 0.0
     zoneout_c: float = 0.0
 
+    def __post_init__(self):
+        """The values RNNSpec would take for one layer (a CellSpec built by hand is checked too)."""
+        if self.mode not in MODES:
+            raise _fail("mode", f"one of {MODES}", self.mode)
+        _positive_int("input_size", self.input_size)
+        _positive_int("hidden_size", self.hidden_size)
+        if isinstance(self.proj_size, bool) or not isinstance(self.proj_size, numbers.Integral):
+            raise TypeError(f"proj_size: expected an int, got {type(self.proj_size).__name__} {self.proj_size!r}")
+        if not 0 <= self.proj_size < self.hidden_size:
+            raise _fail("proj_size", f"0 (none) or a size smaller than hidden_size ({self.hidden_size})", self.proj_size)
+        for name in ("peephole", "coupled_gates", "reset_after", "layer_norm"):
+            _flag(name, getattr(self, name))
+        if self.bias_mode not in BIAS_MODES:
+            raise _fail("bias_mode", f"one of {BIAS_MODES}", self.bias_mode)
+        _clip("cell_clip", self.cell_clip)
+        _clip("proj_clip", self.proj_clip)
+        _probability("zoneout_h", self.zoneout_h)
+        _probability("zoneout_c", self.zoneout_c)
+
     @property
     def gates(self) -> int:
         """Number of gate blocks G in W and R (a coupled LSTM has 3: i, g, o)."""
@@ -177,10 +196,10 @@ def _flag(name: str, value) -> bool:
 def _clip(name: str, value) -> Optional[float]:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise TypeError(f"{name}: expected None or a positive finite float, got {value!r}")
-    if value <= 0:
-        raise _fail(name, "None or a positive float", value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected None or a positive finite float, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise _fail(name, "None or a positive finite float", value)
     return float(value)
 
 
@@ -344,6 +363,9 @@ class RNNSpec:
                 raise ValueError(f"{name}: expected a size smaller than hidden_size ({hidden}), got {proj}")
         if self.proj_clip is not None and not any(self.proj_sizes):
             raise ValueError("proj_clip: needs a projection (proj_size > 0), got proj_size=0")
+        if self.merge != "concat" and not self.bidirectional:
+            raise ValueError(f"merge: {self.merge!r} merges the two directions' outputs, so it needs "
+                             "bidirectional=True, got bidirectional=False")
 
     # ---- derived sizes -------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from typing import List, Optional
 
 import torch
 
-from ..passes import run_pass
+from ..passes import forward_ad_reason, run_pass
 from . import build
 from .ops import OPS
 
@@ -154,7 +154,7 @@ class FusedCPUBackend:
             return f"runs on CPU tensors only, got device {device}"
         if dtype not in _NATIVE + _IN_FLOAT32:
             return f"runs in float32, float64, bfloat16 and float16, got {dtype}"
-        return None
+        return forward_ad_reason()
 
     def run_pass(self, cell, x, h0, c0, weights, lengths, reverse, masks):
         if x.dtype in _NATIVE:

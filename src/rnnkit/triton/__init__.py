@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ..passes import run_pass
+from ..passes import forward_ad_reason, run_pass
 from .ops import OPS, interpreting, kernels, loaded
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -85,7 +85,7 @@ class TritonBackend:
                     "under Triton's interpreter)")
         if dtype not in _DTYPES:
             return f"runs in float32, float64, bfloat16 and float16, got {dtype}"
-        return None
+        return forward_ad_reason()
 
     def run_pass(self, cell, x, h0, c0, weights, lengths, reverse, masks):
         return run_pass(OPS, cell, x, h0, c0, weights, lengths, reverse, masks)
