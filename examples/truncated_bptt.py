@@ -31,6 +31,6 @@ for epoch in range(5):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        hx = tuple(h.detach() for h in hx)  # keep the values, drop the graph (h_n, c_n)
+        hx = rnnkit.detach_state(hx)  # keep the values, drop the graph (h_n, c_n)
         total += loss.item()
     print(f"epoch {epoch}: mean loss {total / (T // chunk):.5f}")

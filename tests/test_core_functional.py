@@ -272,3 +272,26 @@ def test_rnn_refuses_the_layout_of_another_spec():
         rnnkit.rnn(spec, weights, x, layout="lstm")
     y, _ = rnnkit.rnn(spec, weights, x, layout=rnnkit.Layout(spec), backend=REF)
     assert torch.equal(y, rnnkit.rnn(spec, weights, x, backend=REF)[0])
+
+
+@pytest.mark.parametrize("make", [lambda: rnnkit.LSTM(4, [6, 5], num_layers=2, proj_size=[3, 0]),
+                                  lambda: rnnkit.GRU(4, 6, num_layers=2), lambda: rnnkit.RNN(4, 6),
+                                  lambda: rnnkit.LSTM(4, 6, num_layers=2, batch_first=True)],
+                         ids=["lstm-per-layer", "gru", "rnn", "lstm"])
+def test_detach_state_carries_every_form_of_state(make):
+    """The README's TBPTT loop (tuple(s.detach() for s in state)) failed for per-layer states
+    and split a GRU's tensor into a tuple; detach_state keeps each form."""
+    module = make()
+    x = torch.randn(3, 8, 4) if module.batch_first else torch.randn(8, 3, 4)
+    full, _ = module(x)
+    state, outputs = None, []
+    for chunk in x.split(3, dim=1 if module.batch_first else 0):
+        y, state = module(chunk, state)
+        y.sum().backward()  # each chunk's graph stands alone
+        outputs.append(y.detach())
+        state = rnnkit.detach_state(state)
+        assert all(t.grad_fn is None and not t.requires_grad for t in rnnkit.functional._leaves(state))
+    assert_close(torch.cat(outputs, 1 if module.batch_first else 0), full)
+    assert rnnkit.detach_state(None) is None
+    with pytest.raises(TypeError, match="state: expected a module's final state"):
+        rnnkit.detach_state([torch.zeros(1), "h"])

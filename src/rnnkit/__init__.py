@@ -7,7 +7,7 @@
 See docs/spec.md for the equations and README.md for the tour.
 """
 from .backend import BackendUnavailableError, backends
-from .functional import backward_data, backward_weights, forward_inference, forward_training, rnn
+from .functional import backward_data, backward_weights, detach_state, forward_inference, forward_training, rnn
 from .nn import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
 from .params import Layout, PassWeights
 from . import quantized
@@ -23,6 +23,6 @@ __version__ = "0.1.0"
 __all__ = [
     "LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell",
     "RNNSpec", "CellSpec", "Layout", "PassWeights",
-    "rnn", "forward_training", "forward_inference", "backward_data", "backward_weights",
+    "rnn", "forward_training", "forward_inference", "backward_data", "backward_weights", "detach_state",
     "backends", "BackendUnavailableError", "quantize", "quantized",
 ]

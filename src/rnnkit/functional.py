@@ -491,6 +491,24 @@ def _map(tree, fn):
     return fn(tree)
 
 
+def detach_state(state):
+    """A final state with its values kept and its graph cut, for truncated BPTT: the next chunk
+    starts from these values and backpropagates no further back. Takes every form a module
+    returns (a tensor; an LSTM's ``(h_n, c_n)``; per-layer lists) and None.
+
+    Example:
+        >>> lstm = rnnkit.LSTM(8, [16, 12], num_layers=2)
+        >>> y, state = lstm(torch.randn(5, 3, 8))
+        >>> state = rnnkit.detach_state(state)    # ([h_l0, h_l1], [c_l0, c_l1]), no graph
+    """
+    if state is None:
+        return None
+    if not all(isinstance(t, torch.Tensor) for t in _leaves(state)):
+        raise TypeError(f"state: expected a module's final state (tensors, tuples and lists of them), got "
+                        f"{type(state).__name__}")
+    return _map(state, torch.Tensor.detach)
+
+
 def _zero_state(spec: RNNSpec, x_time_major: torch.Tensor, unbatched: bool):
     h0s, c0s = split_states(spec, None, x_time_major, unbatched)
     h = join_states(spec, h0s, unbatched)
