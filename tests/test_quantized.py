@@ -708,3 +708,30 @@ def test_cell_state_errors_are_the_float_cells(case):
     with torch.no_grad(), pytest.raises(type(expected.value)) as got:
         q(x, hx())
     assert str(got.value) == str(expected.value)
+
+
+def test_int8_modules_have_the_float_modules_attributes_and_setting_them_takes_effect():
+    """An int8 module had none of torch.nn's attributes (reading raised AttributeError) and
+    setting one (q.batch_first = True, q.zoneout = 0) made a plain attribute nothing read."""
+    torch.manual_seed(0)
+    float_module = rnnkit.LSTM(16, 32, 2, zoneout=0.3, cell_clip=0.5).eval()
+    q = rnnkit.quantize(float_module)
+    for name in ("mode", "input_size", "hidden_size", "num_layers", "bias", "batch_first", "dropout", "bidirectional",
+                 "proj_size", "zoneout", "cell_clip", "peephole", "layer_norm"):
+        assert getattr(q, name) == getattr(float_module, name), name
+    x = torch.randn(5, 3, 16)
+    with torch.no_grad():
+        for steps in (x, x[:1]):  # the general path and the one-step plans
+            q(steps)  # builds and caches what the old options need
+        q.zoneout, q.cell_clip, q.batch_first = 0.0, None, True
+        twin = rnnkit.LSTM(16, 32, 2, batch_first=True)
+        twin.load_state_dict(float_module.state_dict())
+        expected = rnnkit.quantize(twin.eval())
+        for steps in (x, x[:1]):
+            assert torch.equal(q(steps.transpose(0, 1))[0], expected(steps.transpose(0, 1))[0])
+    with pytest.raises(AttributeError, match="hidden_size is fixed"):
+        q.hidden_size = 8
+    cell = rnnkit.quantize(rnnkit.RNNCell(4, 5))
+    assert (cell.nonlinearity, cell.input_size, cell.hidden_size) == ("tanh", 4, 5)
+    with pytest.raises(TypeError, match="per-sequence"):
+        cell.recurrent_dropout = 0.1

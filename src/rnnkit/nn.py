@@ -96,7 +96,97 @@ def _already_packed(grads, packing, total: int) -> Optional[torch.Tensor]:
     return first.new_empty(0).set_(storage, start, (total,))
 
 
-class _PackedModule(nn.Module):
+def _rnn_mode(nonlinearity) -> str:
+    """RNN / RNNCell's ``nonlinearity`` -> the spec's mode, or a ValueError naming it."""
+    if nonlinearity not in ("tanh", "relu"):
+        raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
+    return f"rnn_{nonlinearity}"
+
+
+# RNN's and RNNCell's nonlinearity, read from the spec and set through it (_SpecAttributes._respec)
+_NONLINEARITY = property(lambda self: self.spec.mode[len("rnn_"):], lambda self, value: self._respec(mode=_rnn_mode(value)))
+
+TORCH_MODE = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN_TANH", "rnn_relu": "RNN_RELU"}  # torch.nn's .mode
+
+
+class _SpecAttributes:
+    """torch.nn's attribute names and rnnkit's options, read from ``self.spec`` (the float and
+    the int8 modules alike).
+
+    torch.nn reads its attributes at every call, so code sets them after construction (a
+    dropout schedule, batch_first for a new pipeline). Those the weights do not depend on
+    (dropout, batch_first, nonlinearity, the regularizers, the clips) take effect from the next
+    call; those that fix the weights' shapes or meaning raise when set, rather than being
+    quietly ignored.
+    """
+
+    spec: RNNSpec
+    layout: Layout
+
+    def _respec(self, **changes) -> None:
+        """Rebuild the spec with ``changes`` (validated as the constructor validates them)."""
+        spec = RNNSpec(**{**self.spec.options(), **changes})
+        self.spec, self.layout = spec, Layout(spec, suffixes=self.layout.suffixes)
+        for plans in ("_plan", "_plan_cache"):  # the one-step plans (float, int8) hold the old scalars
+            self.__dict__.pop(plans, None)
+
+    def _fixed(self, name: str):
+        raise AttributeError(f"{type(self).__name__}.{name} is fixed at construction (it sets the parameters' "
+                             f"shapes); build a new module instead")
+
+    input_size = property(lambda self: self.spec.input_size, lambda self, value: self._fixed("input_size"))
+    hidden_size = property(lambda self: list(self.spec.hidden_sizes) if self.spec.per_layer else self.spec.hidden_sizes[0],
+                           lambda self, value: self._fixed("hidden_size"))
+    bias = property(lambda self: self.spec.bias_mode != "none", lambda self, value: self._fixed("bias"))
+    # rnnkit's options, likewise: the parameters do not depend on these (a zoneout schedule,
+    # a clip changed for fine-tuning), on those below they do
+    zoneout = property(lambda self: self.spec.options()["zoneout"], lambda self, value: self._respec(zoneout=value))
+    cell_clip = property(lambda self: self.spec.cell_clip, lambda self, value: self._respec(cell_clip=value))
+    proj_clip = property(lambda self: self.spec.proj_clip, lambda self, value: self._respec(proj_clip=value))
+    reset_after = property(lambda self: self.spec.reset_after, lambda self, value: self._respec(reset_after=value))
+    peephole = property(lambda self: self.spec.peephole, lambda self, value: self._fixed("peephole"))
+    coupled_gates = property(lambda self: self.spec.coupled_gates, lambda self, value: self._fixed("coupled_gates"))
+    layer_norm = property(lambda self: self.spec.layer_norm, lambda self, value: self._fixed("layer_norm"))
+    bias_mode = property(lambda self: self.spec.bias_mode, lambda self, value: self._fixed("bias_mode"))
+
+
+class _StackAttributes(_SpecAttributes):
+    """A stack's attributes (see `_SpecAttributes`); mode as torch.nn spells it."""
+
+    mode = property(lambda self: TORCH_MODE[self.spec.mode], lambda self, value: self._fixed("mode"))
+    num_layers = property(lambda self: self.spec.num_layers, lambda self, value: self._fixed("num_layers"))
+    bidirectional = property(lambda self: self.spec.bidirectional, lambda self, value: self._fixed("bidirectional"))
+    proj_size = property(lambda self: list(self.spec.proj_sizes) if self.spec.per_layer else self.spec.proj_sizes[0],
+                         lambda self, value: self._fixed("proj_size"))
+    dropout = property(lambda self: self.spec.dropout, lambda self, value: self._respec(dropout=value))
+    batch_first = property(lambda self: self.spec.batch_first, lambda self, value: self._respec(batch_first=value))
+    input_dropout = property(lambda self: self.spec.input_dropout, lambda self, value: self._respec(input_dropout=value))
+    recurrent_dropout = property(lambda self: self.spec.recurrent_dropout,
+                                 lambda self, value: self._respec(recurrent_dropout=value))
+    dropconnect = property(lambda self: self.spec.dropconnect, lambda self, value: self._respec(dropconnect=value))
+    merge = property(lambda self: self.spec.merge, lambda self, value: self._fixed("merge"))
+
+
+class _CellAttributes(_SpecAttributes):
+    """A cell's attributes (see `_SpecAttributes`); a stack's per-sequence options read as off and
+    refuse to be set (as plain attributes, nothing would read them)."""
+
+    proj_size = property(lambda self: self.spec.proj_sizes[0], lambda self, value: self._fixed("proj_size"))
+
+
+def _per_sequence(name: str):
+    raise TypeError(f"{name}: a per-sequence option, which a one-step cell does not take; use rnnkit.LSTM / GRU / RNN "
+                    "(or apply the mask to the cell's input yourself)")
+
+
+_SEQUENCE_LEVEL = ("input_dropout", "recurrent_dropout", "dropconnect", "dropout", "bidirectional", "merge", "num_layers",
+                   "batch_first")
+for _name in _SEQUENCE_LEVEL:
+    setattr(_CellAttributes, _name, property(lambda self, _name=_name: getattr(self.spec, _name),
+                                             lambda self, value, _name=_name: _per_sequence(_name)))
+
+
+class _PackedModule(_SpecAttributes, nn.Module):
     """A module whose parameters alias one packed buffer ``flat_weights``.
 
     Every weight is an ordinary leaf ``nn.Parameter`` registered under torch.nn's name
@@ -178,37 +268,6 @@ class _PackedModule(nn.Module):
                 "flatten_parameters() to pack them again.",
                 stacklevel=3,
             )
-
-    # ---- torch.nn's attribute names, read from the spec -----------------------------------------
-    # torch.nn reads its attributes at every call, so code sets them after construction (a
-    # dropout schedule, batch_first for a new pipeline). Those the weights do not depend on
-    # (dropout, batch_first, nonlinearity) take effect from the next call; those that fix the
-    # weights' shapes raise when set, rather than being quietly ignored.
-
-    def _respec(self, **changes) -> None:
-        """Rebuild the spec with ``changes`` (validated as the constructor validates them)."""
-        spec = RNNSpec(**{**self.spec.options(), **changes})
-        self.spec, self.layout = spec, Layout(spec, suffixes=not isinstance(self, _Cell))
-        self.__dict__.pop("_plan", None)  # the one-step plans hold the old scalars
-
-    def _fixed(self, name: str):
-        raise AttributeError(f"{type(self).__name__}.{name} is fixed at construction (it sets the parameters' "
-                             f"shapes); build a new module instead")
-
-    input_size = property(lambda self: self.spec.input_size, lambda self, value: self._fixed("input_size"))
-    hidden_size = property(lambda self: list(self.spec.hidden_sizes) if self.spec.per_layer else self.spec.hidden_sizes[0],
-                           lambda self, value: self._fixed("hidden_size"))
-    bias = property(lambda self: self.spec.bias_mode != "none", lambda self, value: self._fixed("bias"))
-    # rnnkit's options, likewise: the parameters do not depend on these (a zoneout schedule,
-    # a clip changed for fine-tuning), on those below they do
-    zoneout = property(lambda self: self.spec.options()["zoneout"], lambda self, value: self._respec(zoneout=value))
-    cell_clip = property(lambda self: self.spec.cell_clip, lambda self, value: self._respec(cell_clip=value))
-    proj_clip = property(lambda self: self.spec.proj_clip, lambda self, value: self._respec(proj_clip=value))
-    reset_after = property(lambda self: self.spec.reset_after, lambda self, value: self._respec(reset_after=value))
-    peephole = property(lambda self: self.spec.peephole, lambda self, value: self._fixed("peephole"))
-    coupled_gates = property(lambda self: self.spec.coupled_gates, lambda self, value: self._fixed("coupled_gates"))
-    layer_norm = property(lambda self: self.spec.layer_norm, lambda self, value: self._fixed("layer_norm"))
-    bias_mode = property(lambda self: self.spec.bias_mode, lambda self, value: self._fixed("bias_mode"))
 
     def __getstate__(self):
         """deepcopy / pickle without the one-step plans (compiled objects; rebuilt on the next call)."""
@@ -525,20 +584,7 @@ def one_step_call(spec: RNNSpec, plans_of, input, hx, lengths):
     return (y, (h_n, torch.stack(cs))) if lstm else (y, h_n)
 
 
-def _rnn_mode(nonlinearity) -> str:
-    """RNN / RNNCell's ``nonlinearity`` -> the spec's mode, or a ValueError naming it."""
-    if nonlinearity not in ("tanh", "relu"):
-        raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
-    return f"rnn_{nonlinearity}"
-
-
-# RNN's and RNNCell's nonlinearity, read from the spec and set through it (_PackedModule._respec)
-_NONLINEARITY = property(lambda self: self.spec.mode[len("rnn_"):], lambda self, value: self._respec(mode=_rnn_mode(value)))
-
-TORCH_MODE = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN_TANH", "rnn_relu": "RNN_RELU"}  # torch.nn's .mode
-
-
-class _Recurrent(_PackedModule):
+class _Recurrent(_StackAttributes, _PackedModule):
     def __init__(
         self,
         mode: str,
@@ -570,20 +616,6 @@ class _Recurrent(_PackedModule):
             **options,
         )
         self._init_packed(spec, True, backend, forget_bias, device, dtype)
-
-    # torch.nn's attribute names (see _PackedModule._respec); mode as torch.nn spells it
-    mode = property(lambda self: TORCH_MODE[self.spec.mode], lambda self, value: self._fixed("mode"))
-    num_layers = property(lambda self: self.spec.num_layers, lambda self, value: self._fixed("num_layers"))
-    bidirectional = property(lambda self: self.spec.bidirectional, lambda self, value: self._fixed("bidirectional"))
-    proj_size = property(lambda self: list(self.spec.proj_sizes) if self.spec.per_layer else self.spec.proj_sizes[0],
-                         lambda self, value: self._fixed("proj_size"))
-    dropout = property(lambda self: self.spec.dropout, lambda self, value: self._respec(dropout=value))
-    batch_first = property(lambda self: self.spec.batch_first, lambda self, value: self._respec(batch_first=value))
-    input_dropout = property(lambda self: self.spec.input_dropout, lambda self, value: self._respec(input_dropout=value))
-    recurrent_dropout = property(lambda self: self.spec.recurrent_dropout,
-                                 lambda self, value: self._respec(recurrent_dropout=value))
-    dropconnect = property(lambda self: self.spec.dropconnect, lambda self, value: self._respec(dropconnect=value))
-    merge = property(lambda self: self.spec.merge, lambda self, value: self._fixed("merge"))
 
     def forward(self, input, hx=None, lengths=None):
         """Run the stack over a sequence.
@@ -856,22 +888,7 @@ class RNN(_Recurrent):
 
 # ---- cells: one step, for generation --------------------------------------------------
 
-_SEQUENCE_LEVEL = ("input_dropout", "recurrent_dropout", "dropconnect", "dropout", "bidirectional", "merge", "num_layers",
-                   "batch_first")
-
-
-def _per_sequence(name: str):
-    raise TypeError(f"{name}: a per-sequence option, which a one-step cell does not take; use rnnkit.LSTM / GRU / RNN "
-                    "(or apply the mask to the cell's input yourself)")
-
-
-def _refused_on_cells(name: str) -> property:
-    """A stack's option on a cell: reads as off, and setting it says why it cannot be (it was
-    kept as a plain attribute that nothing read)."""
-    return property(lambda self: getattr(self.spec, name), lambda self, value: _per_sequence(name))
-
-
-class _Cell(_PackedModule):
+class _Cell(_CellAttributes, _PackedModule):
     def __init__(self, mode, input_size, hidden_size, bias=True, *, bias_mode=None, forget_bias=None,
                  backend="auto", device=None, dtype=None, **options):
         super().__init__()
@@ -931,10 +948,6 @@ class _Cell(_PackedModule):
     def extra_repr(self) -> str:
         note = self._backend_note()
         return f"{self.input_size}, {self.hidden_size}" + (f", {note}" if note else "")
-
-
-for _name in _SEQUENCE_LEVEL:
-    setattr(_Cell, _name, _refused_on_cells(_name))
 
 
 class LSTMCell(_Cell):

@@ -137,6 +137,7 @@ class Layout:
         if not suffixes and (spec.num_layers != 1 or spec.bidirectional):
             raise ValueError("Layout: suffix-free names need one layer and one direction")
         self.spec = spec
+        self.suffixes = suffixes
         self.entries: List[ParamEntry] = []
         offset = 0
         for layer in range(spec.num_layers):

@@ -32,7 +32,8 @@ from torch import nn
 
 from . import functional
 from . import nn as float_nn
-from .nn import _Cell, _PackedModule, _Recurrent, check_cell_input, one_step_call, sequence_call, step_plans
+from .nn import (_NONLINEARITY, _Cell, _CellAttributes, _PackedModule, _Recurrent, _SpecAttributes, _StackAttributes,
+                 check_cell_input, one_step_call, sequence_call, step_plans)
 from .params import Layout, PassWeights
 from .passes import PASS_ARGUMENTS, _direct, mask_tensors, named, output_shapes, pass_scalars, pass_values
 
@@ -115,7 +116,7 @@ INT8 = Int8Backend()
 
 # ---- the modules -------------------------------------------------------------------------------
 
-class _Quantized(nn.Module):
+class _Quantized(_SpecAttributes, nn.Module):
     """A float module's weights, int8 where `MATRICES` says, as buffers under the float module's
     names (plus ``<name>_scale`` for each int8 matrix): state_dicts save with safetensors and load
     into a quantized module of the same configuration."""
@@ -245,7 +246,7 @@ class _Quantized(nn.Module):
         return ", ".join(parts + ["weights=int8"])
 
 
-class _QuantizedStack(_Quantized):
+class _QuantizedStack(_StackAttributes, _Quantized):
     _FLOAT = _Recurrent
 
     def forward(self, input, hx=None, lengths=None):
@@ -263,7 +264,7 @@ class _QuantizedStack(_Quantized):
         return y, hy
 
 
-class _QuantizedCell(_Quantized):
+class _QuantizedCell(_CellAttributes, _Quantized):
     _FLOAT = _Cell
 
     def forward(self, input, hx=None):
@@ -306,6 +307,7 @@ class RNN(_QuantizedStack):
     """`rnnkit.RNN` with int8 weights (made by `quantize`), for inference: the same call and outputs."""
 
     _FLOAT = float_nn.RNN
+    nonlinearity = _NONLINEARITY
 
 
 class LSTMCell(_QuantizedCell):
@@ -324,6 +326,7 @@ class RNNCell(_QuantizedCell):
     """`rnnkit.RNNCell` with int8 weights (made by `quantize`), for inference: the same call and outputs."""
 
     _FLOAT = float_nn.RNNCell
+    nonlinearity = _NONLINEARITY
 
 
 _QUANTIZED = {float_nn.LSTM: LSTM, float_nn.GRU: GRU, float_nn.RNN: RNN, float_nn.LSTMCell: LSTMCell,
