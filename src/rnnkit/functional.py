@@ -13,7 +13,7 @@ import numbers
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from . import backend as backends_
 from .masks import draw_pass, layer_dropout
@@ -454,8 +454,6 @@ def rnn(
     Returns:
         (y, h_n) or, for LSTM, (y, (h_n, c_n)); y is (T, B, D·Hr) (``merge="sum"``: Hr).
     """
-    from .nn import sequence_call  # nn imports this module
-
     check_spec(spec)
     if layout is None:
         layout = Layout(spec)
@@ -477,6 +475,41 @@ def rnn(
         return y, hy
 
     return sequence_call(run_padded, input, hx, lengths, batch_first)
+
+
+def _check_packed(input: PackedSequence) -> None:
+    """A PackedSequence whose data has the rows its batch_sizes promise: torch's
+    pack_padded_sequence does not check lengths against the padded input's T, and one built
+    with longer lengths failed deep inside unpacking."""
+    data, sizes = input.data, input.batch_sizes
+    if not isinstance(data, torch.Tensor) or data.dim() != 2:
+        raise MismatchError(f"input: expected a PackedSequence with 2-D data (rows, input_size), got data "
+                                       f"of shape {tuple(getattr(data, 'shape', ()))}")
+    if torch.compiler.is_compiling() or sizes.device.type == "meta":
+        return
+    total = int(sizes.sum())
+    if total != data.shape[0] or (sizes.numel() and (int(sizes.min()) < 1 or bool((sizes[1:] > sizes[:-1]).any()))):
+        raise MismatchError(
+            f"input: a PackedSequence whose batch_sizes ({sizes.tolist()[:8]}{'...' if sizes.numel() > 8 else ''}, "
+            f"sum {total}) do not describe its {data.shape[0]} data rows; was it packed with lengths longer than "
+            "the padded input?")
+
+
+def sequence_call(run, input, hx, lengths, batch_first: bool):
+    """The stacks' call convention around ``run(input, hx, lengths, batch_first) -> (y, hy)``: a
+    PackedSequence input is run padded with its lengths, and its output packed the same way."""
+    if isinstance(input, PackedSequence):
+        if lengths is not None:
+            raise ValueError("lengths: a PackedSequence carries its own lengths; pass lengths=None")
+        _check_packed(input)
+        padded, lens = pad_packed_sequence(input)  # [T, B, I], batch in original order
+        y, hy = run(padded, hx, lens, False)
+        order = input.sorted_indices
+        if order is not None:
+            y, lens = y.index_select(1, order), lens[order.cpu()]
+        data = pack_padded_sequence(y, lens, enforce_sorted=True).data
+        return PackedSequence(data, input.batch_sizes, input.sorted_indices, input.unsorted_indices), hy
+    return run(input, hx, lengths, batch_first)
 
 
 # ---- cuDNN's four calls --------------------------------------------------------------

@@ -6,7 +6,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from . import backend as backends_
 from . import functional
@@ -485,41 +484,6 @@ class _PackedModule(_SpecAttributes, nn.Module):
         return f"backend={self.backend!r}{ran}" if (self.backend != "auto" or ran) else ""
 
 
-def _check_packed(input: PackedSequence) -> None:
-    """A PackedSequence whose data has the rows its batch_sizes promise: torch's
-    pack_padded_sequence does not check lengths against the padded input's T, and one built
-    with longer lengths failed deep inside unpacking."""
-    data, sizes = input.data, input.batch_sizes
-    if not isinstance(data, torch.Tensor) or data.dim() != 2:
-        raise functional.MismatchError(f"input: expected a PackedSequence with 2-D data (rows, input_size), got data "
-                                       f"of shape {tuple(getattr(data, 'shape', ()))}")
-    if torch.compiler.is_compiling() or sizes.device.type == "meta":
-        return
-    total = int(sizes.sum())
-    if total != data.shape[0] or (sizes.numel() and (int(sizes.min()) < 1 or bool((sizes[1:] > sizes[:-1]).any()))):
-        raise functional.MismatchError(
-            f"input: a PackedSequence whose batch_sizes ({sizes.tolist()[:8]}{'...' if sizes.numel() > 8 else ''}, "
-            f"sum {total}) do not describe its {data.shape[0]} data rows; was it packed with lengths longer than "
-            "the padded input?")
-
-
-def sequence_call(run, input, hx, lengths, batch_first: bool):
-    """The stacks' call convention around ``run(input, hx, lengths, batch_first) -> (y, hy)``: a
-    PackedSequence input is run padded with its lengths, and its output packed the same way."""
-    if isinstance(input, PackedSequence):
-        if lengths is not None:
-            raise ValueError("lengths: a PackedSequence carries its own lengths; pass lengths=None")
-        _check_packed(input)
-        padded, lens = pad_packed_sequence(input)  # [T, B, I], batch in original order
-        y, hy = run(padded, hx, lens, False)
-        order = input.sorted_indices
-        if order is not None:
-            y, lens = y.index_select(1, order), lens[order.cpu()]
-        data = pack_padded_sequence(y, lens, enforce_sorted=True).data
-        return PackedSequence(data, input.batch_sizes, input.sorted_indices, input.unsorted_indices), hy
-    return run(input, hx, lengths, batch_first)
-
-
 def check_cell_input(spec: RNNSpec, input) -> None:
     """A one-step cell's input: a tensor (B, input_size) or (input_size,)."""
     if not isinstance(input, torch.Tensor):
@@ -635,7 +599,7 @@ class _Recurrent(_StackAttributes, _PackedModule):
             self.__dict__["last_backend"] = "fused"  # a plain attribute: skips Module.__setattr__
             return out
         weights = self._pass_weights()
-        return sequence_call(lambda *args: self._run(weights, *args), input, hx, lengths, self.spec.batch_first)
+        return functional.sequence_call(lambda *args: self._run(weights, *args), input, hx, lengths, self.spec.batch_first)
 
     def _run(self, weights, input, hx, lengths, batch_first):
         y, hy, ran = functional.run(self.spec, weights, input, hx, lengths, training=self.training, backend=self.backend,

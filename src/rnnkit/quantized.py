@@ -33,7 +33,7 @@ from torch import nn
 from . import functional
 from . import nn as float_nn
 from .nn import (_NONLINEARITY, _Cell, _CellAttributes, _PackedModule, _Recurrent, _SpecAttributes, _StackAttributes,
-                 check_cell_input, one_step_call, sequence_call, step_plans)
+                 check_cell_input, one_step_call, step_plans)
 from .params import Layout, PassWeights
 from .passes import PASS_ARGUMENTS, _direct, mask_tensors, named, output_shapes, pass_scalars, pass_values
 
@@ -256,7 +256,7 @@ class _QuantizedStack(_StackAttributes, _Quantized):
         out = one_step_call(self.spec, lambda: self._plans() if _on_the_kernels(data) else None, input, hx, lengths)
         if out is not None:
             return out
-        return sequence_call(self._run, input, hx, lengths, self.spec.batch_first)
+        return functional.sequence_call(self._run, input, hx, lengths, self.spec.batch_first)
 
     def _run(self, input, hx, lengths, batch_first):
         y, hy, _ = functional.run(self.spec, self._passes(), input, hx, lengths, training=False, backend=INT8,

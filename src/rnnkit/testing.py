@@ -179,7 +179,7 @@ def int8_reference(module, input, hx=None, lengths=None):
     run = lambda inp, h, lens, batch_first: functional.run(  # noqa: E731
         module.spec, weights, inp, h, lens, training=False, backend="reference", batch_first=batch_first,
         like=module._like())[:2]
-    from .nn import sequence_call
+    from .functional import sequence_call
 
     with torch.no_grad():
         return sequence_call(run, input, hx, lengths, module.spec.batch_first)
