@@ -593,6 +593,18 @@ def test_onnx_export_refuses_what_onnx_cannot_express(option):
     assert rnnkit_errors and str(rnnkit_errors[-1]).startswith(f"torch.onnx.export: {option}")
 
 
+@pytest.mark.parametrize("option", [dict(num_layers=2, dropout=0.3), dict(input_dropout=0.3), dict(dropconnect=0.3),
+                                    dict(recurrent_dropout=0.3)],
+                         ids=["dropout", "input_dropout", "dropconnect", "recurrent_dropout"])
+def test_onnx_export_in_training_mode_is_refused_for_every_dropout(option):
+    """A model left in training mode exported with dropout, input_dropout or DropConnect masks
+    drawn in the graph (recurrent_dropout was already refused): onnxruntime's outputs changed at
+    every run."""
+    model = Model(rnnkit.GRU(INPUT, HIDDEN, **option)).train()
+    with pytest.raises(torch.onnx.OnnxExporterError, match=r"evaluation mode \(model.eval\(\)\)"):
+        onnx_export(model, (torch.randint(0, VOCAB, (T, B)),))
+
+
 # ---- 5. autocast -------------------------------------------------------------------------------
 
 AUTOCAST_CONFIGS = {
@@ -1093,3 +1105,45 @@ def test_forward_mode_ad_runs_on_the_reference_backend(make):
     fused = make("fused").double()
     with pytest.raises(rnnkit.BackendUnavailableError, match="forward-mode AD"):
         torch.func.jvp(lambda v: fused(v)[0], (x,), (tangent,))
+
+
+
+def test_plain_half_precision_and_autocast_lstm_inference_compile_without_a_graph_break():
+    """native's dtype probe (torch.ops.mkldnn._is_mkldnn_bf16_supported) ran before its
+    is_compiling check: Dynamo stopped there on a plain bf16 / fp16 / autocast LSTM's inference."""
+    x = torch.randn(T, B, INPUT)
+    for dtype in (torch.bfloat16, torch.float16):
+        module = rnnkit.LSTM(INPUT, HIDDEN).to(dtype).eval()
+        with torch.no_grad():
+            assert_close(torch.compile(module, fullgraph=True)(x.to(dtype))[0].float(), module(x.to(dtype))[0].float(),
+                         dtype=dtype)  # eager runs oneDNN, compiled the fused op: each rounds its own way
+    module = rnnkit.LSTM(INPUT, HIDDEN).eval()
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        assert_close(torch.compile(module, fullgraph=True)(x)[0].float(), module(x)[0].float(), dtype=torch.bfloat16)
+
+
+def test_per_sample_lengths_under_vmap():
+    """vmap over per-sample lengths failed with torch's .item() error in rnnkit's value check;
+    now every sample's lengths are checked at once, and the gradients are each sample's."""
+    module = rnnkit.LSTM(INPUT, HIDDEN).eval()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    x, lengths = torch.randn(T, B, INPUT), torch.tensor([T, 2, 3])
+
+    def loss(p, xi, li):
+        return functional_call(module, p, (xi.unsqueeze(1),), dict(lengths=li.unsqueeze(0)))[0].pow(2).sum()
+
+    batched = vmap(grad(loss), in_dims=(None, 1, 0))(params, x, lengths)
+    for i in range(B):
+        one = grad(loss)(params, x[:, i], lengths[i])
+        for name in params:
+            assert_close(batched[name][i], one[name])
+    with pytest.raises(ValueError, match=r"lengths: expected values in \[1, T=\d+\], got min 2, max 9"):
+        vmap(grad(loss), in_dims=(None, 1, 0))(params, x, torch.tensor([T, 2, 9]))
+
+
+def test_bad_lengths_under_compile_are_value_errors():
+    """Under compile the kernels check the values (rnnkit's check would break the graph): their
+    error is a ValueError too, as eager's."""
+    module = torch.compile(rnnkit.LSTM(INPUT, HIDDEN).eval(), fullgraph=True, dynamic=True)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"lengths: expected values in \[1, T="):
+        module(torch.randn(T, B, INPUT), lengths=torch.tensor([T + 2, 3, 2]))

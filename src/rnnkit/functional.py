@@ -117,8 +117,8 @@ def check_input(spec: RNNSpec, input, weights: torch.Tensor, batch_first: bool, 
 def check_lengths(lengths, T: int, B: int, unbatched: bool) -> Optional[torch.Tensor]:
     """-> int64 CPU tensor [B] with 1 <= lengths <= T, or None.
 
-    Under torch.compile / export the values are not read here (that would break the graph);
-    the kernels check them instead.
+    Under torch.compile / export the values are not read here (that would break the graph); the
+    kernels check them instead. Lengths batched by torch.func.vmap are checked all at once.
     """
     if lengths is None:
         return None
@@ -139,7 +139,10 @@ def check_lengths(lengths, T: int, B: int, unbatched: bool) -> Optional[torch.Te
                          "on the meta device")
     lengths = lengths.to("cpu", torch.int64)
     if B and not torch.compiler.is_compiling():
-        low, high = int(lengths.min()), int(lengths.max())
+        values = lengths
+        while torch._C._functorch.is_functorch_wrapped_tensor(values):  # vmap: every sample's lengths
+            values = torch._C._functorch.get_unwrapped(values)
+        low, high = int(values.min()), int(values.max())
         if low < 1 or high > T:
             raise ValueError(f"lengths: expected values in [1, T={T}], got min {low}, max {high}")
     return lengths
@@ -388,10 +391,13 @@ def run(
     registered backend's name, or a backend object that runs the call as given (autocast does not
     apply: rnnkit.quantize's int8 modules, whose weights are not floating point).
     """
-    if torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export():  # pass ops -> ONNX LSTM / GRU / RNN
+    if torch.compiler.is_exporting():
         from .interop import onnx_ops
 
-        onnx_ops.check_exportable(spec)
+        if onnx_ops.exporting():  # the pass ops become ONNX LSTM / GRU / RNN nodes
+            onnx_ops.check_exportable(spec)
+            if training and spec.uses_dropout_masks:  # the masks would be drawn in the graph, anew at every run
+                raise ValueError("torch.onnx.export: the model must be exported in evaluation mode (model.eval())")
     named = isinstance(backend, str)
     low = _autocast_dtype(like.device, like.dtype) if named else None
     if low is not None:  # inputs and states in float32 or the autocast dtype are taken, as torch.nn does

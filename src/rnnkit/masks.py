@@ -31,7 +31,7 @@ class PassMasks(NamedTuple):
 
 
 def _under_vmap() -> bool:
-    if torch.compiler.is_compiling():  # first: Dynamo must not trace the call below
+    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:  # Dynamo: not below
         return False
     from torch._C._functorch import TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters

@@ -44,18 +44,18 @@ class NativeBackend:
             return f"runs on cpu and cuda tensors, got device {device}"
         if not dtype.is_floating_point:
             return f"needs a floating-point dtype, got {dtype}"
-        if device.type == "cpu" and dtype in _LOW and not _LOW[dtype]():
-            return (f"{dtype} on this CPU: oneDNN has no {dtype} RNN kernel without the CPU's {dtype} instructions "
-                    "(torch.nn's LSTM fails the same way); the fused backend computes it")
-        if device.type == "cpu" and any(spec.proj_sizes):
-            return "proj_size on the CPU: torch runs LSTMP without oneDNN (its slow path); the fused backend computes it"
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # first: Dynamo cannot trace the oneDNN probe below
             if device.type == "cpu":
                 return ("under torch.compile / torch.export on the CPU every cell family runs on the fused "
                         "backend's custom ops (torch's oneDNN LSTM op, mkldnn_rnn_layer, cannot be traced)")
         elif torch._C._functorch.peek_interpreter_stack() is not None:
             return ("torch.func transforms (vmap) have no rule for torch's RNN ops; the fused and triton backends' "
                     "custom ops have one")
+        if device.type == "cpu" and dtype in _LOW and not _LOW[dtype]():
+            return (f"{dtype} on this CPU: oneDNN has no {dtype} RNN kernel without the CPU's {dtype} instructions "
+                    "(torch.nn's LSTM fails the same way); the fused backend computes it")
+        if device.type == "cpu" and any(spec.proj_sizes):
+            return "proj_size on the CPU: torch runs LSTMP without oneDNN (its slow path); the fused backend computes it"
         return None
 
     def step(self, spec, w, x, h0, c0):

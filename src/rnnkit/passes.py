@@ -198,6 +198,8 @@ def forward_ad_reason() -> Optional[str]:
     otherwise (and always while torch.compile traces)."""
     if torch.compiler.is_compiling():
         return None
+    if torch.autograd.forward_ad._current_level < 0 and torch._C._functorch.peek_interpreter_stack() is None:
+        return None  # the common case, in a microsecond
     from torch._C._functorch import TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 

@@ -24,6 +24,8 @@ import importlib.abc
 import importlib.machinery
 import sys
 
+import torch
+
 from ..spec import RNNSpec, not_carried_by
 
 _REGISTRY_MODULE = "onnxscript.function_libs.torch_lib.registration"
@@ -39,6 +41,18 @@ NOT_IN_ONNX = {
 }
 
 _registered = False
+
+
+def exporting() -> bool:
+    """Whether torch.onnx.export is tracing the model (dynamo=True). Read from the exporter's flag
+    itself: under its strict fallback (torch.export strict, when the non-strict capture failed)
+    Dynamo folds ``torch.onnx.is_in_onnx_export()`` to False, and a refusal raised in the first
+    capture would be skipped in the second."""
+    try:
+        from torch.onnx._internal.exporter import _flags
+    except ImportError:  # a torch without the module: the public function only
+        return torch.onnx.is_in_onnx_export()
+    return bool(_flags._is_onnx_exporting) or torch.onnx.is_in_onnx_export()
 
 
 def check_exportable(spec: RNNSpec) -> None:

@@ -25,15 +25,17 @@ void PassArgs::finish() {
   H = W_hr.defined() ? W_hr.size(1) : (c0.defined() ? c0.size(1) : Hr);
   check_sizes();
   if (lengths.defined()) {
-    TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B, "lengths: expected shape (", B, ",), got ",
-                lengths.sizes());
+    // ValueError in Python, as functional.check_lengths raises (which leaves the values to this
+    // check under torch.compile and vmap)
+    TORCH_CHECK_VALUE(lengths.dim() == 1 && lengths.size(0) == B, "lengths: expected shape (", B, ",), got ",
+                      lengths.sizes());
     const Tensor lens = lengths.to(at::kCPU, at::kLong).contiguous();
     const int64_t* len = lens.data_ptr<int64_t>();
     step_mask = at::empty({T, B}, x.options().dtype(at::kBool));
     bool* m = step_mask.data_ptr<bool>();
     for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(len[b] >= 1 && len[b] <= T, "lengths: expected values in [1, T=", T, "], got ", len[b],
-                  " at index ", b);
+      TORCH_CHECK_VALUE(len[b] >= 1 && len[b] <= T, "lengths: expected values in [1, T=", T, "], got ", len[b],
+                        " at index ", b);
       for (int64_t t = 0; t < T; ++t) m[t * B + b] = t < len[b];
     }
   }
