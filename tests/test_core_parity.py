@@ -410,9 +410,10 @@ def test_rnnbase_helpers_match_torch_nn(config):
     module.check_forward_args(packed.data, hidden, packed.batch_sizes)
 
     permutation = torch.tensor([2, 0, 1])
-    for got, want in zip(torch.utils._pytree.tree_leaves(module.permute_hidden(hidden, permutation)),
-                         torch.utils._pytree.tree_leaves(reference.permute_hidden(hidden, permutation))):
-        assert torch.equal(got, want)
+    got = torch.utils._pytree.tree_leaves(module.permute_hidden(hidden, permutation))
+    want = torch.utils._pytree.tree_leaves(reference.permute_hidden(hidden, permutation))
+    assert len(got) == len(want) == (2 if isinstance(hidden, tuple) else 1)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert module.permute_hidden(hidden, None) is hidden
 
     lstm = isinstance(hidden, tuple)
@@ -428,6 +429,14 @@ def test_rnnbase_helpers_match_torch_nn(config):
             reference.check_forward_args(bad, hidden, None)
         with pytest.raises(type(expected.value)):
             module.check_forward_args(bad, hidden, None)
+
+
+def test_rnnbase_helpers_take_the_unbatched_state_the_call_takes():
+    module = rnnkit.LSTM(I, H, 2, backend="reference")
+    x = torch.randn(T, I)
+    _, hidden = module(x)
+    assert module.get_expected_hidden_size(x) == tuple(hidden[0].shape) == (2, H)
+    module.check_forward_args(x, hidden, None)
 
 
 def test_rnnbase_helpers_with_per_layer_sizes():

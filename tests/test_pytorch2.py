@@ -601,8 +601,16 @@ def test_onnx_export_in_training_mode_is_refused_for_every_dropout(option):
     drawn in the graph (recurrent_dropout was already refused): onnxruntime's outputs changed at
     every run."""
     model = Model(rnnkit.GRU(INPUT, HIDDEN, **option)).train()
-    with pytest.raises(torch.onnx.OnnxExporterError, match=r"evaluation mode \(model.eval\(\)\)"):
+    name = next(iter(k for k in option if k != "num_layers"))
+    with pytest.raises(torch.onnx.OnnxExporterError, match=rf"{name} draws random masks .* evaluation mode"):
         onnx_export(model, (torch.randint(0, VOCAB, (T, B)),))
+
+
+def test_onnx_export_in_training_mode_of_a_one_layer_dropout_is_taken():
+    """dropout acts between layers: a one-layer stack draws no mask, so nothing is random."""
+    with pytest.warns(UserWarning, match="dropout > 0 acts only between layers"):
+        layer = rnnkit.GRU(INPUT, HIDDEN, dropout=0.3)
+    onnx_export(Model(layer).train(), (torch.randint(0, VOCAB, (T, B)),))
 
 
 # ---- 5. autocast -------------------------------------------------------------------------------
@@ -1147,3 +1155,36 @@ def test_bad_lengths_under_compile_are_value_errors():
     module = torch.compile(rnnkit.LSTM(INPUT, HIDDEN).eval(), fullgraph=True, dynamic=True)
     with torch.no_grad(), pytest.raises(ValueError, match=r"lengths: expected values in \[1, T="):
         module(torch.randn(T, B, INPUT), lengths=torch.tensor([T + 2, 3, 2]))
+
+
+
+@pytest.mark.parametrize("make", [lambda: rnnkit.LSTM(INPUT, HIDDEN), lambda: rnnkit.LSTM(INPUT, HIDDEN, zoneout=0.1),
+                                  lambda: rnnkit.LSTMCell(INPUT, HIDDEN, proj_size=3)],
+                         ids=["plain-lstm", "lstm-zoneout", "lstmcell-proj"])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_forward_ad_tangents_after_a_plain_call(make, steps):
+    """A plain float32 LSTM under forward_ad went to oneDNN (no forward-AD formula: an error), and
+    after one no-grad call at T = 1 the cached one-step plan dropped the tangent silently."""
+    import torch.autograd.forward_ad as fwAD
+
+    module = make().eval()
+    cell = isinstance(module, rnnkit.LSTMCell)
+    x = torch.randn(B, INPUT) if cell else torch.randn(steps, B, INPUT)
+    tangent = torch.randn_like(x)
+    first = lambda v: module(v)[0]  # noqa: E731  (h, or y)
+    with torch.no_grad():
+        first(x)  # builds and caches the one-step plans
+    expected = torch.func.jvp(first, (x,), (tangent,))[1]
+    reference = make().eval()
+    reference.load_state_dict(module.state_dict())
+    reference.backend = "reference"
+    assert_close(expected, torch.func.jvp(lambda v: reference(v)[0], (x,), (tangent,))[1])
+    with fwAD.dual_level():
+        dual = fwAD.unpack_dual(first(fwAD.make_dual(x, tangent))).tangent
+    assert dual is not None
+    assert_close(dual, expected)
+    with torch.no_grad():
+        assert_close(first(x), reference(x)[0])  # the plain path afterwards (plans not poisoned)
+    quantized = rnnkit.quantize(module)
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="int8 module is for inference"):
+        quantized(fwAD.make_dual(x, tangent))

@@ -7,6 +7,7 @@
 See docs/spec.md for the equations and README.md for the tour.
 """
 from .backend import BackendUnavailableError, backends
+from .errors import DTypeMismatchError, MismatchError
 from .functional import backward_data, backward_weights, detach_state, forward_inference, forward_training, rnn
 from .nn import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
 from .params import Layout, PassWeights
@@ -24,5 +25,5 @@ __all__ = [
     "LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell",
     "RNNSpec", "CellSpec", "Layout", "PassWeights",
     "rnn", "forward_training", "forward_inference", "backward_data", "backward_weights", "detach_state",
-    "backends", "BackendUnavailableError", "quantize", "quantized",
+    "backends", "BackendUnavailableError", "MismatchError", "DTypeMismatchError", "quantize", "quantized",
 ]

@@ -16,6 +16,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from . import backend as backends_
+from .errors import DTypeMismatchError, MismatchError
 from .masks import draw_pass, layer_dropout
 from .params import Layout, PassWeights, check_spec
 from .spec import RNNSpec
@@ -24,17 +25,6 @@ State = Union[torch.Tensor, List[torch.Tensor]]
 
 
 # ---- argument checks -----------------------------------------------------------------
-
-class MismatchError(ValueError, RuntimeError):
-    """An input or state whose shape or device does not fit the module. A ValueError, as rnnkit
-    reports bad arguments, and a RuntimeError, as torch.nn raises for the same mistake, so code
-    written for torch.nn (``except RuntimeError``) catches it too."""
-
-
-class DTypeMismatchError(TypeError, ValueError):
-    """An input or state whose dtype is not the weights'. A TypeError, as rnnkit reports a wrong
-    dtype, and a ValueError, as torch.nn raises for the same mistake."""
-
 
 def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
@@ -396,8 +386,13 @@ def run(
 
         if onnx_ops.exporting():  # the pass ops become ONNX LSTM / GRU / RNN nodes
             onnx_ops.check_exportable(spec)
-            if training and spec.uses_dropout_masks:  # the masks would be drawn in the graph, anew at every run
-                raise ValueError("torch.onnx.export: the model must be exported in evaluation mode (model.eval())")
+            drawn = [name for name, on in (("dropout", spec.dropout and spec.num_layers > 1),
+                                           ("input_dropout", spec.input_dropout),
+                                           ("recurrent_dropout", spec.recurrent_dropout),
+                                           ("dropconnect", spec.dropconnect)) if on]
+            if training and drawn:  # the masks would be drawn in the graph, anew at every run
+                raise ValueError(f"torch.onnx.export: {drawn[0]} draws random masks in training mode; the model must "
+                                 "be exported in evaluation mode (model.eval())")
     named = isinstance(backend, str)
     low = _autocast_dtype(like.device, like.dtype) if named else None
     if low is not None:  # inputs and states in float32 or the autocast dtype are taken, as torch.nn does
@@ -489,14 +484,14 @@ def _check_packed(input: PackedSequence) -> None:
     with longer lengths failed deep inside unpacking."""
     data, sizes = input.data, input.batch_sizes
     if not isinstance(data, torch.Tensor) or data.dim() != 2:
-        raise MismatchError(f"input: expected a PackedSequence with 2-D data (rows, input_size), got data "
-                                       f"of shape {tuple(getattr(data, 'shape', ()))}")
+        raise MismatchError(f"input: expected a PackedSequence with 2-D data (rows, input_size), got data of shape "
+                            f"{tuple(getattr(data, 'shape', ()))}")
     if torch.compiler.is_compiling() or sizes.device.type == "meta":
         return
     total = int(sizes.sum())
     if total != data.shape[0] or (sizes.numel() and (int(sizes.min()) < 1 or bool((sizes[1:] > sizes[:-1]).any()))):
         raise MismatchError(
-            f"input: a PackedSequence whose batch_sizes ({sizes.tolist()[:8]}{'...' if sizes.numel() > 8 else ''}, "
+            f"input: a PackedSequence whose batch_sizes ({sizes[:8].tolist()}{'...' if sizes.numel() > 8 else ''}, "
             f"sum {total}) do not describe its {data.shape[0]} data rows; was it packed with lengths longer than "
             "the padded input?")
 

@@ -15,6 +15,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .masks import layer_dropout
+from .passes import forward_ad_reason
 from .spec import RNNSpec, options_in_use
 
 _OPS = {"lstm": "lstm", "gru": "gru", "rnn_tanh": "rnn_tanh", "rnn_relu": "rnn_relu"}
@@ -56,7 +57,7 @@ class NativeBackend:
                     "(torch.nn's LSTM fails the same way); the fused backend computes it")
         if device.type == "cpu" and any(spec.proj_sizes):
             return "proj_size on the CPU: torch runs LSTMP without oneDNN (its slow path); the fused backend computes it"
-        return None
+        return forward_ad_reason()  # oneDNN's LSTM (mkldnn_rnn_layer) has no forward-mode AD formula
 
     def step(self, spec, w, x, h0, c0):
         """One step of a one-layer, one-direction cell, as torch.nn's cells compute it -> (h, c or None)."""

@@ -9,9 +9,10 @@ from torch import nn
 
 from . import backend as backends_
 from . import functional
+from .errors import DTypeMismatchError, MismatchError
 from .masks import draw_pass
 from .params import TORCH_PIECES, Layout, PassWeights, check_forget_bias, initialize
-from .passes import _direct
+from .passes import _direct, forward_ad_reason
 from .spec import RNNSpec, _flag
 
 
@@ -114,9 +115,10 @@ class _SpecAttributes:
 
     torch.nn reads its attributes at every call, so code sets them after construction (a
     dropout schedule, batch_first for a new pipeline). Those the weights do not depend on
-    (dropout, batch_first, nonlinearity, the regularizers, the clips) take effect from the next
-    call; those that fix the weights' shapes or meaning raise when set, rather than being
-    quietly ignored.
+    (dropout, batch_first, the regularizers, the clips; and nonlinearity, which torch.nn's
+    RNNCell reads at every call) take effect from the next call; those that fix the weights'
+    shapes or meaning (sizes, peephole, layer_norm, coupled_gates, reset_after, bias_mode, merge)
+    raise when set, rather than being quietly ignored.
     """
 
     spec: RNNSpec
@@ -125,13 +127,19 @@ class _SpecAttributes:
     def _respec(self, **changes) -> None:
         """Rebuild the spec with ``changes`` (validated as the constructor validates them)."""
         spec = RNNSpec(**{**self.spec.options(), **changes})
-        self.spec, self.layout = spec, Layout(spec, suffixes=self.layout.suffixes)
-        for plans in ("_plan", "_plan_cache"):  # the one-step plans (float, int8) hold the old scalars
-            self.__dict__.pop(plans, None)
+        suffixes = getattr(self.layout, "suffixes", not isinstance(self, _CellAttributes))  # a Layout pickled before it kept them
+        self.spec, self.layout = spec, Layout(spec, suffixes=suffixes)
+        self.__dict__.pop("_plan", None)  # the one-step plans hold the old scalars
+
+    def __getstate__(self):
+        """deepcopy / pickle without the one-step plans (compiled objects; rebuilt on the next call)."""
+        state = dict(self.__dict__)
+        state.pop("_plan", None)
+        return state
 
     def _fixed(self, name: str):
-        raise AttributeError(f"{type(self).__name__}.{name} is fixed at construction (it sets the parameters' "
-                             f"shapes); build a new module instead")
+        raise AttributeError(f"{type(self).__name__}.{name} is fixed at construction (the parameters' shapes or "
+                             f"meaning depend on it); build a new module instead")
 
     input_size = property(lambda self: self.spec.input_size, lambda self, value: self._fixed("input_size"))
     hidden_size = property(lambda self: list(self.spec.hidden_sizes) if self.spec.per_layer else self.spec.hidden_sizes[0],
@@ -142,7 +150,7 @@ class _SpecAttributes:
     zoneout = property(lambda self: self.spec.options()["zoneout"], lambda self, value: self._respec(zoneout=value))
     cell_clip = property(lambda self: self.spec.cell_clip, lambda self, value: self._respec(cell_clip=value))
     proj_clip = property(lambda self: self.spec.proj_clip, lambda self, value: self._respec(proj_clip=value))
-    reset_after = property(lambda self: self.spec.reset_after, lambda self, value: self._respec(reset_after=value))
+    reset_after = property(lambda self: self.spec.reset_after, lambda self, value: self._fixed("reset_after"))
     peephole = property(lambda self: self.spec.peephole, lambda self, value: self._fixed("peephole"))
     coupled_gates = property(lambda self: self.spec.coupled_gates, lambda self, value: self._fixed("coupled_gates"))
     layer_norm = property(lambda self: self.spec.layer_norm, lambda self, value: self._fixed("layer_norm"))
@@ -166,23 +174,32 @@ class _StackAttributes(_SpecAttributes):
     merge = property(lambda self: self.spec.merge, lambda self, value: self._fixed("merge"))
 
 
+# a stack's per-sequence options, each with its off value (a one-step cell has none of them)
+_SEQUENCE_LEVEL = {"input_dropout": 0.0, "recurrent_dropout": 0.0, "dropconnect": 0.0, "dropout": 0.0,
+                   "bidirectional": False, "merge": "concat", "num_layers": 1, "batch_first": False}
+
+
+def _per_sequence(name: str) -> str:
+    return (f"{name}: a per-sequence option, which a one-step cell does not take; use rnnkit.LSTM / GRU / RNN "
+            "(or apply the mask to the cell's input yourself)")
+
+
+def _is_off(value, off) -> bool:
+    """``value`` is the option's off value (0 is dropout's 0.0; False is not num_layers' 1)."""
+    return isinstance(value, (bool, int, float, str)) and isinstance(value, bool) == isinstance(off, bool) and value == off
+
+
 class _CellAttributes(_SpecAttributes):
-    """A cell's attributes (see `_SpecAttributes`); a stack's per-sequence options read as off and
-    refuse to be set (as plain attributes, nothing would read them)."""
+    """A cell's attributes (see `_SpecAttributes`). Like torch.nn's cells it has none of a stack's
+    per-sequence options (``hasattr(cell, "dropout")`` is False); setting one to anything but its
+    off value raises, rather than making an attribute that nothing reads."""
 
     proj_size = property(lambda self: self.spec.proj_sizes[0], lambda self, value: self._fixed("proj_size"))
 
-
-def _per_sequence(name: str):
-    raise TypeError(f"{name}: a per-sequence option, which a one-step cell does not take; use rnnkit.LSTM / GRU / RNN "
-                    "(or apply the mask to the cell's input yourself)")
-
-
-_SEQUENCE_LEVEL = ("input_dropout", "recurrent_dropout", "dropconnect", "dropout", "bidirectional", "merge", "num_layers",
-                   "batch_first")
-for _name in _SEQUENCE_LEVEL:
-    setattr(_CellAttributes, _name, property(lambda self, _name=_name: getattr(self.spec, _name),
-                                             lambda self, value, _name=_name: _per_sequence(_name)))
+    def __setattr__(self, name, value) -> None:
+        if name in _SEQUENCE_LEVEL and not _is_off(value, _SEQUENCE_LEVEL[name]):
+            raise AttributeError(f"{type(self).__name__}.{_per_sequence(name)}")
+        super().__setattr__(name, value)
 
 
 class _PackedModule(_SpecAttributes, nn.Module):
@@ -268,21 +285,15 @@ class _PackedModule(_SpecAttributes, nn.Module):
                 stacklevel=3,
             )
 
-    def __getstate__(self):
-        """deepcopy / pickle without the one-step plans (compiled objects; rebuilt on the next call)."""
-        state = dict(self.__dict__)
-        state.pop("_plan", None)
-        return state
-
     def _step_plans(self, input, hx) -> Optional[list]:
         """The fused kernels' one-step plans, one per pass (weights and scalars fixed once, one C++
         call a step), when this call can take them: eager with plain tensors (no torch.func
         transform, dispatch mode or tracing), no gradient to record (of the parameters, the input
-        or the state), no autocast, no random masks; else None. The plans hold the parameters'
-        memory: they are rebuilt when a parameter, or the memory behind one (``p.data = ...``,
-        ``flatten_parameters``, ``.to``), changes. Generation loops live on this path (README,
-        "Speed": step API)."""
-        if (self.training and self.spec.uses_dropout_masks) or not _direct(input):
+        or the state, forward-mode AD's tangents included), no autocast, no random masks; else None.
+        The plans hold the parameters' memory: they are rebuilt when a parameter, or the memory
+        behind one (``p.data = ...``, ``flatten_parameters``, ``.to``), changes. Generation loops
+        live on this path (README, "Speed": step API)."""
+        if (self.training and self.spec.uses_dropout_masks) or not _direct(input) or forward_ad_reason():
             return None
         params = self._parameters
         tensors = tuple(params.get(name) for name in self._names)
@@ -309,25 +320,29 @@ class _PackedModule(_SpecAttributes, nn.Module):
         functional_call) is checked here, before any kernel reads it (the fused kernels take
         the sizes from the tensors they are given)."""
         first = tensors[0]
+        dtype, device = getattr(first, "dtype", None), getattr(first, "device", None)
+        if all(isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype and t.device == device
+               for t, (_, _, shape) in zip(tensors, self._packing)):
+            return  # the common case in one pass; the loop below finds what to say
         for name, t, (_, _, shape) in zip(self._names, tensors, self._packing):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a tensor of shape {shape}, got {type(t).__name__}")
             if tuple(t.shape) != shape:
-                raise functional.MismatchError(f"{name}: expected shape {shape} (this module's layout), got "
+                raise MismatchError(f"{name}: expected shape {shape} (this module's layout), got "
                                                f"{tuple(t.shape)}")
             if t.dtype != first.dtype:
-                raise functional.DTypeMismatchError(f"{name}: expected dtype {first.dtype} (that of "
+                raise DTypeMismatchError(f"{name}: expected dtype {first.dtype} (that of "
                                                     f"{self._names[0]}), got {t.dtype}")
             if t.device != first.device:
-                raise functional.MismatchError(f"{name}: expected a tensor on {first.device} (that of "
+                raise MismatchError(f"{name}: expected a tensor on {first.device} (that of "
                                                f"{self._names[0]}), got {t.device}")
 
     def _make_plans(self, tensors) -> Optional[list]:
-        self._check_pieces(tensors)
+        self._check_pieces(tensors)  # one dtype and device, each weight its shape
         W = tensors[0]
         if W.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16) or any(
-                t.dtype != W.dtype or t.device != W.device or not t.is_contiguous() for t in tensors):
-            return None  # the general path makes them fit (or says why they cannot)
+                not t.is_contiguous() for t in tensors):
+            return None  # the general path takes these
         try:
             chosen = backends_.select(self.backend, self.spec, W.device, W.dtype, steps=1)
         except backends_.BackendUnavailableError:
@@ -396,7 +411,7 @@ class _PackedModule(_SpecAttributes, nn.Module):
         first = plain[0]
         for name, p in zip(self._names, params):
             if p is not None and (p.dtype != first.dtype or p.device != first.device):
-                raise ValueError(
+                raise (DTypeMismatchError if p.dtype != first.dtype else MismatchError)(
                     f"flatten_parameters: every weight must have one dtype and device to share a buffer, "
                     f"got {name} as {p.dtype} on {p.device} and {self._names[params.index(first)]} as "
                     f"{first.dtype} on {first.device}"
@@ -491,7 +506,7 @@ def check_cell_input(spec: RNNSpec, input) -> None:
     if input.dim() not in (1, 2):
         raise ValueError(f"input: expected a 2-D tensor (B, input_size) or 1-D (input_size,), got shape {tuple(input.shape)}")
     if input.shape[-1] != spec.input_size:  # checked here so the message shows the caller's shape
-        raise functional.MismatchError(f"input: expected feature size input_size={spec.input_size} in the last axis, "
+        raise MismatchError(f"input: expected feature size input_size={spec.input_size} in the last axis, "
                                        f"got shape {tuple(input.shape)}")
 
 
@@ -631,14 +646,20 @@ class _Recurrent(_StackAttributes, _PackedModule):
         ``_flat_weights_names``' order. Read-only: assign a parameter by name to change one."""
         return [getattr(self, name) for name in self._flat_weights_names]
 
-    def _batch_size(self, input, batch_sizes) -> int:
+    def _expected_state(self, input, batch_sizes, which: int):
+        """h_0's (0) or c_0's (1) shape for this input: a list of one shape per layer with per-layer
+        sizes; without the batch axis for an unbatched (T, input_size) input, as the call takes it."""
         if batch_sizes is not None:
-            return int(batch_sizes[0])
-        return 1 if input.dim() == 2 else input.size(0 if self.spec.batch_first else 1)
+            return functional._state_shapes(self.spec, int(batch_sizes[0]))[which]
+        unbatched = input.dim() == 2
+        shapes = functional._state_shapes(self.spec, 1 if unbatched else input.size(0 if self.spec.batch_first else 1))
+        shape = shapes[which]
+        strip = lambda s: functional._unbatch_shape(s, unbatched)  # noqa: E731
+        return [strip(s) for s in shape] if isinstance(shape, list) else strip(shape)
 
     def get_expected_hidden_size(self, input, batch_sizes=None):
         """h_0's shape for this input (a list of one shape per layer with per-layer sizes)."""
-        return functional._state_shapes(self.spec, self._batch_size(input, batch_sizes))[0]
+        return self._expected_state(input, batch_sizes, 0)
 
     def check_input(self, input, batch_sizes=None) -> None:
         """The input's rank, feature size, dtype and device (with ``batch_sizes``: a PackedSequence's 2-D data)."""
@@ -646,14 +667,14 @@ class _Recurrent(_StackAttributes, _PackedModule):
         if batch_sizes is None:
             functional.check_input(self.spec, input, like, self.spec.batch_first)
         elif not isinstance(input, torch.Tensor) or input.dim() != 2:
-            raise functional.MismatchError(f"input: expected a PackedSequence's 2-D data (rows, input_size) with "
+            raise MismatchError(f"input: expected a PackedSequence's 2-D data (rows, input_size) with "
                                            f"batch_sizes, got shape {tuple(getattr(input, 'shape', ()))}")
         else:
             functional.check_tensor("input", input, (input.shape[0], self.spec.input_size), like)
 
     def check_hidden_size(self, hx, expected_hidden_size, msg: str = "Expected hidden size {}, got {}") -> None:
         if tuple(hx.size()) != tuple(expected_hidden_size):
-            raise functional.MismatchError(msg.format(tuple(expected_hidden_size), list(hx.size())))
+            raise MismatchError(msg.format(tuple(expected_hidden_size), list(hx.size())))
 
     def check_forward_args(self, input, hidden, batch_sizes=None) -> None:
         """What torch.nn checks before a call: the input, then each state tensor's shape."""
@@ -761,7 +782,7 @@ class LSTM(_Recurrent):
 
     def get_expected_cell_size(self, input, batch_sizes=None):
         """c_0's shape for this input (a list of one shape per layer with per-layer sizes)."""
-        return functional._state_shapes(self.spec, self._batch_size(input, batch_sizes))[1]
+        return self._expected_state(input, batch_sizes, 1)
 
 
 class GRU(_Recurrent):
@@ -858,7 +879,7 @@ class _Cell(_CellAttributes, _PackedModule):
         super().__init__()
         sequence_level = sorted(set(options) & set(_SEQUENCE_LEVEL))
         if sequence_level:
-            _per_sequence(sequence_level[0])
+            raise TypeError(_per_sequence(sequence_level[0]))
         for name, value in (("hidden_size", hidden_size), ("proj_size", options.get("proj_size", 0))):
             if isinstance(value, (list, tuple)):
                 raise TypeError(f"{name}: expected an int for a cell (a list gives a stack's per-layer sizes), got "

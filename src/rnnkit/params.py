@@ -28,6 +28,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from .errors import MismatchError
 from .spec import CellSpec, RNNSpec
 
 
@@ -171,8 +172,6 @@ class Layout:
 
     def _check_buffer(self, flat) -> None:
         """A 1-D tensor of ``numel`` values, or an error naming ``flat``."""
-        from .functional import MismatchError  # functional imports this module
-
         if not isinstance(flat, torch.Tensor):
             raise TypeError(f"flat: expected the packed 1-D parameter tensor, got {type(flat).__name__}")
         if flat.dim() != 1 or flat.numel() != self.numel:

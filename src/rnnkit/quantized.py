@@ -35,7 +35,8 @@ from . import nn as float_nn
 from .nn import (_NONLINEARITY, _Cell, _CellAttributes, _PackedModule, _Recurrent, _SpecAttributes, _StackAttributes,
                  check_cell_input, one_step_call, step_plans)
 from .params import Layout, PassWeights
-from .passes import PASS_ARGUMENTS, _direct, mask_tensors, named, output_shapes, pass_scalars, pass_values
+from .passes import (PASS_ARGUMENTS, _direct, forward_ad_reason, mask_tensors, named, output_shapes, pass_scalars,
+                     pass_values)
 
 MATRICES = ("weight_ih", "weight_hh", "weight_hr")  # the pieces stored int8, each with a "_scale"
 
@@ -209,29 +210,24 @@ class _Quantized(_SpecAttributes, nn.Module):
                              "dynamo=True); the TorchScript exporter (dynamo=False) has no translation of their op")
         if torch.compiler.is_exporting():
             return  # an exported graph is for inference: gradients through it are not asked for
-        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        if forward_ad_reason() or (
+                torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)):
             raise RuntimeError(f"{type(self).__name__}: an int8 module is for inference and has no gradient; call it "
                                "under torch.no_grad() / torch.inference_mode() with inputs that do not require grad, "
                                "or train the float module")
-
-    def __getstate__(self):
-        """deepcopy / pickle without the one-step plans (compiled objects; rebuilt on the next call)."""
-        state = dict(self.__dict__)
-        state.pop("_plan_cache", None)
-        return state
 
     def _plans(self) -> list:
         """The fused kernels' one-step plans on the int8 weights, one per pass (built once, rebuilt
         when a buffer or the memory behind one is replaced, as load_state_dict(assign=True) does)."""
         buffers = tuple(self._buffers.values())
         memory = tuple(b.data_ptr() for b in buffers)  # `buffer.data = ...` keeps the object, not the memory
-        cached = self.__dict__.get("_plan_cache")
+        cached = self.__dict__.get("_plan")
         if cached is None or cached[2] != memory or any(a is not b for a, b in zip(cached[1], buffers)):
             passes = self._passes()
             plans = step_plans(self.spec, [p.weights for p in passes], self._like(),
                                [(p.W_scale, p.R_scale, p.W_hr_scale) for p in passes])
             cached = (plans, buffers, memory)
-            self.__dict__["_plan_cache"] = cached
+            self.__dict__["_plan"] = cached
         return cached[0]
 
     def extra_repr(self) -> str:

@@ -33,10 +33,9 @@ import torch
 
 import rnnkit
 
-from . import machine
+from . import errors, machine
 from .charlm import checkpoint as files
 from .charlm import data, history, model, sample, train
-from . import errors
 from .errors import UserError
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130

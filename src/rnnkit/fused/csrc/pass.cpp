@@ -73,9 +73,10 @@ void PassArgs::check_sizes() const {
   const bool lstm = mode == "lstm";
   const int64_t G = lstm ? (coupled ? 3 : 4) : (mode == "gru" ? 3 : 1);
   TORCH_CHECK(GH == G * H, "rnnkit fused: W has ", GH, " rows, expected ", G, " gates of H = ", H);
-  const auto expect = [](const char* name, const Tensor& t, std::vector<int64_t> sizes) {
-    TORCH_CHECK(!t.defined() || t.sizes() == at::IntArrayRef(sizes), "rnnkit fused: ", name, ": expected shape ",
-                at::IntArrayRef(sizes), ", got ", t.sizes());
+  // (an IntArrayRef over the braced list: no allocation; a one-step plan runs this at every step)
+  const auto expect = [](const char* name, const Tensor& t, at::IntArrayRef sizes) {
+    TORCH_CHECK(!t.defined() || t.sizes() == sizes, "rnnkit fused: ", name, ": expected shape ", sizes, ", got ",
+                t.sizes());
   };
   expect("W", W, {GH, I});
   expect("R", R, {GH, Hr});
