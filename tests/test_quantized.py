@@ -735,3 +735,17 @@ def test_int8_modules_have_the_float_modules_attributes_and_setting_them_takes_e
     assert (cell.nonlinearity, cell.input_size, cell.hidden_size) == ("tanh", 4, 5)
     with pytest.raises(AttributeError, match="per-sequence"):
         cell.recurrent_dropout = 0.1
+
+
+
+def test_int8_stacks_have_the_rnnbase_helpers():
+    float_module = rnnkit.LSTM(4, 8, 2, bidirectional=True)
+    q = rnnkit.quantize(float_module)
+    x = torch.randn(5, 3, 4)
+    _, hidden = float_module(x)
+    assert q._flat_weights_names == float_module._flat_weights_names == torch.nn.LSTM(4, 8, 2, bidirectional=True)._flat_weights_names
+    assert q.get_expected_hidden_size(x) == q.get_expected_cell_size(x) == (4, 3, 8)
+    q.check_forward_args(x, hidden, None)
+    with pytest.raises(RuntimeError, match=r"Expected hidden\[1\] size"):
+        q.check_forward_args(x, (hidden[0], hidden[1][:, :2]), None)
+    assert torch.equal(q.permute_hidden(hidden, torch.tensor([2, 0, 1]))[0], hidden[0][:, [2, 0, 1]])

@@ -127,7 +127,8 @@ class _SpecAttributes:
     def _respec(self, **changes) -> None:
         """Rebuild the spec with ``changes`` (validated as the constructor validates them)."""
         spec = RNNSpec(**{**self.spec.options(), **changes})
-        suffixes = getattr(self.layout, "suffixes", not isinstance(self, _CellAttributes))  # a Layout pickled before it kept them
+        # (a Layout pickled before it kept ``suffixes``: a cell's names have none)
+        suffixes = getattr(self.layout, "suffixes", not isinstance(self, _CellAttributes))
         self.spec, self.layout = spec, Layout(spec, suffixes=suffixes)
         self.__dict__.pop("_plan", None)  # the one-step plans hold the old scalars
 
@@ -172,6 +173,92 @@ class _StackAttributes(_SpecAttributes):
                                  lambda self, value: self._respec(recurrent_dropout=value))
     dropconnect = property(lambda self: self.spec.dropconnect, lambda self, value: self._respec(dropconnect=value))
     merge = property(lambda self: self.spec.merge, lambda self, value: self._fixed("merge"))
+
+    @property
+    def all_weights(self):
+        """torch.nn's list of per-layer-direction weight lists (torch.nn's pieces, then the extras)."""
+        return [[getattr(self, name) for name in names] for names in self._all_weights]
+
+    # ---- torch.nn.RNNBase's helpers, for code written against them (subclasses, introspection) ----
+
+    @property
+    def _all_weights(self) -> list:
+        """The parameter names of each layer-direction, as torch.nn.RNNBase lists them."""
+        D = self.spec.num_directions
+        return [[e.name for e in self.layout if e.layer * D + e.direction == i] for i in range(self.spec.num_layers * D)]
+
+    @property
+    def _flat_weights_names(self) -> list:
+        return [name for names in self._all_weights for name in names]
+
+    @property
+    def _flat_weights(self) -> list:
+        """The weights as the module computes with them now (a parametrized one's value), in
+        ``_flat_weights_names``' order. Read-only: assign a parameter by name to change one."""
+        return [getattr(self, name) for name in self._flat_weights_names]
+
+    def _expected_state(self, input, batch_sizes, which: int):
+        """h_0's (0) or c_0's (1) shape for this input: a list of one shape per layer with per-layer
+        sizes; without the batch axis for an unbatched (T, input_size) input, as the call takes it."""
+        if batch_sizes is not None:
+            return functional._state_shapes(self.spec, int(batch_sizes[0]))[which]
+        unbatched = input.dim() == 2
+        shapes = functional._state_shapes(self.spec, 1 if unbatched else input.size(0 if self.spec.batch_first else 1))
+        shape = shapes[which]
+        strip = lambda s: functional._unbatch_shape(s, unbatched)  # noqa: E731
+        return [strip(s) for s in shape] if isinstance(shape, list) else strip(shape)
+
+    def get_expected_hidden_size(self, input, batch_sizes=None):
+        """h_0's shape for this input (a list of one shape per layer with per-layer sizes)."""
+        return self._expected_state(input, batch_sizes, 0)
+
+    def check_input(self, input, batch_sizes=None) -> None:
+        """The input's rank, feature size, dtype and device (with ``batch_sizes``: a PackedSequence's 2-D data)."""
+        like = self._like()
+        if batch_sizes is None:
+            functional.check_input(self.spec, input, like, self.spec.batch_first)
+        elif not isinstance(input, torch.Tensor) or input.dim() != 2:
+            raise MismatchError(f"input: expected a PackedSequence's 2-D data (rows, input_size) with batch_sizes, "
+                                f"got shape {tuple(getattr(input, 'shape', ()))}")
+        else:
+            functional.check_tensor("input", input, (input.shape[0], self.spec.input_size), like)
+
+    def check_hidden_size(self, hx, expected_hidden_size, msg: str = "Expected hidden size {}, got {}") -> None:
+        if tuple(hx.size()) != tuple(expected_hidden_size):
+            raise MismatchError(msg.format(tuple(expected_hidden_size), list(hx.size())))
+
+    def check_forward_args(self, input, hidden, batch_sizes=None) -> None:
+        """What torch.nn checks before a call: the input, then each state tensor's shape."""
+        self.check_input(input, batch_sizes)
+        h_shape = self.get_expected_hidden_size(input, batch_sizes)
+        if self.spec.mode == "lstm":
+            c_shape = self.get_expected_cell_size(input, batch_sizes)
+            parts = [("hidden[0]", hidden[0], h_shape), ("hidden[1]", hidden[1], c_shape)]
+        else:
+            parts = [("hidden", hidden, h_shape)]
+        for name, value, shape in parts:
+            pairs = zip(value, shape) if self.spec.per_layer else [(value, shape)]
+            for k, (tensor, expected) in enumerate(pairs):
+                label = f"{name}[{k}]" if self.spec.per_layer else name
+                self.check_hidden_size(tensor, expected, f"Expected {label} size {{}}, got {{}}")
+
+    def permute_hidden(self, hx, permutation):
+        """hx with its batch axis reordered by ``permutation`` (None: hx itself), for every state tensor."""
+        if permutation is None:
+            return hx
+
+        def permute(value):
+            if isinstance(value, (list, tuple)):
+                return type(value)(permute(v) for v in value)
+            return value.index_select(1, permutation)
+
+        return permute(hx)
+
+    def get_expected_cell_size(self, input, batch_sizes=None):
+        """An LSTM's c_0 shape for this input (a list of one shape per layer with per-layer sizes)."""
+        if self.spec.mode != "lstm":
+            raise AttributeError(f"{type(self).__name__} has no cell state (get_expected_cell_size is an LSTM's)")
+        return self._expected_state(input, batch_sizes, 1)
 
 
 # a stack's per-sequence options, each with its off value (a one-step cell has none of them)
@@ -254,6 +341,10 @@ class _PackedModule(_SpecAttributes, nn.Module):
             base, size = flat.data_ptr(), flat.element_size()
             self._expected_ptrs = [base + offset * size for offset, _, _ in self._packing]
 
+    def _like(self) -> torch.Tensor:
+        """A weight: inputs and states must have its dtype and device."""
+        return self._current()[0]
+
     def _current(self) -> list:
         """The weights as the module computes with them now (parameters, or parametrized values)."""
         return [getattr(self, name) for name in self._names]
@@ -328,14 +419,12 @@ class _PackedModule(_SpecAttributes, nn.Module):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a tensor of shape {shape}, got {type(t).__name__}")
             if tuple(t.shape) != shape:
-                raise MismatchError(f"{name}: expected shape {shape} (this module's layout), got "
-                                               f"{tuple(t.shape)}")
+                raise MismatchError(f"{name}: expected shape {shape} (this module's layout), got {tuple(t.shape)}")
             if t.dtype != first.dtype:
-                raise DTypeMismatchError(f"{name}: expected dtype {first.dtype} (that of "
-                                                    f"{self._names[0]}), got {t.dtype}")
+                raise DTypeMismatchError(f"{name}: expected dtype {first.dtype} (that of {self._names[0]}), got {t.dtype}")
             if t.device != first.device:
-                raise MismatchError(f"{name}: expected a tensor on {first.device} (that of "
-                                               f"{self._names[0]}), got {t.device}")
+                raise MismatchError(f"{name}: expected a tensor on {first.device} (that of {self._names[0]}), "
+                                    f"got {t.device}")
 
     def _make_plans(self, tensors) -> Optional[list]:
         self._check_pieces(tensors)  # one dtype and device, each weight its shape
@@ -506,8 +595,8 @@ def check_cell_input(spec: RNNSpec, input) -> None:
     if input.dim() not in (1, 2):
         raise ValueError(f"input: expected a 2-D tensor (B, input_size) or 1-D (input_size,), got shape {tuple(input.shape)}")
     if input.shape[-1] != spec.input_size:  # checked here so the message shows the caller's shape
-        raise MismatchError(f"input: expected feature size input_size={spec.input_size} in the last axis, "
-                                       f"got shape {tuple(input.shape)}")
+        raise MismatchError(f"input: expected feature size input_size={spec.input_size} in the last axis, got shape "
+                            f"{tuple(input.shape)}")
 
 
 def step_plans(spec: RNNSpec, passes, like: torch.Tensor, scales=None) -> list:
@@ -623,85 +712,6 @@ class _Recurrent(_StackAttributes, _PackedModule):
             self.__dict__["last_backend"] = ran  # a plain attribute: skips Module.__setattr__
         return y, hy
 
-    @property
-    def all_weights(self):
-        """torch.nn's list of per-layer-direction weight lists (torch.nn's pieces, then the extras)."""
-        return [[getattr(self, name) for name in names] for names in self._all_weights]
-
-    # ---- torch.nn.RNNBase's helpers, for code written against them (subclasses, introspection) ----
-
-    @property
-    def _all_weights(self) -> list:
-        """The parameter names of each layer-direction, as torch.nn.RNNBase lists them."""
-        D = self.spec.num_directions
-        return [[e.name for e in self.layout if e.layer * D + e.direction == i] for i in range(self.spec.num_layers * D)]
-
-    @property
-    def _flat_weights_names(self) -> list:
-        return [name for names in self._all_weights for name in names]
-
-    @property
-    def _flat_weights(self) -> list:
-        """The weights as the module computes with them now (a parametrized one's value), in
-        ``_flat_weights_names``' order. Read-only: assign a parameter by name to change one."""
-        return [getattr(self, name) for name in self._flat_weights_names]
-
-    def _expected_state(self, input, batch_sizes, which: int):
-        """h_0's (0) or c_0's (1) shape for this input: a list of one shape per layer with per-layer
-        sizes; without the batch axis for an unbatched (T, input_size) input, as the call takes it."""
-        if batch_sizes is not None:
-            return functional._state_shapes(self.spec, int(batch_sizes[0]))[which]
-        unbatched = input.dim() == 2
-        shapes = functional._state_shapes(self.spec, 1 if unbatched else input.size(0 if self.spec.batch_first else 1))
-        shape = shapes[which]
-        strip = lambda s: functional._unbatch_shape(s, unbatched)  # noqa: E731
-        return [strip(s) for s in shape] if isinstance(shape, list) else strip(shape)
-
-    def get_expected_hidden_size(self, input, batch_sizes=None):
-        """h_0's shape for this input (a list of one shape per layer with per-layer sizes)."""
-        return self._expected_state(input, batch_sizes, 0)
-
-    def check_input(self, input, batch_sizes=None) -> None:
-        """The input's rank, feature size, dtype and device (with ``batch_sizes``: a PackedSequence's 2-D data)."""
-        like = self._current()[0]
-        if batch_sizes is None:
-            functional.check_input(self.spec, input, like, self.spec.batch_first)
-        elif not isinstance(input, torch.Tensor) or input.dim() != 2:
-            raise MismatchError(f"input: expected a PackedSequence's 2-D data (rows, input_size) with "
-                                           f"batch_sizes, got shape {tuple(getattr(input, 'shape', ()))}")
-        else:
-            functional.check_tensor("input", input, (input.shape[0], self.spec.input_size), like)
-
-    def check_hidden_size(self, hx, expected_hidden_size, msg: str = "Expected hidden size {}, got {}") -> None:
-        if tuple(hx.size()) != tuple(expected_hidden_size):
-            raise MismatchError(msg.format(tuple(expected_hidden_size), list(hx.size())))
-
-    def check_forward_args(self, input, hidden, batch_sizes=None) -> None:
-        """What torch.nn checks before a call: the input, then each state tensor's shape."""
-        self.check_input(input, batch_sizes)
-        h_shape = self.get_expected_hidden_size(input, batch_sizes)
-        if self.spec.mode == "lstm":
-            parts = [("hidden[0]", hidden[0], h_shape), ("hidden[1]", hidden[1], self.get_expected_cell_size(input, batch_sizes))]
-        else:
-            parts = [("hidden", hidden, h_shape)]
-        for name, value, shape in parts:
-            pairs = zip(value, shape) if self.spec.per_layer else [(value, shape)]
-            for k, (tensor, expected) in enumerate(pairs):
-                label = f"{name}[{k}]" if self.spec.per_layer else name
-                self.check_hidden_size(tensor, expected, f"Expected {label} size {{}}, got {{}}")
-
-    def permute_hidden(self, hx, permutation):
-        """hx with its batch axis reordered by ``permutation`` (None: hx itself), for every state tensor."""
-        if permutation is None:
-            return hx
-
-        def permute(value):
-            if isinstance(value, (list, tuple)):
-                return type(value)(permute(v) for v in value)
-            return value.index_select(1, permutation)
-
-        return permute(hx)
-
     def extra_repr(self) -> str:
         defaults = RNNSpec(self.spec.mode, 1, 1).options()
         shown = {"input_size", "hidden_size"}
@@ -779,10 +789,6 @@ class LSTM(_Recurrent):
                  bidirectional=False, proj_size=0, **options):
         super().__init__("lstm", input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
                          proj_size=proj_size, **options)
-
-    def get_expected_cell_size(self, input, batch_sizes=None):
-        """c_0's shape for this input (a list of one shape per layer with per-layer sizes)."""
-        return self._expected_state(input, batch_sizes, 1)
 
 
 class GRU(_Recurrent):
