@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Union
 
 import torch
+from torch._C._functorch import TransformType
 
 from .spec import CellSpec, RNNSpec
 
@@ -30,20 +31,21 @@ class PassMasks(NamedTuple):
     zoneout_c: Zoneout = None
 
 
-def _under_vmap() -> bool:
-    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:  # Dynamo: not below
+def in_transform(kind: TransformType) -> bool:
+    """Whether a torch.func transform of this kind (vmap, jvp, ...) is active; False while Dynamo
+    traces (it must not trace the calls below) and, in a fraction of a microsecond, outside any."""
+    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
         return False
-    from torch._C._functorch import TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+    return any(i.key() == kind for i in retrieve_all_functorch_interpreters())
 
 
 def _bernoulli(shape, q: float, like: torch.Tensor) -> torch.Tensor:
     """1 with probability q, else 0. Under torch.func.vmap drawn out of place: with
     ``randomness="different"`` vmap refuses an in-place draw into a tensor it has not batched,
     and draws each member's own mask from this one."""
-    if _under_vmap():
+    if in_transform(TransformType.Vmap):
         return torch.bernoulli(torch.full(shape, q, dtype=like.dtype, device=like.device))
     return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(q)
 

@@ -246,13 +246,7 @@ class _StackAttributes(_SpecAttributes):
         """hx with its batch axis reordered by ``permutation`` (None: hx itself), for every state tensor."""
         if permutation is None:
             return hx
-
-        def permute(value):
-            if isinstance(value, (list, tuple)):
-                return type(value)(permute(v) for v in value)
-            return value.index_select(1, permutation)
-
-        return permute(hx)
+        return functional._map(hx, lambda t: t.index_select(1, permutation))
 
     def get_expected_cell_size(self, input, batch_sizes=None):
         """An LSTM's c_0 shape for this input (a list of one shape per layer with per-layer sizes)."""
@@ -444,16 +438,16 @@ class _PackedModule(_SpecAttributes, nn.Module):
         """One PassWeights per layer-direction: views of the packed buffer through `_Pack`
         when the parameters alias it and a gradient is wanted, else the parameters themselves."""
         tensors = self._current()
-        if not _plain_eager():
-            self._check_pieces(tensors)
-        else:
-            if not self._aliased(tensors):
-                self._note_unpacked(tensors)
-                self._check_pieces(tensors)
-            elif torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        eager = _plain_eager()
+        if eager and self._aliased(tensors):
+            if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
                 views = _Pack.apply(self._flat, self._packing, *tensors)
                 # a frozen weight goes as itself (the same memory), so the kernels skip its gradient
                 tensors = [v if t.requires_grad else t for v, t in zip(views, tensors)]
+        else:  # weights put in by hand, or swapped in by a transform or a trace: checked before any kernel
+            if eager:
+                self._note_unpacked(tensors)
+            self._check_pieces(tensors)
         return self.layout.group(dict(zip(self._names, tensors)))
 
     @property

@@ -29,9 +29,10 @@ from __future__ import annotations
 from typing import Callable, Dict, NamedTuple, Optional, Sequence
 
 import torch
+from torch._C._functorch import TransformType
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .masks import PassMasks
+from .masks import PassMasks, in_transform
 from .params import WEIGHT_SLOTS, PassWeights
 from .spec import CellSpec
 
@@ -198,13 +199,7 @@ def forward_ad_reason() -> Optional[str]:
     otherwise (and always while torch.compile traces)."""
     if torch.compiler.is_compiling():
         return None
-    if torch.autograd.forward_ad._current_level < 0 and torch._C._functorch.peek_interpreter_stack() is None:
-        return None  # the common case, in a microsecond
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    if torch.autograd.forward_ad._current_level >= 0 or any(
-            i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters()):
+    if torch.autograd.forward_ad._current_level >= 0 or in_transform(TransformType.Jvp):
         return ("forward-mode AD (torch.func.jvp / jacfwd, torch.autograd.forward_ad) needs a jvp rule, which these "
                 "kernels' ops do not have; backend='reference' (chosen by 'auto') computes it")
     return None
