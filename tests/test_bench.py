@@ -551,3 +551,14 @@ def test_bench_without_cuda_says_what_train_says(capsys, tmp_path):
     status = cli.main(["bench", "--device", "cuda", "--quick", "--out", str(tmp_path / "b")])
     assert (status, capsys.readouterr().err) == (train, train_err) == (1, train_err)
     assert train_err.startswith("rnnkit: error: --device cuda:")
+
+
+def test_runtime_errors_are_the_commands_one_line_reports(tmp_path, capsys, monkeypatch):
+    """Not usage errors: status 1 and ``rnnkit: error: ...``, as rnnkit train reports them."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert bench.main(["--quick", "--out", str(blocker / "results")]) == 1
+    assert capsys.readouterr().err.startswith(f"rnnkit: error: --out {blocker / 'results'}: ")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--quick", "--device", "cuda", "--out", str(tmp_path)]) == 1
+    assert "rnnkit: error: --device cuda: " in capsys.readouterr().err

@@ -345,3 +345,13 @@ def test_every_backend_draws_the_same_dropout_masks_under_a_seed(mode, lengths):
     for backend in ("native", "fused"):
         assert_close(outputs[backend], outputs["reference"])
         assert torch.equal(outputs[backend + " next draw"], outputs["reference next draw"])
+
+
+def test_random_options_name_what_training_draws():
+    """A one-layer stack's dropout draws nothing (it acts between layers), so its training calls
+    keep the deterministic fast paths; every other random option is named."""
+    assert rnnkit.LSTM(3, 4, dropout=0.5).spec.random_options == ()
+    assert rnnkit.LSTM(3, 4, 2, dropout=0.5).spec.random_options == ("dropout",)
+    spec = rnnkit.LSTM(3, 4, input_dropout=0.1, recurrent_dropout=0.2, dropconnect=0.3, zoneout=0.1).spec
+    assert spec.random_options == ("input_dropout", "recurrent_dropout", "dropconnect", "zoneout")
+    assert spec.uses_dropout_masks and not rnnkit.GRU(3, 4).spec.uses_dropout_masks

@@ -533,7 +533,7 @@ def _binding_names(function) -> tuple:
 def test_the_bindings_take_the_op_schema_names_in_order():
     """csrc/ops.cpp lists the pass's arguments by name once more (pybind11's py::arg): they must be
     the schema's (rnnkit/passes.py), in its order, or a call would pass a value to the wrong one."""
-    from rnnkit.passes import BACKWARD_NAMES, FORWARD_NAMES, PASS_ARGUMENTS
+    from rnnkit.passes import BACKWARD_NAMES, FORWARD_NAMES
 
     ext = build.extension()
     assert _binding_names(ext.pass_forward) == FORWARD_NAMES

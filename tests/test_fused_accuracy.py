@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import rnnkit
-from rnnkit.fused import build
 from helpers import assert_close, flatten, make_module, map_tree, random_states, require_fused_kernels, run_backend
 
 

@@ -15,10 +15,9 @@ import sys
 import pytest
 import torch
 
-import rnnkit
 from rnnkit import fused
 from rnnkit.fused import build
-from helpers import assert_close, make_module, random_states, run_backend
+from helpers import assert_close, make_module, random_states
 from test_fused import CASES
 from test_fused_accuracy import assert_fused_error_within_twice_the_references, errors_against_float64
 

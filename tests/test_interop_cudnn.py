@@ -89,7 +89,7 @@ def test_cudnn_enum_values_read_as_their_names():
     ("projSize", 3, r"config\['projSize'\]: expected hiddenSize \(5\): only CUDNN_LSTM projects, got 3"),
     ("cellClip", 0.5, r"config\['cellClip'\]: expected None: cuDNN clips only CUDNN_LSTM cells, got 0.5"),
     ("numLayers", 1.0, r"config\['numLayers'\]: expected a positive integer, got 1.0"),
-    ("dataType", "CUDNN_DATA_FLOAT", r"config: unexpected keys \['dataType'\]"),
+    ("dataType", "CUDNN_DATA_FLOAT", r"config: expected the keys .*; unexpected \['dataType'\]"),
 ], ids=["dirMode-word", "dirMode-2", "dirMode-bool", "skip-input", "gru-projSize", "gru-cellClip", "numLayers-float",
         "dataType"])
 def test_config_fields_are_validated(field, value, message):
@@ -116,7 +116,7 @@ def test_lstm_config_values_are_validated():
 def test_entries_the_config_does_not_use_are_refused(module, table, key, value):
     params = cudnn.to_cudnn(module())
     params[table][key] = value
-    message = rf"{table}: unexpected \(pseudoLayer, linLayerID\) entries \[{re.escape(str(key))}\]"
+    message = rf"{table} \(for the config\): expected the \(pseudoLayer, linLayerID\) entries .*; unexpected \[{re.escape(str(key))}\]"
     with pytest.raises(ValueError, match=message):
         cudnn.from_cudnn(params)
 
@@ -126,11 +126,11 @@ def _without(mapping, key):
 
 
 @pytest.mark.parametrize("edit, error, message", [
-    (lambda p: _without(p, "config"), ValueError, r"params: no \['config'\]"),
+    (lambda p: _without(p, "config"), ValueError, r"params: expected the keys .*; missing \['config'\]"),
     (lambda p: {**p, "config": _without(_without(p["config"], "inputSize"), "hiddenSize")}, ValueError,
-     r"config: no \['inputSize', 'hiddenSize'\]"),
+     r"config: expected the keys .*; missing \['inputSize', 'hiddenSize'\]"),
     (lambda p: {**p, "matrices": _without(p["matrices"], (1, 8))}, ValueError,
-     r"matrices: no entry for \(pseudoLayer, linLayerID\) \[\(1, 8\)\]"),
+     r"matrices \(for the config\): expected .*; missing \[\(1, 8\)\]"),
     (lambda p: {**p, "matrices": {**p["matrices"], (1, 4): torch.ones(5, 5)}}, ValueError,
      r"matrices\[\(1, 4\)\]: expected shape \(5, 2\), got \(5, 5\)"),
     (lambda p: [p], TypeError, r"params: expected a mapping"),

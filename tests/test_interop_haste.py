@@ -115,7 +115,7 @@ def test_zoneout_on_h_alone_is_carried():
 
 
 def test_bad_haste_dicts_are_named():
-    with pytest.raises(ValueError, match=r"layers\[0\]: a Haste LayerNormGRU layer has keys .* missing \['recurrent_bias'\]"):
+    with pytest.raises(ValueError, match=r"layers\[0\] \(a Haste LayerNormGRU layer\): expected the keys .*; missing \['recurrent_bias'\]"):
         haste.from_haste([{"kernel": np.ones((3, 12)), "recurrent_kernel": np.ones((4, 12)), "bias": np.ones(12),
                            "gamma": np.ones((2, 12))}], "gru")
     with pytest.raises(TypeError, match="layers: expected a non-empty list"):

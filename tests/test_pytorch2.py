@@ -705,12 +705,12 @@ def test_autocast_takes_float32_inputs_of_a_module_already_in_its_dtype(kind, dt
     h = torch.randn(1, B, 8) if kind == "lstm" else torch.randn(B, 8)
     state = (h, torch.randn(1, B, 8)) if kind == "lstm" else h
     first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
-    for grad in (False, True):
-        with torch.set_grad_enabled(grad):
+    for recording in (False, True):
+        with torch.set_grad_enabled(recording):
             with torch.autocast("cpu", dtype):
                 got = first(layer(x, state))
             want = first(layer(x.to(dtype), map_tree(state, lambda t: t.to(dtype))))
-        assert got.dtype == dtype and torch.equal(got, want), (kind, grad)
+        assert got.dtype == dtype and torch.equal(got, want), (kind, recording)
 
 
 @pytest.mark.parametrize("wrong", ["input", "state"])

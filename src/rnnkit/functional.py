@@ -386,10 +386,7 @@ def run(
 
         if onnx_ops.exporting():  # the pass ops become ONNX LSTM / GRU / RNN nodes
             onnx_ops.check_exportable(spec)
-            drawn = [name for name, on in (("dropout", spec.dropout and spec.num_layers > 1),
-                                           ("input_dropout", spec.input_dropout),
-                                           ("recurrent_dropout", spec.recurrent_dropout),
-                                           ("dropconnect", spec.dropconnect)) if on]
+            drawn = spec.random_options  # zoneout: refused by check_exportable in either mode
             if training and drawn:  # the masks would be drawn in the graph, anew at every run
                 raise ValueError(f"torch.onnx.export: {drawn[0]} draws random masks in training mode; the model must "
                                  "be exported in evaluation mode (model.eval())")

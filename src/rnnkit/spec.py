@@ -416,9 +416,18 @@ class RNNSpec:
         )
 
     @property
+    def random_options(self) -> tuple:
+        """The options that draw random masks in training, by name: the dropouts (``dropout``
+        only between layers), DropConnect, zoneout."""
+        named = (("dropout", self.dropout and self.num_layers > 1), ("input_dropout", self.input_dropout),
+                 ("recurrent_dropout", self.recurrent_dropout), ("dropconnect", self.dropconnect),
+                 ("zoneout", any(self.zoneout)))
+        return tuple(name for name, on in named if on)
+
+    @property
     def uses_dropout_masks(self) -> bool:
-        """Whether training draws random masks (dropouts, DropConnect, zoneout)."""
-        return any((self.dropout, self.input_dropout, self.recurrent_dropout, self.dropconnect, *self.zoneout))
+        """Whether training draws random masks (`random_options`)."""
+        return bool(self.random_options)
 
     def options(self) -> dict:
         """The keyword arguments that rebuild this spec: ``RNNSpec(**spec.options())``."""

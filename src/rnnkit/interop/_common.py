@@ -135,6 +135,19 @@ def build_module(spec: RNNSpec, pieces: Dict[str, object], dtype: Optional[torch
     return module
 
 
+def check_keys(found: Iterable, expected: Iterable, what: str, optional: Iterable = (), kind: str = "keys") -> None:
+    """Refuse ``found`` unless it holds every key of ``expected`` and nothing but those and
+    ``optional``: a ValueError that starts with ``what`` and lists the expected keys, the missing
+    and the unexpected ones. Every converter checks what it is handed with this."""
+    found, expected, optional = list(found), list(expected), list(optional)
+    missing = [key for key in expected if key not in found]
+    unexpected = sorted((key for key in found if key not in expected and key not in optional), key=repr)
+    if missing or unexpected:
+        wrong = "; ".join(f"{name} {keys}" for name, keys in (("missing", missing), ("unexpected", unexpected)) if keys)
+        raise ValueError(f"{what}: expected the {kind} {expected}" + (f", optionally {optional}" if optional else "")
+                         + f"; {wrong}")
+
+
 def load_pieces(module, pieces: Dict[str, object]) -> None:
     """Copy ``pieces`` ({torch.nn name: array}) into the module's weights, checking names and shapes.
 
@@ -142,10 +155,7 @@ def load_pieces(module, pieces: Dict[str, object]) -> None:
     ``module.flat_weights``, without autograd.
     """
     entries = list(module.layout)
-    missing = [entry.name for entry in entries if entry.name not in pieces]
-    if missing:
-        raise ValueError(f"weights: no value for {missing[0]} (expected {len(entries)} pieces: "
-                         f"{[entry.name for entry in entries]})")
+    check_keys(pieces, [entry.name for entry in entries], "weights", kind="pieces")
     values = {}
     for entry in entries:
         value = pieces[entry.name]

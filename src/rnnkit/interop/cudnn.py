@@ -44,7 +44,7 @@ from typing import Dict, Mapping, Tuple
 import torch
 
 from ..spec import RNNSpec
-from ._common import build_module, refuse, spec_of, suffix, torch_pieces
+from ._common import build_module, check_keys, refuse, spec_of, suffix, torch_pieces
 
 PROJECTION_ID = 8
 CUDNN_MODES = {"lstm": "CUDNN_LSTM", "gru": "CUDNN_GRU", "rnn_tanh": "CUDNN_RNN_TANH", "rnn_relu": "CUDNN_RNN_RELU"}
@@ -180,12 +180,12 @@ def _parts(params) -> Tuple[dict, dict, dict]:
     """``params``'s config and its two tables (the tables' values as tensors), checking the keys."""
     if not isinstance(params, Mapping):
         raise TypeError(f"params: expected a mapping with {PARTS}, got {type(params).__name__}")
-    _check_keys("params", params, PARTS, ())
+    check_keys(params, PARTS, "params")
     for part in PARTS:
         if not isinstance(params[part], Mapping):
             raise TypeError(f"params['{part}']: expected a mapping, got {type(params[part]).__name__}")
     config = params["config"]
-    _check_keys("config", config, CONFIG_REQUIRED, CONFIG_OPTIONAL)
+    check_keys(config, CONFIG_REQUIRED, "config", CONFIG_OPTIONAL)
     tables = []
     for part in ("matrices", "biases"):
         table = {}
@@ -196,17 +196,6 @@ def _parts(params) -> Tuple[dict, dict, dict]:
                 raise TypeError(f"{part}[{key!r}]: expected an array, got {type(value).__name__}") from error
         tables.append(table)
     return config, tables[0], tables[1]
-
-
-def _check_keys(what: str, mapping: Mapping, required: Tuple[str, ...], optional: Tuple[str, ...]) -> None:
-    missing = [key for key in required if key not in mapping]
-    if missing:
-        raise ValueError(f"{what}: no {missing} (expected the keys {required}"
-                         + (f", optionally {optional}" if optional else "") + f"), got {list(mapping)}")
-    unexpected = [key for key in mapping if key not in required + optional]
-    if unexpected:
-        raise ValueError(f"{what}: unexpected keys {unexpected} (expected the keys {required}"
-                         + (f", optionally {optional}" if optional else "") + ")")
 
 
 def _enum(config: Mapping, field: str, accepted: Tuple[str, ...]) -> str:
@@ -244,13 +233,7 @@ def _entry_shapes(spec: RNNSpec) -> Dict[Tuple[int, int], Tuple[int, ...]]:
 
 def _check_table(what: str, table: Dict, shapes: Dict[Tuple[int, int], Tuple[int, ...]]) -> None:
     """``table`` has exactly the keys of ``shapes``, each value of its shape."""
-    missing = [key for key in shapes if key not in table]
-    if missing:
-        raise ValueError(f"{what}: no entry for (pseudoLayer, linLayerID) {missing}")
-    unexpected = sorted((key for key in table if key not in shapes), key=repr)
-    if unexpected:
-        raise ValueError(f"{what}: unexpected (pseudoLayer, linLayerID) entries {unexpected}, which the config "
-                         f"does not use (expected exactly {sorted(shapes)})")
+    check_keys(table, sorted(shapes), f"{what} (for the config)", kind="(pseudoLayer, linLayerID) entries")
     for key, shape in shapes.items():
         if tuple(table[key].shape) != shape:
             raise ValueError(f"{what}[{key}]: expected shape {shape}, got {tuple(table[key].shape)}")

@@ -38,7 +38,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 import numpy as np
 
 from ..spec import RNNSpec
-from ._common import build_module, exported_pieces, imported_array, refuse, spec_of, suffix
+from ._common import build_module, check_keys, exported_pieces, imported_array, refuse, spec_of, suffix
 
 FMT = "Flax"
 # Each cell's Dense layers, and the parameters each holds (flax/linen/recurrent.py)
@@ -109,10 +109,7 @@ def _keys(tree, expected, where: str) -> None:
     """Refuse a tree whose keys are not exactly ``expected``, listing the missing and the unexpected."""
     if not isinstance(tree, Mapping):
         raise TypeError(f"{where}: expected a dict with keys {sorted(expected)}, got {type(tree).__name__}")
-    missing, extra = sorted(set(expected) - set(tree)), sorted(set(tree) - set(expected))
-    if missing or extra:
-        raise ValueError(f"{where}: has keys {sorted(tree)}, expected {sorted(expected)} "
-                         f"(missing {missing}, unexpected {extra})")
+    check_keys(tree, sorted(expected), where)
 
 
 def _cell_arrays(mode: str, tree, where: str) -> Dict[str, np.ndarray]:

@@ -43,7 +43,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from ..spec import RNNSpec
-from ._common import build_module, exported_pieces, imported_array, refuse, refuse_mode, regate, spec_of, suffix
+from ._common import build_module, check_keys, exported_pieces, imported_array, refuse, refuse_mode, regate, spec_of, suffix
 
 HASTE_GATES = {"lstm": "igfo", "gru": "zrn"}
 RNNKIT_GATES = {"lstm": "ifgo", "gru": "rzn"}
@@ -127,12 +127,8 @@ def from_haste(layers: Sequence[Dict[str, object]], mode: str, *, zoneout: float
     expected = HASTE_KEYS[(mode, layer_norm)]
     arrays = []
     for k, weights in enumerate(layers):
-        keys = set(weights)
-        if keys != set(expected):
-            missing, extra = sorted(set(expected) - keys), sorted(keys - set(expected))
-            kind = ("LayerNorm" if layer_norm else "") + mode.upper()
-            raise ValueError(f"layers[{k}]: a Haste {kind} layer has keys {list(expected)}; "
-                             f"missing {missing}, unexpected {extra}")
+        kind = ("LayerNorm" if layer_norm else "") + mode.upper()
+        check_keys(weights, expected, f"layers[{k}] (a Haste {kind} layer)")
         arrays.append({key: imported_array(weights[key], f"layers[{k}][{key!r}]") for key in expected})
     G = 4 if mode == "lstm" else 3
     hidden = [int(w["recurrent_kernel"].shape[0]) for w in arrays]

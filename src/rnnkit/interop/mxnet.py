@@ -52,7 +52,7 @@ from typing import Dict, Mapping
 import numpy as np
 
 from ..spec import RNNSpec
-from ._common import build_module, exported_pieces, imported_array, refuse, spec_of, suffix
+from ._common import build_module, check_keys, exported_pieces, imported_array, refuse, spec_of, suffix
 
 FMT = "MXNet"
 TORCH_TO_GLUON = {"weight_ih": "i2h_weight", "weight_hh": "h2h_weight", "weight_hr": "h2r_weight",
@@ -210,11 +210,9 @@ def from_gluon(named: Mapping[str, object], mode: str, *, cell_clip=None, state_
     proj = named["l0_h2r_weight"].shape[0] if "l0_h2r_weight" in named else 0
     spec = RNNSpec(mode, int(named["l0_i2h_weight"].shape[1]), int(hidden), num_layers,
                    bidirectional=bidirectional, proj_size=int(proj), cell_clip=cell_clip, batch_first=batch_first)
-    expected = {_gluon_name(*entry) for entry in build_layout_names(spec)}
-    if set(named) != expected:
-        missing, extra = sorted(expected - set(named)), sorted(set(named) - expected)
-        raise ValueError(f"named: a {spec.num_layers}-layer {'bidirectional ' if bidirectional else ''}{mode} "
-                         f"has {len(expected)} parameters; missing {missing}, unexpected {extra}")
+    expected = sorted({_gluon_name(*entry) for entry in build_layout_names(spec)})
+    check_keys(named, expected, f"named (a {spec.num_layers}-layer {'bidirectional ' if bidirectional else ''}{mode})",
+               kind="parameters")
     pieces = {piece + suffix(layer, direction): named[_gluon_name(layer, direction, piece)]
               for layer, direction, piece in build_layout_names(spec)}
     return build_module(spec, pieces, dtype)

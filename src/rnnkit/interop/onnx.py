@@ -571,7 +571,8 @@ def import_model(model, *, batch_first: Optional[bool] = None, dtype=None):
     if not _drops_only_zeros(pieces, bias_mode):  # B edited after export: the graph's biases win
         bias_mode = general
     spec = RNNSpec(*sizes, bias_mode=bias_mode, dropout=stored.get("dropout", 0.0), **options)
-    return build_module(spec, pieces, dtype)
+    dropped = DROPPED_BIASES[bias_mode]  # zeros (checked above) the module has no place for
+    return build_module(spec, {name: value for name, value in pieces.items() if not name.startswith(dropped)}, dtype)
 
 
 DROPPED_BIASES = {"double": (), "single_input": ("bias_hh",), "single_recurrent": ("bias_ih",),

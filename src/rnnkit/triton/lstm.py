@@ -16,7 +16,7 @@ from .common import (
     row_sum, sigmoid, store_row, tanh, write_h, zone_pointer,
 )
 from .config import (
-    PassConfig, PassTensors, absent, entering, first_last, io, or_dummy, per_step_or_absent, recurrent_steps,
+    PassConfig, PassTensors, absent, entering, io, or_dummy, per_step_or_absent, recurrent_steps,
     slot, state_buffers, time_steps,
 )
 from .graphs import run_loop

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .common import EPS, P_H, h_grad, ln_input_grad, ln_stats, tanh, write_h, zone_pointer
 from .config import (
-    PassConfig, PassTensors, absent, entering, first_last, or_dummy, per_step_or_absent, recurrent_steps,
+    PassConfig, PassTensors, absent, entering, or_dummy, per_step_or_absent, recurrent_steps,
     slot, state_buffers, time_steps,
 )
 from .graphs import run_loop

@@ -158,19 +158,13 @@ def _plan(args: argparse.Namespace, notes: List[str]) -> Plan:
     )
 
 
-def _failed(message) -> int:
-    """What the command prints for an error that is not a usage error (as ``rnnkit train`` does); -> its status."""
-    print(f"rnnkit: error: {message}", file=sys.stderr)
-    return 1
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed flags describe; write JSON, markdown and PNG; -> exit status."""
     if args.list:
         _print_registries()
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
-        return _failed(errors.no_cuda())
+        raise errors.no_cuda()  # the command prints it, as for rnnkit train
     notes: List[str] = []
     try:
         plan = _plan(args, notes)
@@ -181,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"rnnkit bench: {note}", file=sys.stderr)
     unwritable = _unwritable(plan.out)
     if unwritable:  # now, not after the first case's minutes of measuring
-        return _failed(f"--out {plan.out}: {unwritable}")
+        raise errors.UserError(f"--out {plan.out}: {unwritable}")
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(plan.threads)  # the same for every runner
     load_samples = [(report.load_average(), 0)]  # (1-minute load average, our threads running meanwhile)
@@ -261,6 +255,8 @@ def _plot(plan: Plan, records: List[dict]) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="rnnkit bench", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """``rnnkit bench`` with these flags (``sys.argv[1:]`` when None): the command's parser and
+    error reports; -> its exit status."""
+    from ..cli import main as command
+
+    return command(["bench", *(sys.argv[1:] if argv is None else argv)])
