@@ -713,6 +713,36 @@ def test_autocast_takes_float32_inputs_of_a_module_already_in_its_dtype(kind, dt
         assert got.dtype == dtype and torch.equal(got, want), (kind, recording)
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn", "lstm_cell", "gru_cell"])
+@pytest.mark.parametrize("module_dtype, autocast_dtype", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16),
+                                                          (torch.float64, torch.bfloat16)], ids=["fp16-in-bf16", "bf16-in-fp16", "fp64-in-bf16"])
+def test_autocast_leaves_a_module_of_another_dtype_alone(kind, backend, module_dtype, autocast_dtype):
+    """A module in a half dtype other than autocast's (or float64) is left alone, as the policy
+    says: the same bits in its own dtype as without autocast, gradients included. A float16 stack
+    under bfloat16 autocast failed in torch.stack ("Unexpected floating ScalarType in
+    at::autocast::prioritize"), and on the reference loop its products ran in bfloat16 and came
+    back float32."""
+    torch.manual_seed(0)
+    build = {"lstm": rnnkit.LSTM, "gru": rnnkit.GRU, "rnn": rnnkit.RNN, "lstm_cell": rnnkit.LSTMCell,
+             "gru_cell": rnnkit.GRUCell}[kind]
+    layer = build(INPUT, 8, backend=backend).to(module_dtype)
+    cell = kind.endswith("cell")
+    x = torch.randn(B, INPUT) if cell else torch.randn(5, B, INPUT)
+    flat = lambda out: flatten(out) if isinstance(out, tuple) else [out]  # noqa: E731
+    runs = []
+    for autocast in (False, True):
+        inputs = x.to(module_dtype).requires_grad_()
+        with torch.autocast("cpu", autocast_dtype, enabled=autocast):
+            out = flat(layer(inputs))
+        layer.zero_grad()
+        sum((o.float() * (k + 1)).sum() for k, o in enumerate(out)).backward()
+        runs.append((out, inputs.grad, [p.grad.clone() for p in layer.parameters()]))
+    (plain, dx, dw), (cast, dx_cast, dw_cast) = runs
+    assert [t.dtype for t in cast] == [module_dtype] * len(cast)
+    assert all(torch.equal(a, b) for a, b in zip(plain + [dx] + dw, cast + [dx_cast] + dw_cast)), (kind, backend)
+
+
 @pytest.mark.parametrize("wrong", ["input", "state"])
 @pytest.mark.parametrize("kind", ["lstm", "gru_cell"])
 def test_autocast_refuses_float64_naming_its_dtype(kind, wrong):

@@ -470,7 +470,9 @@ def test_dtype_conversions_leave_an_int8_module_working():
             model = convert(nn.Sequential(q))
             assert {b.dtype for b in q.buffers()} == {torch.int8, torch.float32}
             assert torch.equal(model(x)[0], want) and torch.equal(q(x[:1])[0], want_step)
-        with pytest.raises(TypeError, match=r"input: expected dtype torch.float32"):
+        # not "(the dtype of the weights)": they are int8
+        with pytest.raises(TypeError, match=r"^input: expected dtype torch.float32 \(the dtype the layer computes "
+                                            r"in\), got torch.float64$"):
             q(x.double())
 
 
@@ -515,6 +517,37 @@ def test_meta_device_and_fake_tensors_give_the_shapes(layer, shape):
     built_on_meta.load_state_dict(q.state_dict(), assign=True)
     with torch.no_grad():
         assert_close(built_on_meta(x), q(x), "quantized on meta, then loaded", tol=0)
+
+
+@pytest.mark.parametrize("layer, shape", [(lambda: rnnkit.LSTM(4, 8, peephole=True), (1, 2, 4)),
+                                          (lambda: rnnkit.LSTM(4, 8, peephole=True), (3, 2, 4)),
+                                          (lambda: rnnkit.GRUCell(4, 8), (2, 4))], ids=["lstm-T1", "lstm-T3", "gru_cell"])
+def test_buffers_loaded_with_assign_are_taken_or_refused_by_name(layer, shape):
+    """load_state_dict(assign=True) keeps the tensors it is given: a non-contiguous int8 matrix
+    computes as the contiguous one (the one-step plans, which need contiguous memory, step aside;
+    they raised "a step plan needs contiguous weights"), and a scale or vector in another float
+    dtype is refused by its name (the errors blamed the input, or named a shape or no buffer)."""
+    torch.manual_seed(0)
+    q = rnnkit.quantize(layer().eval())
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        want = flatten(q(x))
+    strided = copy.deepcopy(q)
+    state = strided.state_dict()
+    name = [k for k in state if k.startswith("weight_hh")][0]
+    state[name] = state[name].t().contiguous().t()
+    strided.load_state_dict(state, assign=True)
+    assert not getattr(strided, name).is_contiguous()
+    with torch.no_grad():
+        assert_close(flatten(strided(x)), want, "non-contiguous int8 matrix", tol=0)
+    for key in [k for k in q.state_dict() if k.endswith("_scale") or k.startswith(("bias", "weight_peephole"))]:
+        wrong = copy.deepcopy(q)
+        state = wrong.state_dict()
+        state[key] = state[key].double()
+        wrong.load_state_dict(state, assign=True)
+        with torch.no_grad(), pytest.raises(TypeError, match=rf"^{key}: expected float32 \(an int8 module's scales "
+                                                             r"and vectors are float32\), got torch.float64$"):
+            wrong(x)
 
 
 INT8_ONNX_CASES = {  # name -> (layer, with lengths)

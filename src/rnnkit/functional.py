@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from contextlib import nullcontext
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -50,7 +51,7 @@ def _expected_dtype(like: torch.Tensor) -> str:
     device = like.device.type
     if device in ("cpu", "cuda") and torch.is_autocast_enabled(device) and like.dtype == torch.get_autocast_dtype(device):
         return f"torch.float32 or {like.dtype} under torch.autocast({device!r}, dtype={like.dtype})"
-    return f"{like.dtype} (the dtype of the weights)"
+    return f"{like.dtype} (the dtype the layer computes in)"
 
 
 def check_cell_states(spec, hx, input: torch.Tensor, like: torch.Tensor) -> tuple:
@@ -346,6 +347,11 @@ def _to_dtype(tree, dtype: torch.dtype):
     return tree
 
 
+def _autocast_on(device: torch.device) -> bool:
+    """Whether torch.autocast is on for ``device`` (the CPU's and CUDA's: the two rnnkit runs on)."""
+    return device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type)
+
+
 def _autocast_dtype(device: torch.device, dtype: torch.dtype) -> Optional[torch.dtype]:
     """The lower-precision dtype the stack runs in under torch.autocast, or None.
 
@@ -357,7 +363,7 @@ def _autocast_dtype(device: torch.device, dtype: torch.dtype) -> Optional[torch.
     takes float32 inputs and states the same way (as torch.nn's does). float64 is left alone, and
     so is a module in another half-precision dtype.
     """
-    if device.type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device.type):
+    if not _autocast_on(device):
         return None
     low = torch.get_autocast_dtype(device.type)
     return low if dtype in (torch.float32, low) else None
@@ -405,18 +411,20 @@ def run(
         chosen = backends_.select(backend, spec, x.device, x.dtype, steps=x.shape[0], grad=grad, batch=x.shape[1])
     else:
         chosen = backend
-    if low is not None:
-        with torch.autocast(x.device.type, enabled=False):
-            y, h_ns, c_ns = run_stack(chosen, spec, weights, x, h0s, c0s, lengths, training)
-    else:
+    # Under autocast the stack runs as the policy says and nowhere else: a module in the autocast
+    # dtype or cast to it (low), and one left alone (float64, another half dtype), whose products
+    # autocast would otherwise move to its dtype (a float16 module's to bfloat16) or refuse to join
+    shielded = named and _autocast_on(x.device)
+    with torch.autocast(x.device.type, enabled=False) if shielded else nullcontext():
         y, h_ns, c_ns = run_stack(chosen, spec, weights, x, h0s, c0s, lengths, training)
-    if unbatched:
-        y = y.squeeze(1)
-    elif batch_first:
-        y = y.transpose(0, 1)
-    h_n = join_states(spec, h_ns, unbatched)
+        if unbatched:
+            y = y.squeeze(1)
+        elif batch_first:
+            y = y.transpose(0, 1)
+        h_n = join_states(spec, h_ns, unbatched)
+        c_n = join_states(spec, c_ns, unbatched) if spec.mode == "lstm" else None
     if spec.mode == "lstm":
-        return y, (h_n, join_states(spec, c_ns, unbatched)), chosen.name
+        return y, (h_n, c_n), chosen.name
     return y, h_n, chosen.name
 
 

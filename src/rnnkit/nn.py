@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -919,11 +920,13 @@ class _Cell(_CellAttributes, _PackedModule):
             c0 = parts[1].reshape(B, cell.hidden_size) if lstm else None
         x = input.reshape(B, spec.input_size)
         chosen = backends_.select(self.backend, spec, x.device, x.dtype, steps=1)
-        if hasattr(chosen, "step"):
-            h, c = chosen.step(spec, w, x, h0, c0)
-        else:
-            masks = draw_pass(spec, cell, 1, B, x, self.training).masks
-            _, h, c = chosen.run_pass(cell, x.unsqueeze(0), h0, c0, w, None, False, masks)
+        # under autocast, the policy above and nothing else (functional.run's shield)
+        with torch.autocast(x.device.type, enabled=False) if functional._autocast_on(x.device) else nullcontext():
+            if hasattr(chosen, "step"):
+                h, c = chosen.step(spec, w, x, h0, c0)
+            else:
+                masks = draw_pass(spec, cell, 1, B, x, self.training).masks
+                _, h, c = chosen.run_pass(cell, x.unsqueeze(0), h0, c0, w, None, False, masks)
         if not torch.compiler.is_compiling():
             self.__dict__["last_backend"] = chosen.name  # a plain attribute: skips Module.__setattr__
         if unbatched:

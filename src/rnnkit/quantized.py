@@ -191,8 +191,23 @@ class _Quantized(_SpecAttributes, nn.Module):
                                  f"expected a qconfig with weight dtype torch.qint8, got {dtype}")
         return cls(module)
 
+    def _check_buffers(self) -> None:
+        """The buffers as the kernels take them: int8 matrices, float32 scales and vectors, by name
+        (``load_state_dict(..., assign=True)`` and assignment keep what they are given)."""
+        for name, value in self._buffers.items():
+            entry = self.layout.index.get(name.removesuffix("_scale"))
+            matrix = entry.piece in MATRICES and not name.endswith("_scale")
+            dtype, shape = (torch.int8 if matrix else torch.float32), (entry.shape[:1] if name.endswith("_scale")
+                                                                      else entry.shape)
+            if not isinstance(value, torch.Tensor) or value.dtype != dtype:
+                what = "int8 codes" if matrix else "float32 (an int8 module's scales and vectors are float32)"
+                raise TypeError(f"{name}: expected {what}, got {getattr(value, 'dtype', type(value).__name__)}")
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(value.shape)}")
+
     def _passes(self) -> list:
         """One `QuantizedPass` per layer-direction."""
+        self._check_buffers()
         b = self._buffers
         grouped = self.layout.group({name: b[name] for name in self._names})
         out = []
@@ -220,6 +235,8 @@ class _Quantized(_SpecAttributes, nn.Module):
         """The fused kernels' one-step plans on the int8 weights, one per pass (built once, rebuilt
         when a buffer or the memory behind one is replaced, as load_state_dict(assign=True) does)."""
         buffers = tuple(self._buffers.values())
+        if not all(b.is_contiguous() for b in buffers):  # e.g. loaded with assign=True: the general path
+            return None
         memory = tuple(b.data_ptr() for b in buffers)  # `buffer.data = ...` keeps the object, not the memory
         cached = self.__dict__.get("_plan")
         if cached is None or cached[2] != memory or any(a is not b for a, b in zip(cached[1], buffers)):

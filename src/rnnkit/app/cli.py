@@ -588,7 +588,8 @@ def _doctor(args) -> int:
     print(f"fp32     fused CPU backend: {_fp32_gemm_line()}")
     print(f"bf16     fused CPU backend: {_bf16_kernel_line()}")
     print("backends (auto takes, in this order, the first that can run the configuration; on the CPU, one-step "
-          "calls and bf16 / fp16 GRUs and RNNs try fused first):")
+          "calls, bf16 / fp16 GRUs and RNNs, and bf16 / fp16 LSTMs in training or at a batch of one try fused "
+          "first):")
     for name, report in rnnkit.backends().items():
         status = report["status"] if report["available"] else f"unavailable: {report['reason']}"
         print(f"  {name:<10} {status}")
