@@ -54,10 +54,12 @@ def _run_with_runner(tmp_path, factory, *flags):
         bench.unregister(factory.name)
 
 
-def test_quick_run_writes_json_markdown_and_png(tmp_path):
+def test_quick_run_writes_json_markdown_and_png(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.123456789, 0.0, 0.0))
     variants = ["lstm", "lstm_peephole", "lstm_per_layer"]
     status, report_, out = _run(tmp_path, "--variants", *variants, "--runners", "torch.nn", "reference")
     assert status == 0
+    assert (out / "bench.md").read_text().splitlines()[0].endswith("; load average 0.12")
     assert ENVIRONMENT_FIELDS <= set(report_["environment"])
     records = report_["records"]
     assert len(records) == len(variants) * 2 * 2  # variants x modes x runners
@@ -232,7 +234,7 @@ def test_a_loaded_machine_is_warned_about(tmp_path, monkeypatch, capsys):
                          ids=["shape", "variant", "runner", "mode"])
 def test_unknown_names_are_refused(tmp_path, flags, capsys):
     assert bench.main(["--quick", "--out", str(tmp_path), *flags]) == 2
-    assert "nope" in capsys.readouterr().err
+    assert f"rnnkit bench: error: {flags[0]}: unknown name 'nope'; expected one of " in capsys.readouterr().err
 
 
 def test_flops_follow_bench_md():
@@ -562,3 +564,15 @@ def test_runtime_errors_are_the_commands_one_line_reports(tmp_path, capsys, monk
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["--quick", "--device", "cuda", "--out", str(tmp_path)]) == 1
     assert "rnnkit: error: --device cuda: " in capsys.readouterr().err
+
+
+def test_onnxruntime_is_not_applicable_to_dtypes_its_kernels_lack(tmp_path):
+    """float64 and bfloat16 are n/a for onnxruntime (its CPU LSTM has no such kernels), not FAILED:
+    FAILED means a correctness check failed, and it made the whole run exit 1."""
+    pytest.importorskip("onnxruntime")
+    for dtype in ("float64", "bfloat16"):
+        status, report_, _ = _run(tmp_path / dtype, "--variants", "lstm", "--modes", "inference", "--dtype", dtype,
+                                  "--runners", "torch.nn", "onnxruntime")
+        record = [r for r in report_["records"] if r["runner"] == "onnxruntime"][0]
+        assert status == 0 and record["status"] == "unsupported", record
+        assert f"take float32 and float16, not torch.{dtype}" in record["reason"]

@@ -313,14 +313,20 @@ def test_stale_temporaries_are_removed_on_start(tmp_path, corpus, capsys):
     dead = int(gone.stdout)
     stale = [f".checkpoint.safetensors.tmp-{dead}", f".best.safetensors.tmp-{dead}", f".log.jsonl.tmp-{dead}",
              f".curve.png.tmp-{os.getpid()}"]
-    live = f".config.json.tmp-{os.getppid()}"  # a running process's write in progress is left alone
-    for name in stale + [live]:
+    # a live PID (1, or a PID reused since the write was killed: containers): stale too, since the
+    # run holds the directory's lock and only a training run writes these files (it stayed for good)
+    reused = f".config.json.tmp-{os.getppid()}"
+    for name in stale + [reused]:
         (out / name).write_bytes(b"partial")
     status, _, err = run(capsys, "train", "--out", out, "--steps", 5, "--resume")
     assert status == 0, err
-    assert "removed 4 temporary file(s)" in err
-    names = {p.name for p in out.iterdir()}
-    assert not names & set(stale) and live in names
+    assert "removed 5 temporary file(s)" in err
+    assert not {p.name for p in out.iterdir()} & set(stale + [reused])
+    # without the lock only the PID tells: a running process's write in progress is left alone
+    (out / reused).write_bytes(b"partial")
+    (out / stale[0]).write_bytes(b"partial")
+    assert checkpoint.remove_stale_temporaries(out) == [stale[0]]
+    assert (out / reused).exists()
     assert checkpoint.remove_stale_temporaries(tmp_path / "missing") == []
 
 
@@ -468,6 +474,14 @@ def test_empty_corpus(tmp_path, capsys):
     assert "empty" in err
 
 
+def test_a_whitespace_corpus_is_not_called_empty(tmp_path, capsys):
+    blank = tmp_path / "blank.txt"
+    blank.write_text(" \n" * 10000)
+    status, _, err = run(capsys, "train", "--text", blank, "--out", tmp_path / "run")
+    assert_one_line_error(status, err)
+    assert "the file holds only whitespace (20,000 bytes)" in err
+
+
 def test_corpus_too_small_for_the_batch(tmp_path, capsys):
     small = tmp_path / "small.txt"
     small.write_text("abcabcabc" * 10)
@@ -476,14 +490,26 @@ def test_corpus_too_small_for_the_batch(tmp_path, capsys):
     assert "--batch" in err
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated"])
-@pytest.mark.parametrize("command", ["sample", "resume"])
+def _flip_data_bytes(data: bytes) -> bytes:
+    """50 bytes of the tensor data inverted (the header intact: safetensors loads it)."""
+    start, damaged = 8 + int.from_bytes(data[:8], "little"), bytearray(data)
+    for k in range(50):
+        damaged[start + (k * 7919) % (len(data) - start)] ^= 0xFF
+    return bytes(damaged)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "data-bytes"])
+@pytest.mark.parametrize("command", ["sample", "resume", "eval"])
 def test_damaged_checkpoint(trained, capsys, damage, command):
+    """One line and status 1, the run's files untouched; flipped bytes in the tensor data (which
+    safetensors loads) too: eval reported 8.09 bits/char for 5.35 and resume diverged."""
     path = trained / "checkpoint.safetensors"
     data = path.read_bytes()
-    path.write_bytes(b"not a checkpoint at all" if damage == "garbage" else data[: len(data) // 2])
+    path.write_bytes({"garbage": lambda: b"not a checkpoint at all", "truncated": lambda: data[: len(data) // 2],
+                      "data-bytes": lambda: _flip_data_bytes(data)}[damage]())
     before = snapshot(trained)
-    argv = ["sample", trained] if command == "sample" else ["train", "--out", trained, "--steps", 8, "--resume"]
+    argv = {"sample": ["sample", trained], "eval": ["eval", trained],
+            "resume": ["train", "--out", trained, "--steps", 8, "--resume"]}[command]
     status, _, err = run(capsys, *argv)
     assert_one_line_error(status, err)
     assert "checkpoint" in err
@@ -609,6 +635,18 @@ def test_doctor(capsys):
     assert status == 0
     for word in ("rnnkit", "torch", "numpy", "python", "threads", "reference", "safetensors", "int8", "bf16"):
         assert word in out
+
+
+def test_doctor_reports_the_fused_backend_as_it_found_it():
+    """In a fresh process (the kernels built, not loaded) the backend's line says so: it said
+    "loaded", having loaded them itself to name their GEMM kernels."""
+    import rnnkit
+
+    rnnkit.quantized.int8_kernel()  # built, if need be, in this process
+    done = subprocess.run([sys.executable, "-m", "rnnkit", "doctor"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.split()[:1] == ["fused"])
+    assert line.split(None, 1)[1].startswith("built (in "), line
 
 
 def test_doctor_names_the_int8_kernels_that_run(capsys):
@@ -1009,7 +1047,11 @@ CHECKPOINT_DAMAGE = {
     "best-a-string": lambda meta, tensors: meta.update(
         progress=json.dumps({**json.loads(meta["progress"]), "best_val_bpc": "low"})),
     "step-a-string": lambda meta, tensors: meta.update(progress=json.dumps({**json.loads(meta["progress"]), "step": "4"})),
-    "state-shape": lambda meta, tensors: tensors.update({"state.0": torch.zeros(1, 4, 5)}),
+    # tensors changed after writing: the SHA-256 of the tensors refuses them, so these drop it (as
+    # files written before it had none) to reach the checks behind it
+    "state-shape": lambda meta, tensors: (meta.pop("sha256"), tensors.update({"state.0": torch.zeros(1, 4, 5)})),
+    "nan-weight": lambda meta, tensors: (meta.pop("sha256"), tensors["model.head.bias"].__setitem__(3, float("nan"))),
+    "digest-differs": lambda meta, tensors: tensors["model.head.bias"].__setitem__(3, 0.5),
 }
 
 
@@ -1028,7 +1070,7 @@ def test_damaged_checkpoint_metadata_is_one_line(trained, capsys, damage, comman
     argv = ["sample", trained] if command == "sample" else ["train", "--out", trained, "--steps", 8, "--resume"]
     status, _, err = run(capsys, *argv)
     if command == "sample" and damage not in ("evaluations-object", "evaluations-numbers", "evaluations-empty-records",
-                                              "run-list"):
+                                              "run-list", "nan-weight", "digest-differs"):
         assert status == 0, err  # sampling reads the weights only
     else:
         assert_one_line_error(status, err)
@@ -1071,3 +1113,27 @@ def test_paths_that_are_not_run_directories_say_what_they_are(tmp_path, corpus, 
     status, _, err = run(capsys, "train", "--text", corpus, "--out", tmp_path / "link", *SMALL)
     assert_one_line_error(status, err)
     assert "symbolic link" in err and "does not exist" in err
+
+
+@pytest.mark.parametrize("command", ["train", "sample", "eval", "doctor", "bench"])
+def test_an_unknown_flag_is_named_by_its_subcommand(capsys, command):
+    """argparse blamed the top-level command ("rnnkit: error: ... (see rnnkit --help)")."""
+    argv = [command] + (["somewhere"] if command in ("sample", "eval") else []) + ["--bogus", "1"]
+    status, _, err = run(capsys, *argv)
+    assert status == 2
+    assert err == f"rnnkit {command}: error: unrecognized arguments: --bogus 1 (see rnnkit {command} --help)\n"
+
+
+def test_a_diverged_loss_says_what_to_do(tmp_path, corpus, capsys, monkeypatch):
+    """The advice holds for a resumed run too (--resume refuses a changed --lr)."""
+    real = train.train_step
+
+    def diverging(model, optimizer, x, y, state, *rest):
+        loss, state = real(model, optimizer, x, y, state, *rest)
+        return (float("nan") if optimizer.state_dict()["state"][0]["step"] >= 3 else loss), state
+
+    monkeypatch.setattr(train, "train_step", diverging)
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", tmp_path / "run", "--steps", 5, *SMALL)
+    assert status == 1
+    assert err.splitlines()[-1] == ("rnnkit: error: the loss became nan at step 3; start again with a smaller --lr "
+                                    "in another --out (--resume keeps a run's --lr)")

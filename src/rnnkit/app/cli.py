@@ -54,8 +54,20 @@ DEVICES = ("auto", "cpu", "cuda")
 class Parser(argparse.ArgumentParser):
     """argparse, with errors on one line (the usage is one --help away)."""
 
+    commands = None  # the subcommands' parsers (build_parser sets it)
+
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but a subcommand's unknown flag is reported by that subcommand's parser
+        (``rnnkit train: error: ... (see rnnkit train --help)``), where argparse blamed ``rnnkit``."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            owner = self.commands.choices.get(command, self) if self.commands is not None else self
+            owner.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
 
 
 # ---- argument types --------------------------------------------------------------------
@@ -98,7 +110,7 @@ def build_parser(with_bench: bool = False) -> Parser:
     backends = ["auto", *rnnkit.backends()]
     parser = Parser(prog="rnnkit", description="Recurrent layers for PyTorch: train, sample, benchmark, diagnose.")
     parser.add_argument("--version", action="version", version=f"rnnkit {rnnkit.__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands = parser.commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     defaults, training = model.MODEL_DEFAULTS, train.TRAIN_DEFAULTS
     command = commands.add_parser(
@@ -573,6 +585,7 @@ def _fp32_gemm_line() -> str:
 def _doctor(args) -> int:
     import numpy
 
+    reports = rnnkit.backends()  # before the kernel lines below load the fused kernels to ask them
     print(f"rnnkit   {rnnkit.__version__}")
     print(f"torch    {torch.__version__}")
     print(f"numpy    {numpy.__version__}")
@@ -590,7 +603,7 @@ def _doctor(args) -> int:
     print("backends (auto takes, in this order, the first that can run the configuration; on the CPU, one-step "
           "calls, bf16 / fp16 GRUs and RNNs, and bf16 / fp16 LSTMs in training or at a batch of one try fused "
           "first):")
-    for name, report in rnnkit.backends().items():
+    for name, report in reports.items():
         status = report["status"] if report["available"] else f"unavailable: {report['reason']}"
         print(f"  {name:<10} {status}")
     print("extras:")

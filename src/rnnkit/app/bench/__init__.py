@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join(STEP_VARIANTS)}); choices: {', '.join(VARIANTS)}")
     parser.add_argument("--step", action="store_true",
                         help=f"the step API's per-step cost: {', '.join(STEP_VARIANTS)} on shapes {', '.join(STEP_GRID)} "
-                             "(B=1), inference, against torch.nn's LSTMCell / GRUCell / T=1 LSTM")
+                             "(batch 1, and 4 as a beam of four), inference, against torch.nn's LSTMCell / GRUCell / T=1 LSTM")
     parser.add_argument("--runners", nargs="+", metavar="NAME",
                         help="runners (default all but 'auto'; torch.nn, the baseline, is always run): "
                              + ", ".join(available_names()))
@@ -116,9 +116,9 @@ def _plan(args: argparse.Namespace, notes: List[str]) -> Plan:
         default_shapes = QUICK_GRID if args.quick else (GPU_GRID if args.device == "cuda" else CPU_GRID)
         default_variants, default_modes = DEFAULT_VARIANTS, list(MODES)
     modes = _names(args.modes) or default_modes
-    lookup("modes", {m: m for m in MODES}, modes)
-    shapes = lookup("shapes", SHAPES, _names(args.shapes) or default_shapes)
-    variants = lookup("variants", VARIANTS, _names(args.variants) or default_variants)
+    lookup("--modes", {m: m for m in MODES}, modes)
+    shapes = lookup("--shapes", SHAPES, _names(args.shapes) or default_shapes)
+    variants = lookup("--variants", VARIANTS, _names(args.variants) or default_variants)
     sequence = [v.name for v in variants if v.api == "sequence"]
     if args.step and sequence:  # --step would have timed them as without it, saying nothing
         raise ValueError(f"--variants: with --step, expected the step API's ({', '.join(STEP_VARIANTS)}); "

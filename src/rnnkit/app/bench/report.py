@@ -141,7 +141,7 @@ def markdown(env: dict, records: List[dict], runners: List[str]) -> str:
         f"rnnkit bench: {env['device_name']}{flags}, {env['threads']} threads, torch {env['torch']}, {env['dtype']}, "
         f"median of {env['repeats']}; sgemm {env['sgemm_gflops']:.0f} GFLOP/s{by_library}"
         + (f"; fused float32 GEMM: {env['fp32_gemm']}" if env.get("fp32_gemm") else "")
-        + f"; load average {env['load_average_1min']}",
+        + ("" if env["load_average_1min"] is None else f"; load average {env['load_average_1min']:.2f}"),
         "",
         *(["**Warnings** (the numbers below may not hold on a re-run):", ""] if env.get("warnings") else []),
         *[f"- {w}" for w in env.get("warnings", [])],

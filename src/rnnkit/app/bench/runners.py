@@ -278,6 +278,8 @@ class OnnxRuntime(Runner):
             raise Unsupported("times whole sequences only (no step API)")
         if str(case.device) != "cpu":
             raise Unsupported("runs on CPU only")
+        if case.dtype not in (torch.float32, torch.float16):  # its CPU LSTM ("does not support double yet")
+            raise Unsupported(f"its CPU recurrent kernels take float32 and float16, not {case.dtype}")
         module = rnnkit_module(case.variant, case.shape, "reference", case.device, case.dtype)
         module.load_state_dict(case.reference(case.variant.name).state_dict())
         module.eval()
@@ -593,4 +595,4 @@ def make(name: str) -> Runner:
         return RUNNERS[name]()
     if name == "auto" or name in rnnkit.backends():
         return RnnkitBackend(name)
-    raise ValueError(f"runners: unknown name {name!r}; expected one of {', '.join(available_names())}")
+    raise ValueError(f"--runners: unknown name {name!r}; expected one of {', '.join(available_names())}")

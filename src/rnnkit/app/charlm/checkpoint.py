@@ -10,10 +10,12 @@ Every file is written to a temporary name beside it (``.NAME.tmp-PID``), flushed
 moved into place with ``os.replace``, so a reader sees the old file or the new one, never
 half of one. A write killed before the rename leaves its temporary behind;
 `remove_stale_temporaries` removes those on the next start. Nothing is unpickled:
-checkpoints are safetensors (tensors) with JSON metadata.
+checkpoints are safetensors (tensors) with JSON metadata, and the SHA-256 of their tensors, which
+reading checks (safetensors checks the header, not the values: flipped bytes in the data loaded).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -84,13 +86,16 @@ def _running(pid: int) -> bool:
     return True
 
 
-def remove_stale_temporaries(directory: Path) -> List[str]:
+def remove_stale_temporaries(directory: Path, locked: bool = False) -> List[str]:
     """Remove the temporaries of writes that were killed before their rename -> their names.
 
     Called when a run starts, before this process writes anything: a temporary
-    ``.NAME.tmp-PID`` of one of a run's files (NAME in `WRITTEN_FILES`) is stale when PID is
-    this process or no longer running. One of another live process (a concurrent writer) is
-    left alone, and so is every other file (a user's own ``.x.tmp-123`` included).
+    ``.NAME.tmp-PID`` of one of a run's files (NAME in `WRITTEN_FILES`) is stale when this
+    process holds the directory's lock (``locked``: only a training run writes those files, and
+    no other can be running there), else when PID is this process or no longer running (a PID
+    alone misleads where PIDs are reused, as in containers: a killed write's temporary stayed). One
+    of another live process is left alone without the lock, and every other file always (a
+    user's own ``.x.tmp-123`` included).
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -101,7 +106,7 @@ def remove_stale_temporaries(directory: Path) -> List[str]:
         if not match or match["name"] not in WRITTEN_FILES or not path.is_file():
             continue
         pid = int(match["pid"])
-        if pid == os.getpid() or not _running(pid):
+        if locked or pid == os.getpid() or not _running(pid):
             path.unlink()
             removed.append(path.name)
     return removed
@@ -244,6 +249,11 @@ class DirectoryLock:
         self._descriptor = descriptor
         return self
 
+    @property
+    def held(self) -> bool:
+        """Whether this process holds the lock (False where nothing can be locked)."""
+        return self._descriptor is not None
+
     def release(self) -> None:
         if self._descriptor is not None:
             os.close(self._descriptor)  # closing the descriptor releases the flock
@@ -345,12 +355,19 @@ class Checkpoint:
         }
         if self.run is not None:
             metadata["run"] = json.dumps(self.run)
+        metadata["sha256"] = _digest(tensors)
         return st.save(tensors, metadata=metadata)
 
     @classmethod
     def read(cls, path: Path) -> "Checkpoint":
         """Load and validate a checkpoint file, or raise a one-line UserError saying what is wrong."""
         tensors, metadata = _read_safetensors(Path(path))
+        if "sha256" in metadata and metadata["sha256"] != _digest(tensors):  # files before it have none
+            raise UserError(f"{path}: damaged checkpoint (its tensors' SHA-256 differs from the one written with "
+                            "them)")
+        for key, value in tensors.items():
+            if key.startswith("model.") and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise UserError(f"{path}: damaged checkpoint ({key} holds NaN or infinite values)")
         try:
             entries: Dict[int, Dict[str, torch.Tensor]] = {}
             parts: Dict[str, Dict[str, torch.Tensor]] = {"model": {}, "state": {}, "rng": {}, "history": {}}
@@ -382,6 +399,16 @@ class Checkpoint:
             )
         except (KeyError, ValueError, TypeError) as error:
             raise UserError(f"{path}: damaged checkpoint ({type(error).__name__}: {error})".splitlines()[0]) from None
+
+
+def _digest(tensors: Dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the tensors (name, dtype, shape and bytes of each, in name order), hex."""
+    digest = hashlib.sha256()
+    for key in sorted(tensors):
+        tensor = tensors[key].detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{key}\0{tensor.dtype}\0{tuple(tensors[key].shape)}\0".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,8 @@ def read_corpus(path: str, label: str = "") -> str:
     except OSError as error:
         raise UserError(f"{where}: cannot read it ({error.strerror})") from None
     if not data.strip():
-        raise UserError(f"{where}: the file is empty")
+        raise UserError(f"{where}: the file is empty" if not data else
+                        f"{where}: the file holds only whitespace ({len(data):,} bytes)")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:

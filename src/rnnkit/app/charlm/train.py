@@ -334,7 +334,7 @@ def prepare(directory: Path, model_config: ModelConfig, train_config: TrainConfi
     try:
         if not resume:
             check_fresh_directory(directory)  # again, now that no other run can be writing there
-        removed = remove_stale_temporaries(directory)
+        removed = remove_stale_temporaries(directory, locked=lock.held)
         run = Run(directory, model, optimizer, streams, valid_ids, train_config, device, identity=identity,
                   removed_temporaries=removed, lock=lock)
         if resume:
@@ -441,7 +441,8 @@ def train(run: Run, steps: int, eval_every: int, eval_chars: int,
             group["lr"] = lr
         loss, run.state = train_step(model, optimizer, x, y, run.state, config.clip, config.precision)
         if not math.isfinite(loss):
-            raise UserError(f"the loss became {loss} at step {progress.step + 1}; try a smaller --lr")
+            raise UserError(f"the loss became {loss} at step {progress.step + 1}; start again with a smaller --lr "
+                            "in another --out (--resume keeps a run's --lr)")
         seconds = time.perf_counter() - started
         progress.step += 1
         progress.position = (progress.position + 1) % run.train.chunks
