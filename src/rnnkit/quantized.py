@@ -196,6 +196,8 @@ class _Quantized(_SpecAttributes, nn.Module):
         (``load_state_dict(..., assign=True)`` and assignment keep what they are given)."""
         for name, value in self._buffers.items():
             entry = self.layout.index.get(name.removesuffix("_scale"))
+            if entry is None:  # a buffer of the user's own
+                continue
             matrix = entry.piece in MATRICES and not name.endswith("_scale")
             dtype, shape = (torch.int8 if matrix else torch.float32), (entry.shape[:1] if name.endswith("_scale")
                                                                       else entry.shape)
