@@ -34,6 +34,7 @@ from . import functional
 from . import nn as float_nn
 from .nn import (_NONLINEARITY, _Cell, _CellAttributes, _PackedModule, _Recurrent, _SpecAttributes, _StackAttributes,
                  check_cell_input, one_step_call, step_plans)
+from .errors import DTypeMismatchError, MismatchError
 from .params import Layout, PassWeights
 from .passes import (PASS_ARGUMENTS, _direct, forward_ad_reason, mask_tensors, named, output_shapes, pass_scalars,
                      pass_values)
@@ -193,19 +194,21 @@ class _Quantized(_SpecAttributes, nn.Module):
 
     def _check_buffers(self) -> None:
         """The buffers as the kernels take them: int8 matrices, float32 scales and vectors, by name
-        (``load_state_dict(..., assign=True)`` and assignment keep what they are given)."""
+        (``load_state_dict(..., assign=True)`` and assignment keep what they are given), raising
+        the float modules' error classes (`_PackedModule._check_pieces`)."""
         for name, value in self._buffers.items():
+            scale = name.endswith("_scale")
             entry = self.layout.index.get(name.removesuffix("_scale"))
             if entry is None:  # a buffer of the user's own
                 continue
-            matrix = entry.piece in MATRICES and not name.endswith("_scale")
-            dtype, shape = (torch.int8 if matrix else torch.float32), (entry.shape[:1] if name.endswith("_scale")
-                                                                      else entry.shape)
+            matrix = entry.piece in MATRICES and not scale
+            dtype, shape = (torch.int8 if matrix else torch.float32), (entry.shape[:1] if scale else entry.shape)
             if not isinstance(value, torch.Tensor) or value.dtype != dtype:
                 what = "int8 codes" if matrix else "float32 (an int8 module's scales and vectors are float32)"
-                raise TypeError(f"{name}: expected {what}, got {getattr(value, 'dtype', type(value).__name__)}")
+                raise DTypeMismatchError(f"{name}: expected {what}, got {getattr(value, 'dtype', type(value).__name__)}")
             if tuple(value.shape) != tuple(shape):
-                raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(value.shape)}")
+                raise MismatchError(f"{name}: expected shape {tuple(shape)} (this module's layout), got "
+                                    f"{tuple(value.shape)}")
 
     def _passes(self) -> list:
         """One `QuantizedPass` per layer-direction."""
@@ -233,18 +236,18 @@ class _Quantized(_SpecAttributes, nn.Module):
                                "under torch.no_grad() / torch.inference_mode() with inputs that do not require grad, "
                                "or train the float module")
 
-    def _plans(self) -> list:
+    def _plans(self) -> Optional[list]:
         """The fused kernels' one-step plans on the int8 weights, one per pass (built once, rebuilt
-        when a buffer or the memory behind one is replaced, as load_state_dict(assign=True) does)."""
+        when a buffer or the memory behind one is replaced, as load_state_dict(assign=True) does);
+        None where a buffer is not contiguous, which the plans cannot take."""
         buffers = tuple(self._buffers.values())
-        if not all(b.is_contiguous() for b in buffers):  # e.g. loaded with assign=True: the general path
-            return None
         memory = tuple(b.data_ptr() for b in buffers)  # `buffer.data = ...` keeps the object, not the memory
         cached = self.__dict__.get("_plan")
         if cached is None or cached[2] != memory or any(a is not b for a, b in zip(cached[1], buffers)):
-            passes = self._passes()
-            plans = step_plans(self.spec, [p.weights for p in passes], self._like(),
-                               [(p.W_scale, p.R_scale, p.W_hr_scale) for p in passes])
+            passes, plans = self._passes(), None  # None: the general path
+            if all(b.is_contiguous() for b in buffers):  # else e.g. loaded with assign=True
+                plans = step_plans(self.spec, [p.weights for p in passes], self._like(),
+                                   [(p.W_scale, p.R_scale, p.W_hr_scale) for p in passes])
             cached = (plans, buffers, memory)
             self.__dict__["_plan"] = cached
         return cached[0]

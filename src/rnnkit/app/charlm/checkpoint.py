@@ -402,12 +402,13 @@ class Checkpoint:
 
 
 def _digest(tensors: Dict[str, torch.Tensor]) -> str:
-    """SHA-256 of the tensors (name, dtype, shape and bytes of each, in name order), hex."""
+    """SHA-256 of the tensors (CPU tensors, as written and as read: name, dtype, shape and bytes of
+    each, in name order), hex; the bytes are hashed in place."""
     digest = hashlib.sha256()
     for key in sorted(tensors):
-        tensor = tensors[key].detach().to("cpu").contiguous().reshape(-1)
-        digest.update(f"{key}\0{tensor.dtype}\0{tuple(tensors[key].shape)}\0".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+        tensor = tensors[key]
+        digest.update(f"{key}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 
