@@ -208,17 +208,18 @@ def test_repeat_spread():
     assert repeat_spread([0.9, 1.0, 1.2]) == pytest.approx(0.3)
 
 
-@pytest.mark.parametrize("samples, warns", [
-    ([(0.3, 0), (1.2, 1)], False),  # our own thread is most of the load
-    ([(1.9, 0)], True),  # others keep ~2 cores busy before we start
-    ([(0.2, 0), (3.5, 1)], True),  # others joined while we ran
-    ([], False),
-], ids=["idle", "busy-at-start", "busy-meanwhile", "no-load-average"])
-def test_load_warning(samples, warns):
-    warning = report.load_warning(samples, cores=2, threads=1)
+@pytest.mark.parametrize("samples, cores, warns", [
+    ([(0.3, 0), (1.2, 1)], 2, False),  # our own thread is most of the load
+    ([(0.05, 0), (1.1, 1)], 1, False),  # pinned to one core (taskset): the load average's noise only
+    ([(1.9, 0)], 2, True),  # others keep ~2 cores busy before we start
+    ([(0.2, 0), (3.5, 1)], 2, True),  # others joined while we ran
+    ([], 2, False),
+], ids=["idle", "idle-pinned", "busy-at-start", "busy-meanwhile", "no-load-average"])
+def test_load_warning(samples, cores, warns):
+    warning = report.load_warning(samples, cores=cores, threads=1)
     assert (warning is not None) == warns
     if warns:
-        assert "load average" in warning and "2 cores" in warning
+        assert "load average" in warning and f"{cores} cores" in warning
 
 
 def test_a_loaded_machine_is_warned_about(tmp_path, monkeypatch, capsys):

@@ -46,6 +46,10 @@ def environment(device: str, dtype: torch.dtype, threads: int, repeats: int, war
 # ---- warnings: noisy repeats, a busy machine ---------------------------------------------
 
 SPREAD_LIMIT = 0.10  # repeats of one runner may disagree by this fraction of their median
+# Other processes may keep this much of a core busy beyond the free cores before the run is called
+# loaded: a 1-minute load average is never exactly 0 on an idle machine (0.01-0.1 here), and a
+# benchmark pinned to its cores (taskset) has none to spare.
+LOAD_SLACK = 0.5
 
 
 def load_average() -> Optional[float]:
@@ -72,13 +76,13 @@ def load_warning(samples: List[Tuple[float, int]], cores: int, threads: int) -> 
 
     ``samples``: (1-minute load average, threads of ours that were running during that minute).
     The load of others is the load average less our own threads; it is too high when it leaves
-    fewer than ``threads`` of the ``cores`` free.
+    fewer than ``threads`` of the ``cores`` free, by more than :data:`LOAD_SLACK` of a core.
     """
     if not samples:
         return None
     load, own = max(samples, key=lambda sample: sample[0] - sample[1])
     others = load - own
-    if others <= cores - threads:
+    if others <= cores - threads + LOAD_SLACK:
         return None
     return (f"load average {load:.2f} on {cores} cores: other processes kept ~{max(others, 0):.1f} cores busy while "
             f"the benchmark needed {threads} of the {cores}; timings and ratios are unreliable (run on an idle machine)")
