@@ -293,14 +293,14 @@ def test_autocast_inference_hands_bf16_matrices_to_the_kernels(monkeypatch):
 
 def test_auto_trains_half_lstms_on_fused_and_leaves_their_batched_inference_to_onednn():
     """backend="auto" with a bfloat16 LSTM: a call that records a graph (weights, input or state
-    needing gradients) or runs a batch of one goes to `fused` (faster than oneDNN's bfloat16 there,
-    backend.select), a no_grad call of a batch to `native` where torch has oneDNN bfloat16
-    kernels; GRUs always to `fused`."""
+    needing gradients), runs a padded batch of up to 4 rows or has lengths goes to `fused` (faster
+    than oneDNN's bfloat16 there, backend.select), a no_grad call of a larger padded batch to
+    `native` where torch has oneDNN bfloat16 kernels; GRUs always to `fused`."""
     native_ok = rnnkit.backend.get("native").unsupported_reason(
         rnnkit.LSTM(3, 4).spec, torch.device("cpu"), torch.bfloat16) is None
     torch.manual_seed(0)
     lstm = rnnkit.LSTM(3, 4).to(torch.bfloat16)
-    x = torch.randn(5, 2, 3, dtype=torch.bfloat16)
+    x = torch.randn(5, 6, 3, dtype=torch.bfloat16)
     lstm(x)
     assert lstm.last_backend == "fused"
     with torch.no_grad():
@@ -309,10 +309,12 @@ def test_auto_trains_half_lstms_on_fused_and_leaves_their_batched_inference_to_o
     lstm.requires_grad_(False)
     lstm(x)  # nothing needs a gradient: inference
     assert lstm.last_backend == ("native" if native_ok else "fused")
-    lstm(x, (torch.zeros(1, 2, 4, dtype=torch.bfloat16, requires_grad=True), torch.zeros(1, 2, 4, dtype=torch.bfloat16)))
+    lstm(x, (torch.zeros(1, 6, 4, dtype=torch.bfloat16, requires_grad=True), torch.zeros(1, 6, 4, dtype=torch.bfloat16)))
     assert lstm.last_backend == "fused"  # a state needing its gradient
-    lstm(x[:, :1])
-    assert lstm.last_backend == "fused"  # a batch of one, in inference too
+    lstm(x, lengths=torch.tensor([5, 4, 3, 2, 1, 1]))
+    assert lstm.last_backend == "fused"  # lengths
+    lstm(x[:, :4])
+    assert lstm.last_backend == "fused"  # a batch of up to 4 rows, in inference too
     gru = rnnkit.GRU(3, 4).to(torch.bfloat16)
     with torch.no_grad():
         gru(x)
@@ -324,6 +326,32 @@ def test_auto_trains_half_lstms_on_fused_and_leaves_their_batched_inference_to_o
         with torch.no_grad():
             float_lstm(x.float())
         assert float_lstm.last_backend == ("native" if native_ok else "fused")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_auto_runs_fused_wherever_it_was_measured_faster(dtype):
+    """backend="auto" on the CPU in float32 / float64: GRUs and RNNs, training, lengths, a
+    PackedSequence, a padded batch of up to 4 rows and float64 run on `fused`; only a float32
+    LSTM's inference of a padded batch of 5 rows or more runs on `native` (oneDNN)."""
+    lstm, gru, rnn = rnnkit.LSTM(3, 4, dtype=dtype), rnnkit.GRU(3, 4, dtype=dtype), rnnkit.RNN(3, 4, dtype=dtype)
+    x = torch.randn(5, 6, 3, dtype=dtype)
+    batched = "native" if dtype == torch.float32 else "fused"
+    with torch.no_grad():
+        lstm(x)
+        assert lstm.last_backend == batched
+        lstm(x[:, :5])
+        assert lstm.last_backend == batched
+        lstm(x[:, :4])
+        assert lstm.last_backend == "fused"
+        lstm(x, lengths=torch.tensor([5, 4, 3, 2, 1, 1]))
+        assert lstm.last_backend == "fused"
+        lstm(torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor([5, 4, 3, 2, 1, 1])))
+        assert lstm.last_backend == "fused"
+        for module in (gru, rnn):
+            module(x)
+            assert module.last_backend == "fused"
+    lstm(x)
+    assert lstm.last_backend == "fused"  # training
 
 
 CELLS = {"lstm": (rnnkit.LSTMCell, dict(peephole=True, layer_norm=True, proj_size=5)),

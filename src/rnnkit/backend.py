@@ -55,30 +55,42 @@ def check_name(name) -> str:
     return name
 
 
-_HALF = (torch.bfloat16, torch.float16)
+
+# An LSTM's inference of a padded batch of this many rows or more runs on oneDNN's LSTM (`native`) on the
+# CPU, of fewer on the fused kernels (select's docstring has the measurements).
+NATIVE_MIN_BATCH = 5
+
+
+def fused_first(spec: RNNSpec, dtype: torch.dtype, steps: Optional[int] = None, grad: bool = False,
+                batch: Optional[int] = None, lengths: bool = False) -> bool:
+    """Whether ``"auto"`` tries ``fused`` before ``native`` for this call on the CPU (see select)."""
+    if spec.mode != "lstm" or steps == 1 or grad or lengths or dtype == torch.float64:
+        return True
+    return batch is not None and batch < NATIVE_MIN_BATCH
 
 
 def select(name: str, spec: RNNSpec, device: torch.device, dtype: torch.dtype, steps: Optional[int] = None,
-           grad: bool = False, batch: Optional[int] = None):
+           grad: bool = False, batch: Optional[int] = None, lengths: bool = False):
     """The backend that will run this call; raises BackendUnavailableError for a named one that can't.
 
-    ``"auto"`` tries the backends by priority, except that on the CPU the fused kernels go first
-    for a call of one time step (the step API, generation loops: their per-call cost and
-    matrix-vector loops beat oneDNN's; README, "Speed": the step-API rows), for bfloat16 /
-    float16 GRUs and RNNs (oneDNN's bfloat16 GRU took 1.0-1.4x torch.nn's float32 time where the
-    fused kernels took 0.34-0.43x on an AVX512_BF16 CPU) and for bfloat16 / float16 LSTMs that
-    record a graph (``grad``: training; oneDNN's bfloat16 LSTM trained in 0.76-0.92x torch.nn's
-    float32 time at stream and wide where the fused kernels took 0.34-0.37x, and 0.45-0.52x
-    against its 0.47-0.61x on the other shapes) or run a batch of one (0.41x against 0.52x at
-    stream); oneDNN's bfloat16 LSTM inference of batches is 5-15% faster and keeps its place. A backend
-    that must be built is built here, by the first call that chooses it (never when it is only
-    asked about, as ``backends()`` does); if that fails, ``"auto"`` moves on to the next one.
+    ``"auto"`` tries the backends by priority, except that on the CPU the fused kernels go before
+    torch's own (``native``) wherever they were measured faster. Time of fused ÷ native (AMD EPYC
+    Zen 4, 1 thread, H 128-512, B 1-64, T 2-100; float32 unless said): every GRU and RNN (0.2-0.9:
+    torch runs them without oneDNN; bfloat16 0.3-0.4), every call that records a graph (``grad``:
+    LSTM training 0.8-1.04, 0.44-1.0 at a batch of one; bfloat16 0.34-1.06), every call with
+    ``lengths`` (LSTM 0.44-0.89 in training and 0.78-0.97 in inference against torch's on a
+    PackedSequence), a call of one time step (the step API), float64 (0.47-0.93: oneDNN has no
+    float64 kernel) and an LSTM's inference of a padded batch of up to 4 rows (0.12-0.96 in
+    float32, 0.71-1.03 in bfloat16). oneDNN's LSTM keeps the inference of larger padded batches:
+    from 16 rows fused takes 0.95-1.03 of its time in float32 and from 8 rows 0.92-1.10 in bfloat16.
+
+    A backend that must be built is built here, by the first call that chooses it (never when it is
+    only asked about, as ``backends()`` does); if that fails, ``"auto"`` moves on to the next one.
     """
     check_name(name)
     if name == "auto":
         order = _REGISTRY
-        half_first = dtype in _HALF and (spec.mode != "lstm" or grad or batch == 1)
-        if torch.device(device).type == "cpu" and (steps == 1 or half_first):
+        if torch.device(device).type == "cpu" and fused_first(spec, dtype, steps, grad, batch, lengths):
             order = sorted(_REGISTRY, key=lambda b: b.name != "fused")  # stable: the rest keep their order
         for backend in order:
             if (backend.unavailable_reason() is None and backend.unsupported_reason(spec, device, dtype) is None

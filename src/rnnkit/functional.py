@@ -408,7 +408,8 @@ def run(
     if named:
         tensors = (x, *h0s, *(c0s or ()), *(t for w in weights for t in w))
         grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-        chosen = backends_.select(backend, spec, x.device, x.dtype, steps=x.shape[0], grad=grad, batch=x.shape[1])
+        chosen = backends_.select(backend, spec, x.device, x.dtype, steps=x.shape[0], grad=grad, batch=x.shape[1],
+                                  lengths=lengths is not None)
     else:
         chosen = backend
     # Under autocast the stack runs as the policy says and nowhere else: a module in the autocast
