@@ -55,7 +55,6 @@ def check_name(name) -> str:
     return name
 
 
-
 # An LSTM's inference of a padded batch of this many rows or more runs on oneDNN's LSTM (`native`) on the
 # CPU, of fewer on the fused kernels (select's docstring has the measurements).
 NATIVE_MIN_BATCH = 5

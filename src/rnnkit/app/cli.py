@@ -600,9 +600,9 @@ def _doctor(args) -> int:
     print(f"int8     rnnkit.quantize: {_int8_kernel_line()}")
     print(f"fp32     fused CPU backend: {_fp32_gemm_line()}")
     print(f"bf16     fused CPU backend: {_bf16_kernel_line()}")
-    print("backends (auto takes, in this order, the first that can run the configuration; on the CPU, one-step "
-          "calls, bf16 / fp16 GRUs and RNNs, and bf16 / fp16 LSTMs in training or at a batch of one try fused "
-          "first):")
+    print("backends (auto takes, in this order, the first that can run the configuration; on the CPU fused goes "
+          f"first but for an LSTM's inference of a padded batch of {rnnkit.backend.NATIVE_MIN_BATCH} rows or more in "
+          "float32 / bf16 / fp16):")
     for name, report in reports.items():
         status = report["status"] if report["available"] else f"unavailable: {report['reason']}"
         print(f"  {name:<10} {status}")
