@@ -26,6 +26,7 @@ directly: the dispatcher's Python round trip costs more than a whole one-step pa
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Dict, NamedTuple, Optional, Sequence
 
 import torch
@@ -306,6 +307,12 @@ class PassFunction(torch.autograd.Function):
         grads = pass_gradients(ctx.ops, ctx.scalars, x, h0, c0, weights, mask_args, y, saved, dy, dh_n, dc_n,
                                needs[2:5] + needs[9:])
         return (None, None) + grads[:3] + (None,) * 4 + grads[3:]
+
+
+# Function.apply binds its arguments to forward's signature at every call (a Function with
+# setup_context), and inspect.signature rebuilds that signature each time unless the function
+# carries it: ~23 µs of a 170 µs training call of a small LSTM (AMD EPYC, 1 thread).
+PassFunction.forward.__signature__ = inspect.signature(PassFunction.forward)
 
 
 def _outlived_transform(t) -> bool:
