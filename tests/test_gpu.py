@@ -1,0 +1,348 @@
+"""GPU checks (issue 16), and what keeps them from rotting on the CPU suite.
+
+On every machine:
+- benchmarks/gpu_correctness.py, the GPU correctness sweep, runs a few tiny cases on CPU tensors
+  under Triton's interpreter (a subprocess: TRITON_INTERPRET must be set before triton is
+  imported), and its comparison flags a wrong or NaN result;
+- the detector the cuDNN tests rely on (ops run inside an op, from the profiler) sees a copy.
+
+On CUDA only (skipped without a device):
+- the native backend hands cuDNN the module's packed buffer: no per-call copy of the weights
+  inside ``aten::_cudnn_rnn`` (cuDNN copies them into a buffer of its own, and warns, when the
+  weights are not one buffer in its layout starting at the storage's first byte) and no re-flatten,
+  for a module made on the GPU, after ``.to("cuda")``, after ``load_state_dict``, and wrapped in
+  DistributedDataParallel (one process); rnnkit's layout is cuDNN's, as torch.nn's flattened
+  buffer shows it;
+- the triton backend's compiled kernels on a plain LSTM against the reference, with and without
+  CUDA-graph replay (TRITON_INTERPRET=0: tests/conftest.py sets it to 1 unless it is set).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import rnnkit
+from helpers import assert_close, make_module, run_backend
+
+ROOT = Path(__file__).resolve().parents[1]
+SWEEP = ROOT / "benchmarks" / "gpu_correctness.py"
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+# torch's message when cuDNN must copy the weights into a buffer of its own (aten/src/ATen/native/cudnn/RNN.cpp)
+COPY_WARNING = "not part of single contiguous chunk of memory"
+COPY_OPS = {"aten::copy_", "aten::zero_"}  # _cudnn_rnn without a weight buffer: zero_ a new one, copy_ each weight
+
+
+def _sweep_module():
+    spec = importlib.util.spec_from_file_location("gpu_correctness", SWEEP)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- the sweep, on CPU under the interpreter ------------------------------------------------
+
+def test_correctness_sweep_runs_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "RNNKIT_TRITON_CUDA_GRAPHS"}
+    env.update(TRITON_INTERPRET="1", RNNKIT_TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src")] + [p for p in [env.get("PYTHONPATH")] if p]))
+    command = [sys.executable, str(SWEEP), "--tiny", "--device", "cpu", "--dtypes", "float32", "bfloat16",
+               "--filter", "lstm-everything-eval", "--filter", "gru-all-train"]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    verdicts = [line.split()[:3] for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert sorted(verdicts) == [["PASS", "gru-all-train", "bfloat16"], ["PASS", "gru-all-train", "float32"],
+                                ["PASS", "lstm-everything-eval", "bfloat16"],
+                                ["PASS", "lstm-everything-eval", "float32"]], out.stdout
+    assert "4/4 passed, 0 failed" in out.stdout.splitlines()[-1]
+
+
+def test_correctness_sweep_flags_a_wrong_or_nan_result():
+    sweep = _sweep_module()
+    expected = sweep.Result(["y", "dx"], [torch.ones(3, 2), torch.ones(4)])
+    close = sweep.Result(expected.names, [torch.ones(3, 2) * (1 + 1e-7), torch.ones(4)])
+    off = sweep.Result(expected.names, [torch.ones(3, 2) * (1 + 1e-3), torch.full((4,), float("nan"))])
+    assert all(ratio <= 1 for ratio, _ in sweep._compare("call", close, expected, lambda name: 1e-5))
+    ratios = [ratio for ratio, _ in sweep._compare("call", off, expected, lambda name: 1e-5)]
+    assert ratios[0] > 1 and ratios[1] == float("inf")
+
+
+def test_correctness_sweep_cases_are_valid_modules():
+    """Every case of the sweep builds (options the spec accepts) at both sizes it runs at."""
+    sweep = _sweep_module()
+    for case in sweep.CASES:
+        for size in ("tiny", case.size):
+            sweep._module(case, sweep.SIZES[size], torch.float32, "cpu")
+
+
+# ---- the detector of a per-call copy --------------------------------------------------------
+
+def _inside(event) -> set:
+    """Names of the ops an op ran (its descendants in the profiler's tree)."""
+    names = set()
+    for child in event.cpu_children:
+        names.add(child.name)
+        names |= _inside(child)
+    return names
+
+
+def profile_op(call, op: str):
+    """Run ``call`` under the profiler, warnings recorded -> (times ``op`` ran, the ops run inside
+    it, the warnings' messages)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            call()
+            if CUDA:
+                torch.cuda.synchronize()
+    events = [e for e in profile.events() if e.name == op]
+    inside = set().union(*(_inside(e) for e in events)) if events else set()
+    return len(events), inside, [str(w.message) for w in caught]
+
+
+def test_detector_sees_a_copy_inside_an_op():
+    count, inside, _ = profile_op(lambda: torch.randn(3, 4).t().contiguous(), "aten::contiguous")
+    assert count == 1 and "aten::copy_" in inside
+    count, inside, _ = profile_op(lambda: torch.randn(3, 4).contiguous().sum(), "aten::sum")
+    assert count == 1 and not inside & COPY_OPS
+
+
+# ---- CUDA: the native backend reads the packed buffer ---------------------------------------
+
+NATIVE_CONFIGS = {  # plain configurations (the native backend's), I 24, H 32
+    "lstm-2layers-bidirectional": ("lstm", dict(num_layers=2, bidirectional=True)),
+    "lstm-proj": ("lstm", dict(num_layers=2, proj_size=16)),
+    "lstm-bias_none": ("lstm", dict(bias=False)),
+    "gru-2layers": ("gru", dict(num_layers=2)),
+    "rnn_tanh-bidirectional": ("rnn_tanh", dict(bidirectional=True)),
+    "rnn_relu": ("rnn_relu", dict(nonlinearity="relu")),
+}
+MODULES = {"lstm": rnnkit.LSTM, "gru": rnnkit.GRU, "rnn_tanh": rnnkit.RNN, "rnn_relu": rnnkit.RNN}
+TORCH_MODULES = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn_tanh": torch.nn.RNN, "rnn_relu": torch.nn.RNN}
+I, H, T, B = 24, 32, 7, 5
+
+
+def native_module(config: str, **kwargs):
+    mode, options = NATIVE_CONFIGS[config]
+    kwargs = {"device": "cuda", **kwargs}
+    return MODULES[mode](I, H, **options, backend="native", **kwargs)
+
+
+def call_native(module, x, training: bool, lengths=None):
+    """One call of the module (forward, and backward in training); checks that cuDNN's op ran it."""
+    module.train(training)
+    if training:
+        y, _ = module(x, lengths=lengths)
+        y.square().sum().backward()
+    else:
+        with torch.no_grad():
+            module(x, lengths=lengths)
+    assert module.last_backend == "native"
+
+
+def assert_reads_packed_buffer(module, call) -> None:
+    """``call`` (twice) runs cuDNN on the module's packed buffer: ``aten::_cudnn_rnn`` ran, with no
+    copy of the weights inside it and no warning that it made one, and the weights still alias
+    the same buffer afterwards (no re-flatten)."""
+    inner = getattr(module, "module", module)  # DistributedDataParallel holds the rnnkit module
+    flat_ptr = inner.flat_weights.data_ptr()
+    pointers = [p.data_ptr() for p in inner.parameters()]
+    assert inner.flat_weights.storage_offset() == 0, "cuDNN reads the weight buffer from its storage's first byte"
+    count, inside, warned = profile_op(lambda: (call(), call()), "aten::_cudnn_rnn")
+    assert count >= 2, f"cuDNN's RNN op did not run ({count} calls of aten::_cudnn_rnn)"
+    copies = sorted(inside & COPY_OPS)
+    assert not copies, f"inside aten::_cudnn_rnn: {copies} (cuDNN copied the weights into a buffer of its own)"
+    assert not [w for w in warned if COPY_WARNING in w], warned
+    assert inner.flat_weights.data_ptr() == flat_ptr and [p.data_ptr() for p in inner.parameters()] == pointers
+
+
+def _input(dtype=torch.float32):
+    return torch.randn(T, B, I, device="cuda", dtype=dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("config", list(NATIVE_CONFIGS))
+def test_native_cudnn_reads_the_packed_buffer(config, training):
+    module = native_module(config)
+    x = _input()
+    assert_reads_packed_buffer(module, lambda: call_native(module, x, training))
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", list(NATIVE_CONFIGS))
+def test_native_layout_is_cudnns(config):
+    """rnnkit's offsets are those of torch.nn's buffer after .cuda() (laid out by cuDNN itself,
+    through torch's flatten_parameters), and its buffer covers cuDNN's whole weight space."""
+    mode, options = NATIVE_CONFIGS[config]
+    reference = TORCH_MODULES[mode](I, H, **options).cuda()
+    weights = reference._flat_weights
+    storage = weights[0].untyped_storage()
+    if any(w.untyped_storage().data_ptr() != storage.data_ptr() for w in weights):
+        pytest.skip("torch.nn did not flatten its weights into one cuDNN buffer here")
+    expected = [(w.data_ptr() - storage.data_ptr()) // w.element_size() for w in weights]
+    module = native_module(config)
+    base = module.flat_weights.untyped_storage().data_ptr()
+    ours = [(getattr(module, n).data_ptr() - base) // module.flat_weights.element_size()
+            for n in module._flat_weights_names]
+    assert module._flat_weights_names == reference._flat_weights_names
+    assert ours == expected, "rnnkit's offsets differ from cuDNN's weight layout"
+    ours_bytes, cudnn_bytes = module.flat_weights.untyped_storage().nbytes(), storage.nbytes()
+    assert ours_bytes >= cudnn_bytes, (
+        f"rnnkit's buffer holds {ours_bytes} bytes, cuDNN's weight space {cudnn_bytes}: torch's try_get_weight_buf "
+        "refuses a smaller storage, so cuDNN copies the weights at every call")
+
+
+@needs_cuda
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_native_after_to_cuda(training):
+    module = native_module("lstm-2layers-bidirectional", device="cpu").to("cuda")
+    x = _input()
+    assert_reads_packed_buffer(module, lambda: call_native(module, x, training))
+
+
+@needs_cuda
+def test_native_after_load_state_dict():
+    mode, options = NATIVE_CONFIGS["lstm-2layers-bidirectional"]
+    module = native_module("lstm-2layers-bidirectional")
+    module.load_state_dict(TORCH_MODULES[mode](I, H, **options).cuda().state_dict())
+    x = _input()
+    assert_reads_packed_buffer(module, lambda: call_native(module, x, True))
+
+
+@needs_cuda
+def test_native_after_load_state_dict_assign_and_flatten():
+    """assign=True breaks the aliasing (rnnkit warns and cuDNN copies); flatten_parameters packs again."""
+    mode, options = NATIVE_CONFIGS["lstm-2layers-bidirectional"]
+    module = native_module("lstm-2layers-bidirectional")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module.load_state_dict(TORCH_MODULES[mode](I, H, **options).cuda().state_dict(), assign=True)
+    module.flatten_parameters()
+    x = _input()
+    assert_reads_packed_buffer(module, lambda: call_native(module, x, True))
+
+
+@needs_cuda
+def test_native_copy_is_detected_when_the_aliasing_is_broken():
+    """The control: with one weight moved out of the buffer, cuDNN copies (so the checks above can fail)."""
+    module = native_module("lstm-2layers-bidirectional")
+    module.weight_hh_l0.data = module.weight_hh_l0.data.clone()
+    x = _input()
+    count, inside, warned = profile_op(lambda: call_native(module, x, False), "aten::_cudnn_rnn")
+    assert count >= 1 and inside & COPY_OPS, inside
+    assert any(COPY_WARNING in w for w in warned), warned
+
+
+@needs_cuda
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_native_with_lengths(training):
+    module = native_module("lstm-2layers-bidirectional")
+    x = _input()
+    lengths = torch.tensor([T, 1, 4, T, 2])
+    assert_reads_packed_buffer(module, lambda: call_native(module, x, training, lengths))
+
+
+@needs_cuda
+def test_native_dropout_between_layers_in_training():
+    """In training with dropout the native backend runs layer by layer (masks.py draws the
+    dropout masks): each layer's weights then start inside the buffer, not at its first byte."""
+    module = native_module("lstm-2layers-bidirectional", dropout=0.3)
+    x = _input()
+    assert_reads_packed_buffer(module, lambda: call_native(module, x, True))
+
+
+@needs_cuda
+def test_native_float16():
+    module = native_module("lstm-2layers-bidirectional", dtype=torch.float16)
+    x = _input(torch.float16)
+    assert_reads_packed_buffer(module, lambda: call_native(module, x, True))
+
+
+@needs_cuda
+def test_native_under_distributed_data_parallel(tmp_path, monkeypatch):
+    """DDP in one process (world size 1): gloo, else NCCL; skipped where neither starts."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # no network but the loopback on the GPU machine
+        if name not in os.environ:
+            monkeypatch.setenv(name, "lo")
+    module = native_module("lstm-2layers-bidirectional")
+    problems = []
+    for backend in ("gloo", "nccl"):
+        try:
+            dist.init_process_group(backend, init_method=f"file://{tmp_path / backend}", rank=0, world_size=1)
+        except Exception as error:
+            problems.append(f"{backend}: {type(error).__name__}: {error}")
+            continue
+        try:
+            wrapped = DistributedDataParallel(module, device_ids=[0])
+        except Exception as error:
+            dist.destroy_process_group()
+            problems.append(f"{backend}: DistributedDataParallel: {type(error).__name__}: {error}")
+            continue
+        try:
+            x = _input()
+
+            def step():
+                y, _ = wrapped(x)
+                y.square().sum().backward()
+                assert module.last_backend == "native"
+
+            assert_reads_packed_buffer(wrapped, step)
+            return
+        finally:
+            dist.destroy_process_group()
+    pytest.skip("no one-process group could start: " + "; ".join(problems))
+
+
+# ---- CUDA: the triton backend's compiled kernels --------------------------------------------
+
+def _triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on")
+
+
+@needs_cuda
+@pytest.mark.skipif(_triton_interpreted(), reason="TRITON_INTERPRET=1 (tests/conftest.py's default) would interpret "
+                                                  "the kernels; run with TRITON_INTERPRET=0 to test the compiled ones")
+@pytest.mark.parametrize("graphs", ["1", "0"], ids=["cuda_graphs", "eager"])
+def test_triton_plain_lstm_on_cuda(graphs, monkeypatch):
+    """Forward and backward of a plain LSTM against the reference, twice (the second call replays
+    the graph the first captured, on new inputs and weights), then under no_grad."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("RNNKIT_TRITON_CUDA_GRAPHS", graphs)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    module = make_module("lstm", 24, 40, torch.float32, device="cuda", num_layers=2)
+    lengths = [9, 3, 9, 1, 6]
+    for call in range(2):
+        if call:
+            with torch.no_grad():
+                module.flat_weights.add_(0.05 * torch.randn_like(module.flat_weights))
+        x = torch.randn(9, 5, 24, device="cuda", requires_grad=True)
+        hx = tuple(torch.randn(2, 5, 40, device="cuda", requires_grad=True) for _ in range(2))
+        out_r, grad_r = run_backend(module, "reference", x, hx, lengths, training=True)
+        out_t, grad_t = run_backend(module, "triton", x, hx, lengths, training=True)
+        assert module.last_backend == "triton"
+        for name, a, e in zip(["y", "h_n", "c_n"], out_t, out_r):
+            assert_close(a, e, f"call {call + 1}: {name}")
+        for name, a, e in zip(["dx", "dh0", "dc0", "d flat_weights"], grad_t, grad_r):
+            assert_close(a, e, f"call {call + 1}: {name}")
+    module.eval()
+    with torch.no_grad():
+        module.backend = "reference"
+        expected = module(x, hx, lengths)
+        module.backend = "triton"
+        actual = module(x, hx, lengths)
+    assert_close([actual[0], *actual[1]], [expected[0], *expected[1]], "no_grad")
