@@ -3,8 +3,10 @@ that leaves padding or tails unwritten fails loudly instead of passing by luck."
 import os
 
 # CI has no GPU: Triton kernels run under Triton's interpreter. It must be chosen before
-# anything imports triton (keras imports torch._dynamo, which imports triton).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# anything imports triton (keras imports torch._dynamo, which imports triton). Not when
+# tests/test_triton.py is to run the compiled kernels on a GPU (RNNKIT_TEST_TRITON_DEVICE=cuda).
+if os.environ.get("RNNKIT_TEST_TRITON_DEVICE") != "cuda":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -14,7 +14,8 @@ On CUDA only (skipped without a device):
   DistributedDataParallel (one process); rnnkit's layout is cuDNN's, as torch.nn's flattened
   buffer shows it;
 - the triton backend's compiled kernels on a plain LSTM against the reference, with and without
-  CUDA-graph replay (TRITON_INTERPRET=0: tests/conftest.py sets it to 1 unless it is set).
+  CUDA-graph replay (TRITON_INTERPRET=0: tests/conftest.py sets it to 1 unless it is set or
+  RNNKIT_TEST_TRITON_DEVICE=cuda).
 """
 from __future__ import annotations
 

@@ -9,27 +9,42 @@ kernels. Shapes are tiny because the interpreter runs each kernel program in num
 TRITON_INTERPRET=1 is set before triton is imported (conftest.py), so Triton's library and the
 kernels are defined for the interpreter; RNNKIT_TRITON_INTERPRET=1 (which lets the backend
 accept CPU tensors) is set only while these tests run, so that backend="auto" elsewhere in the
-suite never picks the interpreter. On a GPU machine the same comparisons run on CUDA tensors with
-``RNNKIT_TEST_TRITON_DEVICE=cuda`` (and TRITON_INTERPRET unset).
+suite never picks the interpreter. CUDA graphs (graphs.py) are tested on CPU too, with CUDA's
+graph and stream calls emulated (`EmulatedGraphs`).
+
+On a GPU machine the same comparisons run on CUDA tensors, compiled:
+
+    RNNKIT_TEST_TRITON_DEVICE=cuda TRITON_INTERPRET=0 python -m pytest tests/test_triton.py
+
+(conftest.py then leaves TRITON_INTERPRET alone; this file refuses to run on CUDA with it on, since
+the interpreter would run the kernels on copies of the CUDA tensors and test nothing compiled).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
 DEVICE = os.environ.get("RNNKIT_TEST_TRITON_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # read by triton.jit when the kernels are defined
+elif os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on", "y"):
+    raise RuntimeError(f"RNNKIT_TEST_TRITON_DEVICE={DEVICE} with TRITON_INTERPRET="
+                       f"{os.environ['TRITON_INTERPRET']}: the kernels would run under Triton's interpreter, "
+                       "not compiled; run with TRITON_INTERPRET=0")
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 import torch  # noqa: E402
 
 import rnnkit  # noqa: E402
 from rnnkit import backend as backends  # noqa: E402
 from rnnkit.triton import TritonBackend  # noqa: E402
+from rnnkit.triton.common import sigmoid, tanh  # noqa: E402
 from helpers import assert_close, flatten, make_module, run_backend  # noqa: E402
 
 
@@ -49,9 +64,18 @@ needs_kernels = pytest.mark.skipif(_PROBLEM is not None, reason=str(_PROBLEM))
 
 @pytest.fixture(autouse=True)
 def interpreter(monkeypatch):
-    """CPU tensors are accepted only while these tests run (see the module docstring)."""
+    """CPU tensors are accepted only while these tests run (see the module docstring). On CUDA:
+    float32 GEMMs without TF32 (the tolerances assume it), and the kernels compiled, not interpreted."""
     if DEVICE == "cpu":
         monkeypatch.setenv("RNNKIT_TRITON_INTERPRET", "1")
+        return
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    from rnnkit.triton import _kernels_interpreted, kernels
+
+    kernels()
+    if _kernels_interpreted() is not False:
+        pytest.fail("the Triton kernels were defined for the interpreter (TRITON_INTERPRET was on when triton was "
+                    "imported); run with TRITON_INTERPRET=0", pytrace=False)
 
 
 def make(mode, I, H, dtype, **options):
@@ -226,3 +250,513 @@ def test_import_rnnkit_does_not_import_triton():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 
+
+
+# ---- accuracy of the activations ------------------------------------------------------------------
+
+SMALL_SCALE = {torch.float32: 1e-4, torch.float64: 1e-8}
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("mode, options", [("lstm", dict(peephole=True)), ("gru", {}), ("rnn_tanh", {})],
+                         ids=["lstm", "gru", "rnn_tanh"])
+def test_small_preactivations_against_float64(mode, options, dtype):
+    """Weights and states near zero: every tanh sees a tiny argument, where 1 - exp(-2|v|) cancels. Outputs
+    and gradients within the dtype's tolerance of the float64 reference on the same values."""
+    scale = SMALL_SCALE[dtype]
+    module = make(mode, 4, 5, dtype, **options)
+    with torch.no_grad():
+        module.flat_weights.mul_(scale)
+    x, hx = inputs(module, mode, 3, 2, 4, dtype)
+    hx = tuple((h * scale).detach().requires_grad_(True) for h in hx) if mode == "lstm" else \
+        (hx * scale).detach().requires_grad_(True)
+    out_t, grad_t = run_backend(module, "triton", x, hx)
+    exact = make(mode, 4, 5, torch.float64, **options)
+    with torch.no_grad():
+        exact.flat_weights.copy_(module.flat_weights)
+    up = lambda t: t.detach().cpu().double().requires_grad_(True)  # noqa: E731
+    exact_hx = tuple(up(h) for h in hx) if mode == "lstm" else up(hx)
+    out_r, grad_r = run_backend(exact.cpu(), "reference", up(x), exact_hx)
+    for k, (a, e) in enumerate(zip(out_t + grad_t, out_r + grad_r)):
+        assert_close(a.cpu(), e, f"output or gradient {k}", dtype=dtype)
+
+
+@triton.jit
+def _activations_kernel(v, out_tanh, out_sigmoid, N, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    valid = cols < N
+    a = tl.load(v + cols, mask=valid, other=0.0)
+    tl.store(out_tanh + cols, tanh(a), mask=valid)
+    tl.store(out_sigmoid + cols, sigmoid(a), mask=valid)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_activations_are_accurate_relative_to_their_value(dtype):
+    """Largest relative error of the kernels' tanh and sigmoid over ±[1e-12, 30]: a few ulps (more on a GPU,
+    whose float32 exp is approximate), including where tanh(v) ≈ v is tiny."""
+    magnitudes = torch.logspace(-12, 1.5, 600, dtype=torch.float64)
+    v = torch.cat([magnitudes, -magnitudes]).to(dtype)
+    out_tanh, out_sigmoid = torch.empty_like(v, device=DEVICE), torch.empty_like(v, device=DEVICE)
+    _activations_kernel[(1,)](v.to(DEVICE), out_tanh, out_sigmoid, v.numel(), BLOCK=2048)
+    exact = v.double()
+    limit = {torch.float32: 4e-6 if DEVICE == "cuda" else 1e-6, torch.float64: 1e-14}[dtype]
+    for name, actual, expected in (("tanh", out_tanh, torch.tanh(exact)),
+                                   ("sigmoid", out_sigmoid, torch.sigmoid(exact))):
+        relative = ((actual.cpu().double() - expected).abs() / expected.abs()).max().item()
+        assert relative <= limit, f"{name}: largest relative error {relative:.2e} > {limit:.0e}"
+
+
+# ---- shapes and contexts ----------------------------------------------------------------------------
+
+@needs_kernels
+@pytest.mark.parametrize("mode, options", [("lstm", dict(peephole=True, layer_norm=True, proj_size=3)),
+                                           ("gru", dict(layer_norm=True)), ("gru", dict(reset_after=False)),
+                                           ("rnn_tanh", dict(layer_norm=True))],
+                         ids=["lstm", "gru", "gru_reset_before", "rnn_tanh"])
+def test_empty_batch(mode, options):
+    """B = 0, as the reference takes it: empty outputs and input gradients, zero weight gradients."""
+    assert_triton_matches(mode, B=0, training=True, bidirectional=True, **options)
+    module = make(mode, 4, 5, torch.float64, **options).eval()
+    x = torch.randn(3, 0, 4, dtype=torch.float64, device=DEVICE)
+    with torch.no_grad():
+        expected = rnnkit.functional.forward_inference(module.spec, module.flat_weights, x, None, backend="reference")
+        actual = rnnkit.functional.forward_inference(module.spec, module.flat_weights, x, None, backend="triton")
+    assert_close(flatten(actual), flatten(expected), "outputs")
+
+
+@needs_kernels
+def test_empty_batch_cell():
+    cell = rnnkit.LSTMCell(4, 5, peephole=True, dtype=torch.float64, device=DEVICE, backend="triton")
+    h, c = cell(torch.randn(0, 4, dtype=torch.float64, device=DEVICE))
+    assert h.shape == (0, 5) and c.shape == (0, 5)
+
+
+@needs_kernels
+def test_autocast_does_not_reach_the_backward():
+    """``.backward()`` inside ``torch.autocast``: the autograd engine carries autocast into the op's backward,
+    whose float32 GEMMs (dx, dW, dR) must not run in bfloat16. Gradients as with the backward outside it."""
+    module = make("lstm", 4, 8, torch.float32, peephole=True, proj_size=3, backend="triton")
+    x = torch.randn(5, 3, 4, device=DEVICE)
+    upstream = torch.randn(5, 3, 3, device=DEVICE)
+    grads = []
+    for inside in (False, True):
+        module.zero_grad()
+        leaf = x.clone().requires_grad_(True)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            y, _ = module(leaf)
+            loss = (y.float() * upstream).sum()
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        assert module.last_backend == "triton"
+        grads.append([leaf.grad, module.flat_weights.grad.clone()])
+    assert_close(grads[1], grads[0], "gradients with the backward inside autocast", tol=1e-6)
+
+
+@needs_kernels
+def test_passes_run_under_the_device_guard(monkeypatch):
+    """Forward and backward enter the tensors' device (Triton launches on the current one) and leave autocast."""
+    from rnnkit.triton import ops
+
+    ops.launch_failure()  # the check before the first pass, which enters the guard too, done
+    seen = []
+    guard = ops._on_device_as_written
+    monkeypatch.setattr(ops, "_on_device_as_written", lambda device: (seen.append(device), guard(device))[1])
+    assert_triton_matches("gru", training=True, layer_norm=True)
+    assert [device.type for device in seen] == [DEVICE] * 2  # the forward, the backward
+    entered = []
+    monkeypatch.setattr(torch.cuda, "device", lambda device: (entered.append(device), contextlib.nullcontext())[1])
+    with guard(torch.device("cuda", 1)):
+        pass
+    assert entered == [torch.device("cuda", 1)]
+
+
+# ---- when Triton cannot run ---------------------------------------------------------------------------
+
+class _LaunchError(Exception):
+    """Stands in for Triton's compile and launch errors (which are not RuntimeErrors)."""
+
+
+@needs_kernels
+def test_auto_moves_on_when_triton_cannot_launch(monkeypatch, capsys):
+    """The check before the first pass (one small kernel) fails: "auto" runs the next backend and says why
+    once; backend="triton" raises BackendUnavailableError with the reason."""
+    from rnnkit.triton import common, ops
+
+    monkeypatch.setattr(ops, "_launch_checked", False)
+    monkeypatch.setattr(ops, "_launch_failure", None)
+
+    def fails(*args, **kwargs):
+        raise _LaunchError("ptxas fatal: Value 'sm_20' is not defined for option 'gpu-name'")
+
+    monkeypatch.setattr(common, "ln_rows_forward", fails)
+    named = make("lstm", 4, 5, torch.float32, peephole=True, backend="triton")  # not checked yet: made
+    with pytest.raises(backends.BackendUnavailableError, match="could not compile or launch a kernel.*sm_20"):
+        named(torch.randn(3, 8, 4, device=DEVICE))
+    assert capsys.readouterr().err.count("rnnkit: triton backend unavailable") == 1
+    with pytest.raises(backends.BackendUnavailableError, match="_LaunchError"):
+        make("lstm", 4, 5, torch.float32, peephole=True, backend="triton")
+    module = make("lstm", 4, 5, torch.float32, peephole=True).eval()  # auto: triton's turn without a gradient
+    with torch.no_grad():
+        for _ in range(2):
+            module(torch.randn(3, 8, 4, device=DEVICE))
+            assert module.last_backend != "triton"
+    assert "triton backend unavailable" not in capsys.readouterr().err  # said once, above
+    assert "sm_20" in rnnkit.backends()["triton"]["reason"]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="checks how this file is run on CUDA, from a CPU run")
+@pytest.mark.parametrize("interpret", [None, "1"], ids=["unset", "on"])
+def test_cuda_mode_refuses_the_interpreter(interpret):
+    """RNNKIT_TEST_TRITON_DEVICE=cuda: conftest.py leaves TRITON_INTERPRET unset, and this file refuses to be
+    collected with it on (it would pass without running a compiled kernel)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RNNKIT_TRITON_INTERPRET")}
+    env["RNNKIT_TEST_TRITON_DEVICE"] = "cuda"
+    if interpret:
+        env["TRITON_INTERPRET"] = interpret
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          os.path.join("tests", "test_triton.py")], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
+    if interpret:
+        assert out.returncode != 0 and "TRITON_INTERPRET=0" in out.stdout + out.stderr, out.stdout[-2000:]
+    else:
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+# ---- CUDA graphs (graphs.py), emulated on CPU ---------------------------------------------------------
+
+class EmulatedGraphs:
+    """CUDA graphs and streams emulated on CPU, so that graphs.py's own logic runs: a capture records the
+    loop's Triton launches and GEMMs, on the static buffers' very views, without running them (as a CUDA
+    capture does, so anything decided in Python is frozen at capture); a replay runs the record.
+
+    ``stream`` is the current stream's handle, ``capturing`` whether a caller's capture is under way,
+    ``fail`` an exception every capture raises at its end (as a CUDA capture reports an invalidated one).
+    """
+
+    def __init__(self, monkeypatch):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        from rnnkit.triton import graphs
+
+        self.captures, self.replays, self.capture_options, self.restored = 0, 0, [], []
+        self.stream, self.capturing, self.fail = 1, False, None
+        self._record = None
+        emulation = self
+        launcher, mm, addmm_ = InterpretedFunction.__getitem__, torch.mm, torch.Tensor.addmm_
+
+        def getitem(kernel, grid):
+            launch = launcher(kernel, grid)
+            if emulation._record is None:
+                return launch
+            return lambda *args, **kwargs: emulation._record.append((launch, args, kwargs))
+
+        def recorded(fn):
+            def call(*args, **kwargs):
+                if emulation._record is None:
+                    return fn(*args, **kwargs)
+                emulation._record.append((fn, args, kwargs))
+                return kwargs.get("out", args[0])  # the loops' GEMMs write into out= / in place
+
+            return call
+
+        class Stream:
+            def __init__(self, handle):
+                self.cuda_stream = handle
+
+            def wait_stream(self, other):
+                pass
+
+        class Graph:
+            def __init__(self):
+                self.ops = []
+
+            def replay(self):
+                emulation.replays += 1
+                for fn, args, kwargs in self.ops:
+                    fn(*args, **kwargs)
+
+        @contextlib.contextmanager
+        def capture(graph, **options):
+            emulation.captures += 1
+            emulation.capture_options.append(options)
+            emulation._record = graph.ops
+            try:
+                yield
+            finally:
+                emulation._record = None
+            if emulation.fail is not None:
+                raise emulation.fail
+
+        monkeypatch.setattr(InterpretedFunction, "__getitem__", getitem)
+        monkeypatch.setattr(torch, "mm", recorded(mm))
+        monkeypatch.setattr(torch.Tensor, "addmm_", recorded(addmm_))
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0: Stream(-1))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(emulation.stream))
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: emulation.restored.append(stream.cuda_stream))
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", capture)
+        monkeypatch.setattr(graphs, "_on_gpu", lambda device: True)
+        monkeypatch.setattr(graphs, "stream_capturing", lambda device: emulation.capturing)
+        monkeypatch.setattr(graphs, "_cache", type(graphs._cache)())
+        monkeypatch.setattr(graphs, "_capture_failure", None)
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    if DEVICE != "cpu":
+        pytest.skip("emulates CUDA graphs on CPU (on a GPU the other tests run the real ones)")
+    return EmulatedGraphs(monkeypatch)
+
+
+GRAPH_CASES = {
+    "lstm-everything_training": ("lstm", dict(training=True, lengths=[4, 2, 3], bidirectional=True, peephole=True,
+                                              layer_norm=True, proj_size=3, cell_clip=0.5, zoneout=(0.2, 0.1),
+                                              recurrent_dropout=0.3)),
+    "gru_reset_before-training": ("gru", dict(training=True, reset_after=False, zoneout=0.2, recurrent_dropout=0.3)),
+    "rnn_tanh-layer_norm_eval": ("rnn_tanh", dict(layer_norm=True, zoneout=0.2)),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", list(GRAPH_CASES))
+def test_cuda_graphs_capture_then_replay(case, emulated_graphs):
+    """The first call of a shape captures, the next replays on new inputs, weights and masks: both as the reference."""
+    mode, options = GRAPH_CASES[case]
+    for call in range(2):
+        torch.manual_seed(call)
+        assert_triton_matches(mode, T=4, B=3, **options)
+    assert emulated_graphs.captures > 0 and emulated_graphs.replays == 2 * emulated_graphs.captures
+
+
+@needs_kernels
+def test_cuda_graphs_not_captured_for_an_empty_batch(emulated_graphs):
+    """B = 0 launches nothing: nothing to capture (torch warns about an empty graph)."""
+    assert_triton_matches("lstm", B=0, training=True, layer_norm=True)
+    assert emulated_graphs.captures == 0
+
+
+def _eval_outputs(module, x, backend):
+    module.backend = backend
+    y, hy = module(x)
+    return [y] + flatten(hy)
+
+
+@needs_kernels
+def test_cuda_graphs_first_captured_under_inference_mode(emulated_graphs):
+    """A shape first met under inference_mode (a validation loop) and then under no_grad and with autograd:
+    the static buffers are no inference tensors, which a call outside inference mode could not copy into."""
+    module = make("lstm", 4, 5, torch.float64, peephole=True).eval()
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    with torch.no_grad():
+        expected = _eval_outputs(module, x, "reference")
+    for context in (torch.inference_mode, torch.no_grad, torch.inference_mode, torch.no_grad):
+        with context():
+            assert_close(_eval_outputs(module, x, "triton"), expected, "outputs")
+    assert emulated_graphs.captures == 1 and emulated_graphs.replays == 4
+    assert_triton_matches("lstm", peephole=True, T=3, B=2)  # the training path after them
+
+
+@needs_kernels
+def test_cuda_graph_capture_failure_runs_eagerly(emulated_graphs):
+    """Captures are thread-local (other threads' CUDA calls cannot invalidate them); one that fails anyway is
+    said once, and its passes run without a graph, right."""
+    emulated_graphs.fail = RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    with pytest.warns(RuntimeWarning, match="could not capture a CUDA graph.*operation not permitted"):
+        assert_triton_matches("gru", training=True, layer_norm=True)
+    assert emulated_graphs.capture_options[0] == {"capture_error_mode": "thread_local"}
+    # torch.cuda.graph leaves its own stream current when the capture fails: the caller's is made current again
+    assert emulated_graphs.restored == [emulated_graphs.stream] * emulated_graphs.captures
+    attempts = emulated_graphs.captures
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_triton_matches("gru", training=True, layer_norm=True)  # the same shapes: not captured again
+        assert emulated_graphs.captures == attempts
+        assert_triton_matches("gru", training=True, layer_norm=True, T=5)  # new shapes fail again, silently
+    assert not [w for w in caught if "CUDA graph" in str(w.message)]
+    assert emulated_graphs.captures > attempts and emulated_graphs.replays == 0
+
+
+@needs_kernels
+def test_cuda_graphs_are_kept_per_stream(emulated_graphs):
+    """Two streams never share one graph's static buffers (nothing would order their copies and replays)."""
+    module = make("gru", 4, 5, torch.float64, layer_norm=True).eval()
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    with torch.no_grad():
+        expected = _eval_outputs(module, x, "reference")
+        for stream, captures in ((1, 1), (2, 2), (1, 2), (2, 2)):
+            emulated_graphs.stream = stream
+            assert_close(_eval_outputs(module, x, "triton"), expected, "outputs")
+            assert emulated_graphs.captures == captures
+    assert emulated_graphs.replays == 4
+
+
+@needs_kernels
+def test_inside_a_callers_cuda_graph_capture(emulated_graphs, monkeypatch):
+    """While the caller's stream is capturing: no capture of our own (the caller's graph records the launches),
+    and no blocking host-to-device copy, which a capture refuses: the pass's tensors are filled on the device."""
+    emulated_graphs.capturing = True
+    assert_triton_matches("lstm", training=True, T=4, B=3, lengths=[4, 1, 2], peephole=True, zoneout=(0.2, 0.1))
+    assert emulated_graphs.captures == 0
+
+    from rnnkit.passes import FORWARD_NAMES
+    from rnnkit.triton.config import make_tensors
+
+    lengths = torch.tensor([4, 1, 3])
+    args = dict.fromkeys(FORWARD_NAMES)
+    args.update(x=torch.randn(4, 3, 2, dtype=torch.float64), h0=torch.randn(3, 5, dtype=torch.float64),
+                W=torch.randn(5, 2, dtype=torch.float64), R=torch.randn(5, 5, dtype=torch.float64), lengths=lengths,
+                zoneout_h=0.1, zoneout_c=0.3, cell_clip=0.7)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a host-to-device copy while the stream is capturing")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "tensor", refused)
+        patch.setattr(lengths, "to", refused)
+        captured = make_tensors(args)
+    emulated_graphs.capturing = False
+    expected = make_tensors(args)
+    assert torch.equal(captured.scalars, expected.scalars) and torch.equal(captured.keep, expected.keep)
+
+
+# ---- on CUDA only: what the CPU emulation cannot show (RNNKIT_TEST_TRITON_DEVICE=cuda) ----------------
+
+needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="on CUDA tensors only (RNNKIT_TEST_TRITON_DEVICE=cuda)")
+
+
+@needs_cuda
+def test_cuda_kernels_compile_and_launch():
+    from rnnkit.triton import ops
+
+    assert ops.launch_failure() is None
+
+
+@needs_cuda
+def test_cuda_real_graphs_first_captured_under_inference_mode():
+    module = make("lstm", 8, 16, torch.float64, peephole=True).eval()
+    x = torch.randn(5, 3, 8, dtype=torch.float64, device=DEVICE)
+    with torch.no_grad():
+        expected = _eval_outputs(module, x, "reference")
+    for context in (torch.inference_mode, torch.no_grad, torch.inference_mode, torch.no_grad):
+        with context():
+            assert_close(_eval_outputs(module, x, "triton"), expected, "outputs")
+
+
+@needs_cuda
+def test_cuda_two_streams():
+    """One module on two streams at once: each call's own inputs and outputs (graphs are kept per stream)."""
+    module = make("gru", 16, 32, torch.float64, layer_norm=True).eval()
+    xs = [torch.randn(64, 8, 16, dtype=torch.float64, device=DEVICE) for _ in range(2)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    with torch.no_grad():
+        expected = [_eval_outputs(module, x, "reference") for x in xs]
+        for _ in range(5):
+            outputs = []
+            for stream, x in zip(streams, xs):
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    outputs.append(_eval_outputs(module, x, "triton"))
+            torch.cuda.synchronize()
+            for k, (actual, wanted) in enumerate(zip(outputs, expected)):
+                assert_close(actual, wanted, f"outputs on stream {k}")
+
+
+@needs_cuda
+def test_cuda_graph_captures_beside_a_pinning_thread():
+    """Captures of new shapes while another thread pins host memory (a DataLoader with pin_memory=True): in
+    capture_error_mode="thread_local" its CUDA calls do not invalidate them; the training run goes on."""
+    import threading
+
+    stop, errors = threading.Event(), []
+
+    def pin():
+        try:
+            while not stop.is_set():
+                torch.ones(1 << 16).pin_memory()
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+
+    thread = threading.Thread(target=pin, daemon=True)
+    thread.start()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for T in range(3, 13):  # every T a new shape: new captures
+                assert_triton_matches("gru", T=T, B=4, training=True, zoneout=0.1, layer_norm=True)
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    assert not [w for w in caught if "CUDA graph" in str(w.message)], [str(w.message) for w in caught]
+
+
+@needs_cuda
+def test_cuda_inside_a_callers_graph_capture():
+    """A triton pass inside the caller's torch.cuda.graph: recorded into it (no graph of our own, no blocking
+    copy), and replayed on new inputs."""
+    module = make("lstm", 8, 16, torch.float64, peephole=True, zoneout=0.2).eval()
+    x = torch.randn(5, 3, 8, dtype=torch.float64, device=DEVICE)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up, as torch.cuda.graph asks
+            _eval_outputs(module, x, "triton")
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = _eval_outputs(module, x, "triton")
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            assert_close(captured, _eval_outputs(module, x, "reference"), "replayed outputs")
+
+
+@needs_cuda
+def test_cuda_module_on_another_device_than_the_current_one():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    module = make_module("lstm", 8, 16, torch.float64, device="cuda:1", peephole=True, layer_norm=True)
+    x = torch.randn(5, 3, 8, dtype=torch.float64, device="cuda:1")
+    with torch.cuda.device(0):
+        for backend in ("reference", "triton"):
+            module.backend = backend
+            y, _ = module(x)
+            y.sum().backward()
+            if backend == "reference":
+                expected, expected_grad = y.detach(), module.flat_weights.grad.clone()
+                module.zero_grad()
+    assert_close(y.detach(), expected, "y")
+    assert_close(module.flat_weights.grad, expected_grad, "d flat_weights")
+
+
+@needs_cuda
+def test_cuda_layer_norm_rows_past_2_31_elements():
+    """LN_x over all T·B rows at once: offsets in int64 (row * N wrapped in int32 past 2^31 elements)."""
+    free, _ = torch.cuda.mem_get_info()
+    if free < 48 * 2**30:
+        pytest.skip("needs 48 GiB of free GPU memory")
+    from rnnkit.triton.common import ln_rows_backward, ln_rows_forward
+
+    N, tail = 4096, 64
+    rows = 2**31 // N + tail  # the last `tail` rows start past 2^31 elements
+    try:
+        x = torch.randn(rows, N, device=DEVICE)
+        gain, shift = torch.rand(N, device=DEVICE) + 0.5, torch.randn(N, device=DEVICE)
+        scalars = torch.tensor([0.0, 0.0, 0.0, 0.0, 1e-5], device=DEVICE)
+        out, stats = ln_rows_forward(x, gain, shift, scalars)
+        last = x[-tail:].clone().requires_grad_(True)
+        expected = torch.nn.functional.layer_norm(last, (N,), gain, shift, eps=1e-5)
+        assert_close(out[-tail:], expected.detach(), "normalized rows past 2^31 elements")
+        d_out = out  # any upstream gradient: the normalized values
+        d_x, _, _ = ln_rows_backward(d_out, x, stats, gain)
+        expected.backward(d_out[-tail:])
+        assert_close(d_x[-tail:], last.grad, "d rows past 2^31 elements")
+    finally:
+        x = out = stats = d_out = d_x = None
+        torch.cuda.empty_cache()

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ..passes import forward_ad_reason, run_pass
-from .ops import OPS, interpreting, kernels, loaded
+from .ops import OPS, interpreting, kernels, launch_failure, loaded
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -61,12 +61,16 @@ class TritonBackend:
     def unavailable_reason(self) -> Optional[str]:
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed (pip install triton)"
-        if interpreting():
-            return None
-        if not torch.cuda.is_available():
+        if not interpreting() and not torch.cuda.is_available():
             return ("no CUDA device (torch.cuda.is_available() is False); to run on CPU tensors under Triton's "
                     "interpreter set TRITON_INTERPRET=1 (before triton is imported) and RNNKIT_TRITON_INTERPRET=1")
-        return None
+        return launch_failure(check=False)  # what the check before the first pass found (prepare)
+
+    def prepare(self) -> None:
+        """Compile and launch one small kernel, once; RuntimeError with the reason when Triton cannot."""
+        reason = launch_failure()
+        if reason:
+            raise RuntimeError(reason)
 
     def status(self) -> str:
         reason = self.unavailable_reason()

@@ -7,9 +7,10 @@ which is what the weight-gradient GEMM over all steps reads.
 """
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple, Optional, Tuple
+from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
 LN_EPS = 1e-5
@@ -100,14 +101,10 @@ def make_tensors(args: dict) -> PassTensors:
     pair = lambda name: None if args[name + "_gain"] is None else (cast(args[name + "_gain"]),  # noqa: E731
                                                                    cast(args[name + "_shift"]))
     T, B = x.shape[:2]
-    lengths = args["lengths"]
-    if lengths is None:
-        keep = torch.ones(T, B, dtype=dtype, device=x.device)
-    else:
-        keep = (torch.arange(T, device=x.device).unsqueeze(1) < lengths.to(x.device).unsqueeze(0)).to(dtype)
-    scalars = torch.tensor(
-        [args["zoneout_h"], args["zoneout_c"], args["cell_clip"] or 0.0, args["proj_clip"] or 0.0, LN_EPS],
-        dtype=dtype, device=x.device,
+    keep = keep_mask(args["lengths"], T, B, dtype, x.device)
+    scalars = scalars_tensor(
+        (args["zoneout_h"], args["zoneout_c"], args["cell_clip"] or 0.0, args["proj_clip"] or 0.0, LN_EPS),
+        dtype, x.device, plain=type(x) is torch.Tensor and _get_current_dispatch_mode() is None,
     )
     return PassTensors(
         x=cast(x), h0=cast(args["h0"]), c0=cast(args["c0"]), W=cast(args["W"]), R=cast(args["R"]),
@@ -116,6 +113,53 @@ def make_tensors(args: dict) -> PassTensors:
         keep=keep, recurrent=cast(args["recurrent_mask"]), zone_h=cast(args["zoneout_h_mask"]),
         zone_c=cast(args["zoneout_c_mask"]), scalars=scalars, dummy=torch.zeros(1, dtype=dtype, device=x.device),
     )
+
+
+# Host-to-device copies. Inside a caller's CUDA-graph capture a blocking one (torch.tensor(..., device=cuda),
+# a pageable .to(cuda)) is not allowed: the tensors are filled on the device there instead, which the
+# caller's graph records. Elsewhere the scalars come from a pinned host copy kept per value, without
+# blocking (a torch.tensor on the device would synchronize the stream, in every pass).
+
+_PINNED_KEPT = 64
+_pinned: Dict[tuple, torch.Tensor] = {}
+
+
+def scalars_tensor(values: Tuple[float, ...], dtype: torch.dtype, device: torch.device, plain: bool) -> torch.Tensor:
+    """[len(values)] on ``device``; ``plain``: eager, on real tensors (not fake ones), so a host copy may be kept."""
+    from .graphs import stream_capturing
+
+    if stream_capturing(device):
+        out = torch.empty(len(values), dtype=dtype, device=device)
+        for k, value in enumerate(values):
+            out[k].fill_(value)
+        return out
+    if device.type != "cuda" or not plain:
+        return torch.tensor(values, dtype=dtype, device=device)
+    key = (values, dtype)
+    host = _pinned.get(key)
+    if host is None:
+        with torch.inference_mode(False):
+            host = torch.tensor(values, dtype=dtype).pin_memory()
+        if len(_pinned) >= _PINNED_KEPT:
+            _pinned.clear()
+        _pinned[key] = host
+    return host.to(device, non_blocking=True)
+
+
+def keep_mask(lengths: Optional[torch.Tensor], T: int, B: int, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """[T, B] 1.0 where t < length (all ones without lengths)."""
+    from .graphs import stream_capturing
+
+    if lengths is None:
+        return torch.ones(T, B, dtype=dtype, device=device)
+    if lengths.device.type == "cpu" and stream_capturing(device):
+        keep = torch.ones(T, B, dtype=dtype, device=device)
+        for b, length in enumerate(lengths.tolist()):
+            if length < T:
+                keep[length:, b].fill_(0.0)
+        return keep
+    return (torch.arange(T, device=device).unsqueeze(1) < lengths.to(device).unsqueeze(0)).to(dtype)
 
 
 def time_steps(cfg: PassConfig) -> range:

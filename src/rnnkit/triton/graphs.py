@@ -6,28 +6,48 @@ device the first call with a given key (loop, PassConfig, buffer shapes and dtyp
 captures the loop into a ``torch.cuda.CUDAGraph`` over private static buffers; later calls
 copy their inputs in, replay the whole sequence as one launch, and clone the outputs out.
 
-UNTESTED ON HARDWARE: this module was written without a GPU (issue 6); the test suite
-runs the loops eagerly under Triton's interpreter. ``RNNKIT_TRITON_CUDA_GRAPHS=0`` turns
-capture off (eager per-step launches, the path the interpreter tests cover).
+Graphs are kept per stream (two streams must not share one graph's static buffers), captured
+outside inference mode, in ``capture_error_mode="thread_local"`` (other threads' CUDA calls, a
+DataLoader's pin-memory thread, do not invalidate it); a capture that fails anyway is said once
+(a RuntimeWarning) and its passes run eagerly. Inside a caller's own capture nothing is captured.
+
+UNTESTED ON HARDWARE: this module was written without a GPU (issue 6); the test suite runs its
+logic on CPU with CUDA's graph and stream calls emulated (tests/test_triton.py), and the loops
+eagerly under Triton's interpreter. ``RNNKIT_TRITON_CUDA_GRAPHS=0`` turns capture off (eager
+per-step launches).
 """
 from __future__ import annotations
 
 import os
+import threading
+import warnings
 from collections import OrderedDict
-from typing import Callable, Dict, Iterable
+from typing import Callable, Dict, Iterable, Optional, Union
 
 import torch
 
 _CACHE_SIZE = 8  # graphs kept (each holds its static buffers), least recently used dropped
-_cache: "OrderedDict[tuple, _Graphed]" = OrderedDict()
+_EAGER = "eager"  # cached for a key whose capture failed: its passes run without a graph
+_cache: "OrderedDict[tuple, Union[_Graphed, str]]" = OrderedDict()
+_lock = threading.Lock()  # the cache, and one capture at a time
+_capture_failure: Optional[str] = None  # the first failed capture's error (warned once)
+
+
+def stream_capturing(device: torch.device) -> bool:
+    """Whether the current stream (of ``device``, the current device in a pass) is capturing a CUDA graph:
+    a caller's (``torch.cuda.graph``, ``make_graphed_callables``, ``torch.compile(mode="reduce-overhead")``)."""
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _on_gpu(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available()
 
 
 def graphs_enabled(device: torch.device) -> bool:
     return (
-        device.type == "cuda"
-        and torch.cuda.is_available()
+        _on_gpu(device)
         and os.environ.get("RNNKIT_TRITON_CUDA_GRAPHS", "1") != "0"
-        and not torch.cuda.is_current_stream_capturing()
+        and not stream_capturing(device)  # inside a caller's capture: its graph records our launches
     )
 
 
@@ -44,24 +64,58 @@ def _clone(buffers: Dict[str, torch.Tensor], names: Iterable[str]) -> Dict[str, 
 class _Graphed:
     """One captured loop and the static buffers it reads and writes."""
 
-    def __init__(self, loop: Callable, cfg, buffers: Dict[str, torch.Tensor]):
-        self.static = _clone(buffers, buffers)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: compiles the Triton kernels outside the capture
-            loop(cfg, self.static)
-        torch.cuda.current_stream().wait_stream(side)
+    def __init__(self, loop: Callable, cfg, buffers: Dict[str, torch.Tensor], device: torch.device):
+        self.loop, self.cfg, self.device = loop, cfg, device
+        self.lock = threading.Lock()
+        # Not inference tensors, even when the first call runs under torch.inference_mode: a later
+        # call outside it could not copy its inputs into them (copies into normal tensors are allowed
+        # inside inference mode).
+        with torch.inference_mode(False):
+            self.static = _clone(buffers, buffers)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # warm-up: compiles the Triton kernels outside the capture
+                loop(cfg, self.static)
+            torch.cuda.current_stream(device).wait_stream(side)
+
+    def capture(self) -> None:
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            loop(cfg, self.static)
+        stream = torch.cuda.current_stream(self.device)
+        try:
+            with torch.inference_mode(False):
+                # "thread_local": CUDA calls other threads make meanwhile (a DataLoader's pin-memory thread,
+                # NCCL's watchdog) do not invalidate the capture, as they do in the default "global" mode
+                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                    self.loop(self.cfg, self.static)
+        except BaseException:
+            torch.cuda.set_stream(stream)  # torch.cuda.graph leaves its capture stream current when capture_end raises
+            raise
 
     def __call__(self, buffers, outputs: Iterable[str], write_only: Iterable[str]) -> Dict[str, torch.Tensor]:
         skip = set(write_only)
-        for name, value in buffers.items():
-            if name not in skip:
-                self.static[name].copy_(value)
-        self.graph.replay()
-        return {**buffers, **_clone(self.static, outputs)}
+        with self.lock:  # two threads on one stream: each one's copy in, replay and copy out in one piece
+            for name, value in buffers.items():
+                if name not in skip:
+                    self.static[name].copy_(value)
+            self.graph.replay()
+            return {**buffers, **_clone(self.static, outputs)}
+
+
+def _captured(loop: Callable, cfg, buffers: Dict[str, torch.Tensor], device: torch.device) -> Union[_Graphed, str]:
+    """A new graph of the loop, or _EAGER where the capture fails: a pass never fails for its graph."""
+    global _capture_failure
+    graphed = _Graphed(loop, cfg, buffers, device)  # an error in the warm-up is the loop's own: raised
+    try:
+        graphed.capture()
+    except Exception as error:  # noqa: BLE001 (whatever the capture hit, the eager loop can run the pass)
+        if _capture_failure is None:
+            first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+            _capture_failure = f"{type(error).__name__}: {first[:300]}"
+            warnings.warn(f"rnnkit's triton backend could not capture a CUDA graph ({_capture_failure}); a pass "
+                          "whose capture fails runs without one, launching its steps one by one "
+                          "(RNNKIT_TRITON_CUDA_GRAPHS=0 turns capture off)", RuntimeWarning, stacklevel=2)
+        return _EAGER
+    return graphed
 
 
 def run_loop(loop: Callable, cfg, buffers: Dict[str, torch.Tensor], outputs: Iterable[str],
@@ -72,13 +126,22 @@ def run_loop(loop: Callable, cfg, buffers: Dict[str, torch.Tensor], outputs: Ite
     writes before reading (not copied into a graph's static buffers).
     """
     device = next(iter(buffers.values())).device
-    if not graphs_enabled(device):
+    if not graphs_enabled(device) or cfg.B == 0:  # an empty batch launches nothing: no graph to keep
         loop(cfg, buffers)
         return buffers
-    key = (loop.__module__, loop.__qualname__, cfg, device,
+    stream = torch.cuda.current_stream(device)
+    # keyed by stream: calls on two streams sharing one graph's static buffers would copy into them
+    # and replay with nothing ordering one call after the other
+    key = (loop.__module__, loop.__qualname__, cfg, device, stream.cuda_stream,
            tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(buffers.items())))
-    graphed = _cache.pop(key, None) or _Graphed(loop, cfg, buffers)
-    _cache[key] = graphed
-    while len(_cache) > _CACHE_SIZE:
-        _cache.popitem(last=False)
+    with _lock:
+        graphed = _cache.pop(key, None)
+        if graphed is None:
+            graphed = _captured(loop, cfg, buffers, device)
+        _cache[key] = graphed
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    if graphed is _EAGER:
+        loop(cfg, buffers)
+        return buffers
     return graphed(buffers, outputs, write_only)

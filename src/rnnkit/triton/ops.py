@@ -11,7 +11,9 @@ The kernels are imported on the first Triton pass (never by ``import rnnkit``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from typing import Dict, List, Optional
 
 import torch
@@ -39,6 +41,48 @@ def kernels() -> dict:
 
 def loaded() -> bool:
     return _families is not None
+
+
+_launch_checked = False
+_launch_failure: Optional[str] = None
+
+
+def launch_failure(check: bool = True) -> Optional[str]:
+    """Why Triton cannot compile and launch a kernel in this process, or None.
+
+    Checked once (``check``; else what an earlier check found) by compiling and launching one small
+    kernel, the layer norm of one row, on the current CUDA device (on a CPU tensor under the
+    interpreter when there is none): where Triton cannot run (no libcuda, a GPU it does not support,
+    a broken toolchain) ``backend="auto"`` moves on to the next backend instead of failing at its first
+    pass. The reason is printed once, as the fused backend does when it cannot be built.
+    """
+    global _launch_checked, _launch_failure
+    if _launch_checked or not check:
+        return _launch_failure
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    from .graphs import stream_capturing
+
+    if stream_capturing(device):  # not inside a caller's CUDA-graph capture: a later call checks
+        return None
+    try:
+        kernels()
+        from .common import ln_rows_forward
+
+        with _on_device_as_written(device), torch.inference_mode(False):
+            row = torch.arange(16, dtype=torch.float32, device=device).unsqueeze(0)
+            scalars = torch.full((5,), 1e-5, dtype=torch.float32, device=device)
+            out, _ = ln_rows_forward(row, torch.ones(16, device=device), torch.zeros(16, device=device), scalars)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # an asynchronous launch error surfaces here, not in a pass
+            if not bool(torch.isfinite(out).all()):
+                raise RuntimeError("the test kernel returned non-finite values")
+    except Exception as error:  # noqa: BLE001 (Triton's compile errors are not RuntimeErrors)
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+        _launch_failure = (f"Triton could not compile or launch a kernel on {device} "
+                           f"({type(error).__name__}: {first[:300]})")
+        print(f"rnnkit: triton backend unavailable: {_launch_failure}", file=sys.stderr)
+    _launch_checked = True
+    return _launch_failure
 
 
 def _prepare(args: dict, save: bool):
@@ -69,15 +113,34 @@ def _input_projection(cfg, p):
     from .common import ln_rows_forward
 
     T, B, I = p.x.shape
-    gx_raw = (p.x.reshape(T * B, I) @ p.W.t()).view(T, B, -1)  # [T, B, G·H] the hoisted W x
+    gx_raw = (p.x.reshape(T * B, I) @ p.W.t()).view(T, B, p.W.shape[0])  # [T, B, G·H] the hoisted W x
     if p.ln_x is None:
         return gx_raw, gx_raw, None
     gx, stats_x = ln_rows_forward(gx_raw, p.ln_x[0], p.ln_x[1], p.scalars)
     return gx_raw, gx, stats_x
 
 
+def _on_device_as_written(device: torch.device) -> contextlib.ExitStack:
+    """Where and how a pass computes: its kernels, GEMMs and CUDA graphs on the tensors' device (Triton
+    launches on the *current* device, and the ops are called without the dispatcher's device guard),
+    and autocast off, which the autograd engine carries into the backward when ``.backward()`` runs
+    inside ``torch.autocast``: it would run the backward's float32 GEMMs (dx, dW, dR) in half precision.
+    """
+    stack = contextlib.ExitStack()
+    if device.type == "cuda":
+        stack.enter_context(torch.cuda.device(device))
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        stack.enter_context(torch.autocast(device.type, enabled=False))
+    return stack
+
+
 def _forward(*values):
     args = named(values, FORWARD_NAMES)
+    with _on_device_as_written(args["x"].device):
+        return _forward_pass(args)
+
+
+def _forward_pass(args):
     from .graphs import run_loop
     from .config import first_last
 
@@ -112,6 +175,11 @@ def _saved_shapes(args):
 
 def _backward(*values):
     args = named(values, BACKWARD_NAMES)
+    with _on_device_as_written(args["x"].device):
+        return _backward_pass(args)
+
+
+def _backward_pass(args):
     from .common import ln_rows_backward
 
     family = kernels()[args["mode"]]
@@ -129,7 +197,7 @@ def _backward(*values):
     if p.ln_x is not None:
         dgx_raw, dln_w, dln_b = ln_rows_backward(dgx, gx_raw, stats_x, p.ln_x[0])
         g["ln_x"] = (dln_w, dln_b)
-    flat = dgx_raw.reshape(T * B, -1)
+    flat = dgx_raw.reshape(T * B, p.W.shape[0])  # [T·B, G·H]
     g["W"] = flat.t() @ p.x.reshape(T * B, I)  # [G·H, I]
     g["b_W"] = dgx.sum((0, 1))
     for which in ("ln_x", "ln_h", "ln_c"):
