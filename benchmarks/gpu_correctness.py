@@ -231,27 +231,12 @@ def rel_rms(actual, expected) -> float:
 
 # ---- test hygiene ------------------------------------------------------------------------------
 
-@contextlib.contextmanager
 def poisoned():
     """torch.empty / empty_like / Tensor.new_empty from Python fill float tensors with NaN (as
     tests/conftest.py does), so a kernel that leaves part of an output unwritten fails."""
-    import torch
+    from rnnkit.testing import nan_poisoned_allocations
 
-    originals = torch.empty, torch.empty_like, torch.Tensor.new_empty
-
-    def poison(fn):
-        def wrapper(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            if out.is_floating_point():
-                out.fill_(float("nan"))
-            return out
-        return wrapper
-
-    torch.empty, torch.empty_like, torch.Tensor.new_empty = (poison(f) for f in originals)
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like, torch.Tensor.new_empty = originals
+    return nan_poisoned_allocations()
 
 
 @contextlib.contextmanager

@@ -11,26 +11,14 @@ if os.environ.get("RNNKIT_TEST_TRITON_DEVICE") != "cuda":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-_empty, _empty_like, _new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
-
-
-def _poisoned(fn):
-    def wrapper(*args, **kwargs):
-        out = fn(*args, **kwargs)
-        if out.is_floating_point():
-            out.fill_(float("nan"))
-        return out
-
-    return wrapper
+from rnnkit.testing import nan_poisoned_allocations as _nan_poisoned  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def nan_poisoned_allocations(monkeypatch):
+def nan_poisoned_allocations():
     """Every torch.empty / empty_like / new_empty made from Python during a test is NaN-filled."""
-    monkeypatch.setattr(torch, "empty", _poisoned(_empty))
-    monkeypatch.setattr(torch, "empty_like", _poisoned(_empty_like))
-    monkeypatch.setattr(torch.Tensor, "new_empty", _poisoned(_new_empty))
-    yield
+    with _nan_poisoned():
+        yield
 
 
 @pytest.fixture(autouse=True)
