@@ -293,8 +293,8 @@ def test_autocast_inference_hands_bf16_matrices_to_the_kernels(monkeypatch):
 
 def test_auto_trains_half_lstms_on_fused_and_leaves_their_batched_inference_to_onednn():
     """backend="auto" with a bfloat16 LSTM: a call that records a graph (weights, input or state
-    needing gradients), runs a padded batch of up to 4 rows or has lengths goes to `fused` (faster
-    than oneDNN's bfloat16 there, backend.select), a no_grad call of a larger padded batch to
+    needing gradients) or runs a batch of up to 4 rows goes to `fused` (faster than oneDNN's
+    bfloat16 there, backend.select), a no_grad call of a larger batch (with lengths or not) to
     `native` where torch has oneDNN bfloat16 kernels; GRUs always to `fused`."""
     native_ok = rnnkit.backend.get("native").unsupported_reason(
         rnnkit.LSTM(3, 4).spec, torch.device("cpu"), torch.bfloat16) is None
@@ -312,7 +312,7 @@ def test_auto_trains_half_lstms_on_fused_and_leaves_their_batched_inference_to_o
     lstm(x, (torch.zeros(1, 6, 4, dtype=torch.bfloat16, requires_grad=True), torch.zeros(1, 6, 4, dtype=torch.bfloat16)))
     assert lstm.last_backend == "fused"  # a state needing its gradient
     lstm(x, lengths=torch.tensor([5, 4, 3, 2, 1, 1]))
-    assert lstm.last_backend == "fused"  # lengths
+    assert lstm.last_backend == ("native" if native_ok else "fused")  # lengths: inference too
     lstm(x[:, :4])
     assert lstm.last_backend == "fused"  # a batch of up to 4 rows, in inference too
     gru = rnnkit.GRU(3, 4).to(torch.bfloat16)
@@ -330,12 +330,15 @@ def test_auto_trains_half_lstms_on_fused_and_leaves_their_batched_inference_to_o
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_auto_runs_fused_wherever_it_was_measured_faster(dtype):
-    """backend="auto" on the CPU in float32 / float64: GRUs and RNNs, training, lengths, a
-    PackedSequence, a padded batch of up to 4 rows and float64 run on `fused`; only a float32
-    LSTM's inference of a padded batch of 5 rows or more runs on `native` (oneDNN)."""
+    """backend="auto" on the CPU in float32 / float64: GRUs and RNNs, a batch of up to 4 rows and
+    float64 run on `fused`, and so do a float32 LSTM's training and calls with lengths (or a
+    PackedSequence) where the CPU has AVX-512 (the fused kernels' own GEMM); a float32 LSTM's
+    inference of a padded batch of 5 rows or more runs on `native` (oneDNN)."""
     lstm, gru, rnn = rnnkit.LSTM(3, 4, dtype=dtype), rnnkit.GRU(3, 4, dtype=dtype), rnnkit.RNN(3, 4, dtype=dtype)
     x = torch.randn(5, 6, 3, dtype=dtype)
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
     batched = "native" if dtype == torch.float32 else "fused"
+    measured = "fused" if avx512 or dtype == torch.float64 else "native"  # training, lengths
     with torch.no_grad():
         lstm(x)
         assert lstm.last_backend == batched
@@ -344,14 +347,16 @@ def test_auto_runs_fused_wherever_it_was_measured_faster(dtype):
         lstm(x[:, :4])
         assert lstm.last_backend == "fused"
         lstm(x, lengths=torch.tensor([5, 4, 3, 2, 1, 1]))
-        assert lstm.last_backend == "fused"
+        assert lstm.last_backend == measured
         lstm(torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor([5, 4, 3, 2, 1, 1])))
-        assert lstm.last_backend == "fused"
+        assert lstm.last_backend == measured
         for module in (gru, rnn):
             module(x)
             assert module.last_backend == "fused"
     lstm(x)
-    assert lstm.last_backend == "fused"  # training
+    assert lstm.last_backend == measured  # training
+    lstm(x[:, :4])
+    assert lstm.last_backend == "fused"  # training, 4 rows
 
 
 CELLS = {"lstm": (rnnkit.LSTMCell, dict(peephole=True, layer_norm=True, proj_size=5)),
@@ -597,3 +602,24 @@ def test_rounded_products_round_both_operands_and_the_gradient_entering_them():
         assert torch.equal(torch.mm(a, b), out) and torch.equal(torch.bmm(a[None], b[None])[0], out)
         with pytest.raises(NotImplementedError, match="einsum"):
             torch.einsum("ik,kj->ij", a, b)  # a product it does not model: an error, not float32
+
+
+def test_auto_leaves_float32_lstm_training_to_onednn_without_avx512(monkeypatch):
+    """Without AVX-512 the fused kernels' float32 GEMMs are MKL's, measured no faster than oneDNN's
+    LSTM in training or with lengths: auto runs a float32 LSTM of 5 rows or more on `native` there,
+    and still GRUs, bfloat16 training and batches of up to 4 rows on `fused`."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    lstm, gru = rnnkit.LSTM(3, 4), rnnkit.GRU(3, 4)
+    x = torch.randn(5, 6, 3)
+    lstm(x)
+    assert lstm.last_backend == "native"
+    with torch.no_grad():
+        lstm(x, lengths=torch.tensor([5, 4, 3, 2, 1, 1]))
+    assert lstm.last_backend == "native"
+    lstm(x[:, :4])
+    assert lstm.last_backend == "fused"
+    gru(x)
+    assert gru.last_backend == "fused"
+    if rnnkit.backend.get("native").unsupported_reason(lstm.spec, torch.device("cpu"), torch.bfloat16) is None:
+        lstm.to(torch.bfloat16)(x.bfloat16())
+        assert lstm.last_backend == "fused"

@@ -182,11 +182,13 @@ AUTO_BATCH = 6  # auto runs an LSTM's inference of a padded batch of 5 rows or m
 
 
 def expected_eager_backend(name, backend, training):
-    """The backend of an eager call (auto's inputs of AUTO_BATCH rows): auto runs torch's oneDNN
-    kernel only for a plain LSTM's inference of a padded batch (backend.select), else fused."""
-    if backend == "auto":
-        return "native" if name == "lstm" and not training else "fused"
-    return backend
+    """The backend of an eager call (auto's inference inputs have AUTO_BATCH rows, its training
+    inputs B): auto runs torch's oneDNN kernel for a plain LSTM's inference of a padded batch, and
+    with lengths too on a CPU without AVX-512 (backend.select); else fused."""
+    if backend == "auto" and not training:
+        avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        return "native" if name == "lstm" or (name == "lstm_bidir2_lengths" and not avx512) else "fused"
+    return "fused" if backend == "auto" else backend
 
 
 # ---- 1. torch.compile --------------------------------------------------------------------------

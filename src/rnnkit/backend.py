@@ -63,9 +63,21 @@ NATIVE_MIN_BATCH = 5
 def fused_first(spec: RNNSpec, dtype: torch.dtype, steps: Optional[int] = None, grad: bool = False,
                 batch: Optional[int] = None, lengths: bool = False) -> bool:
     """Whether ``"auto"`` tries ``fused`` before ``native`` for this call on the CPU (see select)."""
-    if spec.mode != "lstm" or steps == 1 or grad or lengths or dtype == torch.float64:
+    if torch.compiler.is_compiling():  # native cannot be traced; and T, B may be symbolic (no guards on them)
         return True
-    return batch is not None and batch < NATIVE_MIN_BATCH
+    if spec.mode != "lstm" or steps == 1 or dtype == torch.float64:
+        return True
+    if batch is not None and batch < NATIVE_MIN_BATCH:
+        return True
+    if dtype in (torch.bfloat16, torch.float16):
+        return grad  # their batched inference, with lengths or not, is oneDNN's
+    # float32 padded batches of 5+ rows: training and lengths measured faster where the fused kernels
+    # multiply on their own AVX-512 GEMM; on an AVX2-only CPU (MKL's GEMM) they read 0.95-1.28
+    return (grad or lengths) and _avx512()
+
+
+def _avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def select(name: str, spec: RNNSpec, device: torch.device, dtype: torch.dtype, steps: Optional[int] = None,
@@ -83,7 +95,10 @@ def select(name: str, spec: RNNSpec, device: torch.device, dtype: torch.dtype, s
     float32, 0.71-1.03 in bfloat16). oneDNN's LSTM keeps the inference of larger padded batches:
     from 16 rows fused takes 0.95-1.03 of its time in float32 and from 8 rows 0.92-1.10 in bfloat16.
     With 2 threads the same (H 256-512, float32): 0.46-0.99 up to 4 rows, 1.00-1.12 from 8 rows, 0.33-0.95
-    in training.
+    in training. On a CPU without AVX-512 the fused kernels' float32 GEMMs are MKL's and their LSTM
+    training of padded batches read 0.95-1.22 of torch.nn's time, with lengths 0.72-1.28 in
+    inference (docs/speed.md, AVX2 EPYC): there a float32 LSTM of 5 rows or more stays on oneDNN,
+    as a bfloat16 / float16 LSTM's inference of 5 rows or more does everywhere (lengths unmeasured).
 
     A backend that must be built is built here, by the first call that chooses it (never when it is
     only asked about, as ``backends()`` does); if that fails, ``"auto"`` moves on to the next one.

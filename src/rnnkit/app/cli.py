@@ -602,7 +602,7 @@ def _doctor(args) -> int:
     print(f"bf16     fused CPU backend: {_bf16_kernel_line()}")
     print("backends (auto takes, in this order, the first that can run the configuration; on the CPU fused goes "
           f"first but for an LSTM's inference of a padded batch of {rnnkit.backend.NATIVE_MIN_BATCH} rows or more in "
-          "float32 / bf16 / fp16):")
+          "float32 / bf16 / fp16, and its float32 training or lengths with such a batch on a CPU without AVX-512):")
     for name, report in reports.items():
         status = report["status"] if report["available"] else f"unavailable: {report['reason']}"
         print(f"  {name:<10} {status}")
