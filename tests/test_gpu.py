@@ -212,23 +212,18 @@ def test_native_after_to_cuda(training):
 
 
 @needs_cuda
-def test_native_after_load_state_dict():
-    mode, options = NATIVE_CONFIGS["lstm-2layers-bidirectional"]
-    module = native_module("lstm-2layers-bidirectional")
-    module.load_state_dict(TORCH_MODULES[mode](I, H, **options).cuda().state_dict())
-    x = _input()
-    assert_reads_packed_buffer(module, lambda: call_native(module, x, True))
-
-
-@needs_cuda
-def test_native_after_load_state_dict_assign_and_flatten():
-    """assign=True breaks the aliasing (rnnkit warns and cuDNN copies); flatten_parameters packs again."""
+@pytest.mark.parametrize("assign", [False, True], ids=["copy", "assign-and-flatten"])
+def test_native_after_load_state_dict(assign):
+    """load_state_dict copies into the packed buffer; assign=True breaks the aliasing (rnnkit warns
+    and cuDNN would copy), and flatten_parameters packs again."""
     mode, options = NATIVE_CONFIGS["lstm-2layers-bidirectional"]
     module = native_module("lstm-2layers-bidirectional")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        module.load_state_dict(TORCH_MODULES[mode](I, H, **options).cuda().state_dict(), assign=True)
-    module.flatten_parameters()
+        if assign:
+            warnings.simplefilter("ignore")
+        module.load_state_dict(TORCH_MODULES[mode](I, H, **options).cuda().state_dict(), assign=assign)
+    if assign:
+        module.flatten_parameters()
     x = _input()
     assert_reads_packed_buffer(module, lambda: call_native(module, x, True))
 

@@ -33,6 +33,12 @@ _lock = threading.Lock()  # the cache, and one capture at a time
 _capture_failure: Optional[str] = None  # the first failed capture's error (warned once)
 
 
+def error_summary(error: BaseException) -> str:
+    """An error in one line for a message said once: its type and first non-empty line (300 characters)."""
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {first[:300]}"
+
+
 def stream_capturing(device: torch.device) -> bool:
     """Whether the current stream (of ``device``, the current device in a pass) is capturing a CUDA graph:
     a caller's (``torch.cuda.graph``, ``make_graphed_callables``, ``torch.compile(mode="reduce-overhead")``)."""
@@ -109,8 +115,7 @@ def _captured(loop: Callable, cfg, buffers: Dict[str, torch.Tensor], device: tor
         graphed.capture()
     except Exception as error:  # noqa: BLE001 (whatever the capture hit, the eager loop can run the pass)
         if _capture_failure is None:
-            first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
-            _capture_failure = f"{type(error).__name__}: {first[:300]}"
+            _capture_failure = error_summary(error)
             warnings.warn(f"rnnkit's triton backend could not capture a CUDA graph ({_capture_failure}); a pass "
                           "whose capture fails runs without one, launching its steps one by one "
                           "(RNNKIT_TRITON_CUDA_GRAPHS=0 turns capture off)", RuntimeWarning, stacklevel=2)

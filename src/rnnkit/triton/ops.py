@@ -60,7 +60,7 @@ def launch_failure(check: bool = True) -> Optional[str]:
     if _launch_checked or not check:
         return _launch_failure
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    from .graphs import stream_capturing
+    from .graphs import error_summary, stream_capturing
 
     if stream_capturing(device):  # not inside a caller's CUDA-graph capture: a later call checks
         return None
@@ -77,9 +77,7 @@ def launch_failure(check: bool = True) -> Optional[str]:
             if not bool(torch.isfinite(out).all()):
                 raise RuntimeError("the test kernel returned non-finite values")
     except Exception as error:  # noqa: BLE001 (Triton's compile errors are not RuntimeErrors)
-        first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
-        _launch_failure = (f"Triton could not compile or launch a kernel on {device} "
-                           f"({type(error).__name__}: {first[:300]})")
+        _launch_failure = f"Triton could not compile or launch a kernel on {device} ({error_summary(error)})"
         print(f"rnnkit: triton backend unavailable: {_launch_failure}", file=sys.stderr)
     _launch_checked = True
     return _launch_failure
@@ -126,10 +124,12 @@ def _on_device_as_written(device: torch.device) -> contextlib.ExitStack:
     and autocast off, which the autograd engine carries into the backward when ``.backward()`` runs
     inside ``torch.autocast``: it would run the backward's float32 GEMMs (dx, dW, dR) in half precision.
     """
+    from ..functional import _autocast_on  # not at import: functional imports the backends
+
     stack = contextlib.ExitStack()
     if device.type == "cuda":
         stack.enter_context(torch.cuda.device(device))
-    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+    if _autocast_on(device):
         stack.enter_context(torch.autocast(device.type, enabled=False))
     return stack
 
