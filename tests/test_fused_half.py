@@ -623,3 +623,28 @@ def test_auto_leaves_float32_lstm_training_to_onednn_without_avx512(monkeypatch)
     if rnnkit.backend.get("native").unsupported_reason(lstm.spec, torch.device("cpu"), torch.bfloat16) is None:
         lstm.to(torch.bfloat16)(x.bfloat16())
         assert lstm.last_backend == "fused"
+
+
+@pytest.mark.skipif(BF16_KERNELS == ["none"], reason="no bfloat16 GEMM kernels on this CPU (AVX-512 needed)")
+@pytest.mark.parametrize("mode", ["lstm", "rnn_tanh"])
+def test_weight_gradients_sharing_one_rounding_equal_each_alone(mode):
+    """Without layer norm R's and W's gradients both take the gates' gradient dG, rounded to bfloat16 once for
+    the two: each equals, bit for bit, the gradient computed with the other matrix frozen (dG rounded for it
+    alone), for every layer of a stack."""
+    torch.manual_seed(0)
+    module = make_module(mode, 24, 40, torch.float32, num_layers=2, backend="fused").to(torch.bfloat16)
+    x = torch.randn(9, 5, 24, dtype=torch.bfloat16)
+    upstream = torch.randn(9, 5, 40)
+
+    def grads(names):
+        for name, p in module.named_parameters():
+            p.requires_grad_(name in names)
+        y, _ = module(x)
+        return torch.autograd.grad(y.float(), [dict(module.named_parameters())[n] for n in names], upstream)
+
+    names = [f"{kind}_l{layer}" for layer in range(2) for kind in ("weight_ih", "weight_hh")]
+    together = dict(zip(names, grads(names)))
+    assert module.last_backend == "fused"
+    for name in names:
+        (alone,) = grads([name])
+        assert torch.equal(alone, together[name]), name

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "buffers.h"
 #include "gemm.h"
 #include "kernel_choice.h"
 
@@ -37,8 +38,11 @@ inline int64_t pack_grain(int64_t K) {
 
 struct Bf16Kernels {
   const char* name;
-  void (*packed)(const float* X, int64_t rows, int64_t ldx, bool transposed, const uint16_t* packed, int64_t N,
-                 int64_t K, float beta, float* C, int64_t ldc);
+  // X [rows, K] (or, transposed, A = Xᵀ [K, rows]) rounded into out [rows, ld], K padded with zeros to ld
+  void (*round)(const float* X, int64_t rows, int64_t ldx, bool transposed, int64_t K, int64_t ld, uint16_t* out);
+  // C = x · Mᵀ (+ beta C) from rounded x [rows, ld], M packed
+  void (*rounded)(const uint16_t* x, int64_t rows, int64_t ld, const uint16_t* packed, int64_t N, int64_t K,
+                  float beta, float* C, int64_t ldc);
   void (*pack_float_transposed)(const float* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest);
   void (*pack_transposed)(const uint16_t* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest);
   bool (*runs_here)();
@@ -135,32 +139,25 @@ constexpr int kNR = 4, kXR = 6;          // a block: 4 panels (64 columns) times
     return _mm512_cvtepi32_epi16(r);                                                                           \
   }                                                                                                            \
                                                                                                                \
-  /* X's rows as bfloat16, K zero-padded to whole pairs: one row per `ld` values. */                           \
-  const uint16_t* round_rows(const float* X, int64_t rows, int64_t ldx, int64_t K, int64_t ld,                  \
-                             std::vector<uint16_t>& out) {                                                     \
-    out.assign(rows * ld, 0);                                                                                  \
+  /* X's rows as bfloat16 into out, K zero-padded to whole pairs: one row per `ld` values. */                 \
+  void round_rows(const float* X, int64_t rows, int64_t ldx, int64_t K, int64_t ld, uint16_t* out) {           \
     for (int64_t r = 0; r < rows; ++r) {                                                                       \
       const float* x = X + r * ldx;                                                                            \
-      uint16_t* o = out.data() + r * ld;                                                                       \
+      uint16_t* o = out + r * ld;                                                                              \
       int64_t k = 0;                                                                                           \
       for (; k + 16 <= K; k += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), round16(_mm512_loadu_ps(x + k))); \
       if (k < K) {                                                                                             \
         const __mmask16 m = __mmask16((1u << (K - k)) - 1);                                                   \
-        const __m256i part = round16(_mm512_maskz_loadu_ps(m, x + k));                                         \
-        alignas(32) uint16_t tail[16];                                                                         \
-        _mm256_store_si256(reinterpret_cast<__m256i*>(tail), part);                                            \
-        std::memcpy(o + k, tail, (K - k) * sizeof(uint16_t));                                                  \
+        _mm256_mask_storeu_epi16(o + k, m, round16(_mm512_maskz_loadu_ps(m, x + k)));                         \
       }                                                                                                        \
+      std::fill(o + K, o + ld, uint16_t(0));                                                                   \
     }                                                                                                          \
-    return out.data();                                                                                         \
   }                                                                                                            \
                                                                                                                \
   /* The same from X given as A = Xᵀ [K, rows] (lda per row of A), read in place: 16 × 16 float blocks */      \
   /* transposed in registers (ATen's), then rounded. A weight gradient's dGᵀ: ATen's transposing copy */       \
   /* of it took 2.2 ms for 512 × 1600 floats on Zen 4, a third of a small bfloat16 LSTM's training step. */     \
-  const uint16_t* round_columns(const float* A, int64_t rows, int64_t lda, int64_t K, int64_t ld,             \
-                                std::vector<uint16_t>& out) {                                                  \
-    out.assign(rows * ld, 0);                                                                                  \
+  void round_columns(const float* A, int64_t rows, int64_t lda, int64_t K, int64_t ld, uint16_t* out) {        \
     alignas(64) float tile[kPanel * kPanel];                                                                   \
     for (int64_t r0 = 0; r0 < rows; r0 += kPanel) {                                                            \
       const int rc = int(std::min<int64_t>(kPanel, rows - r0));                                                \
@@ -169,11 +166,14 @@ constexpr int kNR = 4, kXR = 6;          // a block: 4 panels (64 columns) times
         const __mmask16 m = __mmask16((1u << kc) - 1);                                                         \
         at::vec::transpose_mxn<float>(A + k0 * lda + r0, lda, tile, kPanel, kc, rc); /* tile[r][k] */          \
         for (int r = 0; r < rc; ++r)                                                                           \
-          _mm256_mask_storeu_epi16(out.data() + (r0 + r) * ld + k0, m,                                         \
-                                   round16(_mm512_maskz_loadu_ps(m, tile + r * kPanel)));                      \
+          _mm256_mask_storeu_epi16(out + (r0 + r) * ld + k0, m, round16(_mm512_maskz_loadu_ps(m, tile + r * kPanel))); \
       }                                                                                                        \
+      for (int r = 0; r < rc; ++r) std::fill(out + (r0 + r) * ld + K, out + (r0 + r + 1) * ld, uint16_t(0));    \
     }                                                                                                          \
-    return out.data();                                                                                         \
+  }                                                                                                            \
+                                                                                                               \
+  void round(const float* X, int64_t rows, int64_t ldx, bool transposed, int64_t K, int64_t ld, uint16_t* out) { \
+    (transposed ? round_columns : round_rows)(X, rows, ldx, K, ld, out);                                       \
   }                                                                                                            \
                                                                                                                \
   /* bf16_pack_float_transposed's and bf16_pack_transposed's layout from M [K, N] (ld per row): rows */      \
@@ -253,16 +253,9 @@ constexpr int kNR = 4, kXR = 6;          // a block: 4 panels (64 columns) times
     }                                                                                                          \
   }                                                                                                            \
                                                                                                                \
-  void packed(const float* X, int64_t rows, int64_t ldx, bool transposed, const uint16_t* w, int64_t N,        \
-              int64_t K, float beta, float* C, int64_t ldc) {                                                  \
-    thread_local std::vector<uint16_t> scratch;                                                                \
-    const int64_t groups = pairs_of(K), ld = 2 * groups, panel_elems = groups * 2 * kPanel;                    \
-    const uint16_t* x = transposed ? round_columns(X, rows, ldx, K, ld, scratch)                               \
-                                   : round_rows(X, rows, ldx, K, ld, scratch);                                 \
-    struct Shrink { /* a weight gradient's X (G·H rows of T·B) is large: not kept past its call */            \
-      std::vector<uint16_t>& v;                                                                                \
-      ~Shrink() { if (v.capacity() > (size_t(1) << 21)) std::vector<uint16_t>().swap(v); }                     \
-    } shrink{scratch};                                                                                         \
+  void rounded(const uint16_t* x, int64_t rows, int64_t ld, const uint16_t* w, int64_t N, int64_t K, float beta, \
+               float* C, int64_t ldc) {                                                                        \
+    const int64_t groups = pairs_of(K), panel_elems = groups * 2 * kPanel;                                     \
     const int64_t panels = panels_of(N);                                                                       \
     const int64_t tile = std::max<int64_t>(kNR, kTileBytes / (2 * panel_elems));                               \
     const int64_t grain = std::max<int64_t>(1, kGrain / (kPanel * K * rows));                                  \
@@ -322,11 +315,11 @@ bool has_avx512() {
 bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 
 const Bf16Kernels kKernels[] = {
-    {"avx512-bf16", avx512_bf16::packed, avx512_bf16::pack_float_transposed, avx512_bf16::pack_transposed,
-     has_avx512_bf16, true},
-    {"emulated-bf16", emulated_bf16::packed, emulated_bf16::pack_float_transposed, emulated_bf16::pack_transposed,
-     has_avx512, false},
-    {"none", nullptr, nullptr, nullptr, runs_everywhere, true},
+    {"avx512-bf16", avx512_bf16::round, avx512_bf16::rounded, avx512_bf16::pack_float_transposed,
+     avx512_bf16::pack_transposed, has_avx512_bf16, true},
+    {"emulated-bf16", emulated_bf16::round, emulated_bf16::rounded, emulated_bf16::pack_float_transposed,
+     emulated_bf16::pack_transposed, has_avx512, false},
+    {"none", nullptr, nullptr, nullptr, nullptr, runs_everywhere, true},
 };
 
 }  // namespace
@@ -334,7 +327,7 @@ const Bf16Kernels kKernels[] = {
 #else
 
 namespace {
-const Bf16Kernels kKernels[] = {{"none", nullptr, nullptr, nullptr, runs_everywhere, true}};
+const Bf16Kernels kKernels[] = {{"none", nullptr, nullptr, nullptr, nullptr, runs_everywhere, true}};
 }  // namespace
 
 #endif
@@ -350,7 +343,7 @@ const Bf16Kernels& current() { return choice().current(); }
 
 const char* bf16_kernel() { return current().name; }
 
-bool bf16_products() { return current().packed != nullptr; }
+bool bf16_products() { return current().rounded != nullptr; }
 
 std::vector<std::string> bf16_kernels() { return choice().names(); }
 
@@ -358,13 +351,32 @@ std::string set_bf16_kernel(const std::string& name) { return choice().set(name,
 
 namespace {
 
+const Bf16Kernels& in_use() {
+  const Bf16Kernels& k = current();
+  TORCH_CHECK(k.rounded != nullptr, "rnnkit fused: no bfloat16 GEMM kernels here (bf16_kernel() is 'none')");
+  return k;
+}
+
+// Rounded X up to this many bytes goes to a thread's own reused vector (the per-step products);
+// larger (a weight gradient's dGᵀ, G·H rows of T·B) to the buffer cache, which keeps it between calls
+// without holding it for good: a vector zero-filled and page-faulted anew on every call took 3% of a
+// bfloat16 LSTM's training step (medium, Zen 4).
+constexpr int64_t kThreadScratchBytes = int64_t(1) << 21;
+
 void multiply(const float* X, int64_t rows, int64_t ldx, bool transposed, const uint16_t* packed, int64_t N,
               int64_t K, float beta, float* C, int64_t ldc) {
   if (rows <= 0 || N <= 0) return;
-  const Bf16Kernels& k = current();
-  TORCH_CHECK(k.packed != nullptr, "rnnkit fused: no bfloat16 GEMM kernels here (bf16_kernel() is 'none')");
+  const Bf16Kernels& k = in_use();
   if (K <= 0) return empty_sum(rows, N, beta, C, ldc);
-  k.packed(X, rows, ldx, transposed, packed, N, K, beta, C, ldc);
+  const int64_t ld = 2 * pairs_of(K);
+  if (rows * ld * 2 > kThreadScratchBytes) {
+    const Bf16RoundedX x = bf16_round(X, rows, ldx, transposed, K);
+    return k.rounded(x.data, rows, ld, packed, N, K, beta, C, ldc);
+  }
+  thread_local std::vector<uint16_t> scratch;
+  if (scratch.size() < size_t(rows * ld)) scratch.resize(rows * ld);
+  k.round(X, rows, ldx, transposed, K, ld, scratch.data());
+  k.rounded(scratch.data(), rows, ld, packed, N, K, beta, C, ldc);
 }
 
 }  // namespace
@@ -377,6 +389,24 @@ void bf16_gemm_packed(const float* X, int64_t rows, int64_t ldx, const uint16_t*
 void bf16_gemm_packed_t(const float* A, int64_t rows, int64_t lda, const uint16_t* packed, int64_t N, int64_t K,
                         float beta, float* C, int64_t ldc) {
   multiply(A, rows, lda, true, packed, N, K, beta, C, ldc);
+}
+
+Bf16RoundedX bf16_round(const float* X, int64_t rows, int64_t ldx, bool transposed, int64_t K) {
+  const Bf16Kernels& k = in_use();
+  Bf16RoundedX x;
+  x.rows = rows, x.K = K, x.ld = 2 * pairs_of(K);
+  x.storage = cached_empty({std::max<int64_t>(1, rows * x.ld)}, at::kShort);
+  uint16_t* out = reinterpret_cast<uint16_t*>(x.storage.data_ptr<int16_t>());
+  if (rows > 0 && K > 0) k.round(X, rows, ldx, transposed, K, x.ld, out);
+  x.data = out;
+  return x;
+}
+
+void bf16_gemm_rounded(const Bf16RoundedX& X, const uint16_t* packed, int64_t N, float beta, float* C, int64_t ldc) {
+  if (X.rows <= 0 || N <= 0) return;
+  const Bf16Kernels& k = in_use();
+  if (X.K <= 0) return empty_sum(X.rows, N, beta, C, ldc);
+  k.rounded(X.data, X.rows, X.ld, packed, N, X.K, beta, C, ldc);
 }
 
 void bf16_pack_transposed(const HalfRows& M, int64_t N, int64_t K, uint16_t* dest) {

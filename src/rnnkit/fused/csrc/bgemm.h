@@ -5,6 +5,8 @@
 // bfloat16, accumulation, pointwise math and the carried state in float32.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -54,5 +56,21 @@ void bf16_gemm_packed(const float* X, int64_t rows, int64_t ldx, const uint16_t*
 // per row of A). A weight gradient's dGᵀ · (h or x), dG [T·B, G·H] as the passes keep it.
 void bf16_gemm_packed_t(const float* A, int64_t rows, int64_t lda, const uint16_t* packed, int64_t N, int64_t K,
                         float beta, float* C, int64_t ldc);
+
+// X rounded to bfloat16 once, for several products that read it (an LSTM's dR and dW both take dGᵀ):
+// [rows, ld] bits, K zero-padded to whole pairs (ld), in a buffer it owns.
+struct Bf16RoundedX {
+  at::Tensor storage;
+  const uint16_t* data = nullptr;
+  int64_t rows = 0, K = 0, ld = 0;
+};
+
+// float32 X [rows, K] (ldx per row), or with `transposed` X[r, k] = A[k, r] for A [K, rows] (ldx per
+// row of A), rounded to nearest even as bf16_gemm_packed(_t) rounds it. Needs bf16_kernel() other than "none".
+Bf16RoundedX bf16_round(const float* X, int64_t rows, int64_t ldx, bool transposed, int64_t K);
+
+// C[r, n] = Σ_k X[r, k] · M[n, k] + beta · C[r, n] for X rounded by bf16_round, M [N, X.K] packed by
+// bf16_pack / bf16_pack_(float_)transposed: bf16_gemm_packed(_t)'s result, bit for bit.
+void bf16_gemm_rounded(const Bf16RoundedX& X, const uint16_t* packed, int64_t N, float beta, float* C, int64_t ldc);
 
 }  // namespace rnnkit

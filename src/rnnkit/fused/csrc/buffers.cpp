@@ -171,13 +171,14 @@ class BufferCache final : public c10::Allocator {
   uint64_t requests_ = 0;
 };
 
-Tensor cached_empty(at::IntArrayRef sizes, const Tensor& like) {
-  const int64_t bytes = c10::multiply_integers(sizes) * int64_t(like.element_size());
+Tensor cached_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+  const int64_t bytes = c10::multiply_integers(sizes) * int64_t(c10::elementSize(dtype));
   BufferCache& cache = BufferCache::get();
-  if (bytes < int64_t(BufferCache::kMinBytes) || !cache.on()) return at::empty(sizes, like.options());
-  return at::detail::empty_generic(sizes, &cache, c10::DispatchKeySet(c10::DispatchKey::CPU), like.scalar_type(),
-                                   std::nullopt);
+  if (bytes < int64_t(BufferCache::kMinBytes) || !cache.on()) return at::empty(sizes, at::TensorOptions().dtype(dtype));
+  return at::detail::empty_generic(sizes, &cache, c10::DispatchKeySet(c10::DispatchKey::CPU), dtype, std::nullopt);
 }
+
+Tensor cached_empty(at::IntArrayRef sizes, const Tensor& like) { return cached_empty(sizes, like.scalar_type()); }
 
 Tensor mm_cached(const Tensor& a, const Tensor& b) {
   Tensor out = cached_empty({a.size(0), b.size(1)}, a);

@@ -14,6 +14,8 @@ bool& poison_flag();
 
 // Uninitialized, from the cache of freed large buffers when at least 256 KB.
 Tensor cached_empty(at::IntArrayRef sizes, const Tensor& like);
+// The same for a CPU tensor of `dtype` (scratch not shaped after an operand).
+Tensor cached_empty(at::IntArrayRef sizes, at::ScalarType dtype);
 // a · b into a buffer from that cache.
 Tensor mm_cached(const Tensor& a, const Tensor& b);
 

@@ -270,18 +270,24 @@ void InputSteps::compute_chunk(int64_t s) {
   }
 }
 
-void bf16_weight_gradient(const Tensor& out, const Tensor& A, const Tensor& B) {
+void bf16_weight_gradient(const Tensor& out, const Tensor& A, const Tensor& B, Bf16RoundedX* rounded_A) {
   TORCH_CHECK(out.stride(1) == 1 && A.stride(1) == 1 && B.stride(1) == 1,
               "rnnkit fused: bf16_weight_gradient: rows with unit stride");
   const int64_t rows = A.size(0), N = A.size(1), K = B.size(1);
   Tensor packed = cached_empty({bf16_packed_bytes(K, rows) / int64_t(sizeof(float))}, A);
   uint16_t* panels = reinterpret_cast<uint16_t*>(packed.data_ptr<float>());
   bf16_pack_float_transposed(B.data_ptr<float>(), B.stride(0), K, rows, panels);
-  // Aᵀ's rows (N of T·B) read from A in place, transposed as they are rounded
-  bf16_gemm_packed_t(A.data_ptr<float>(), N, A.stride(0), panels, K, rows, 0, out.data_ptr<float>(), out.stride(0));
+  // Aᵀ's rows (N of T·B) read from A in place, transposed as they are rounded: once for every
+  // gradient that shares A
+  Bf16RoundedX local;
+  Bf16RoundedX& x = rounded_A ? *rounded_A : local;
+  if (x.data == nullptr) x = bf16_round(A.data_ptr<float>(), N, A.stride(0), true, rows);
+  TORCH_CHECK(x.rows == N && x.K == rows, "rnnkit fused: bf16_weight_gradient: a shared rounding of [", x.K, ", ",
+              x.rows, "] for A [", rows, ", ", N, "]");
+  bf16_gemm_rounded(x, panels, K, 0, out.data_ptr<float>(), out.stride(0));
 }
 
-void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B) {
+void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B, Bf16RoundedX* rounded_A) {
   // Aᵀ · B on the own kernels, both operands read in place, where fgemm measured that faster
   if (a.W.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && A.scalar_type() == at::kFloat &&
       B.scalar_type() == at::kFloat && f32_at_b_in_place(A.size(0), A.size(1)) && out.stride(1) == 1 &&
@@ -294,11 +300,12 @@ void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, cons
     at::mm_out(const_cast<Tensor&>(out), A.t(), B);
     return;
   }
-  bf16_weight_gradient(out, A, B);
+  bf16_weight_gradient(out, A, B, rounded_A);
 }
 
 Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tensor& raw, const Tensor& mean,
-                                 const Tensor& rstd, const GradNeeds& needs, WeightGrads& grads) {
+                                 const Tensor& rstd, const GradNeeds& needs, WeightGrads& grads,
+                                 Bf16RoundedX* rounded_dA) {
   if (a.ln_x_gain.defined()) {
     // LN_x's backward row by row; each thread accumulates dγ, dβ in its own row of `acc`.
     const int64_t rows = dA.size(0), n = a.GH;
@@ -320,7 +327,8 @@ Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tens
   }
   const Tensor x2 = a.x.view({a.T * a.B, a.I});
   if (needs.dW) {
-    weight_gradient(a, grads.slot[kW], dA, x2);  // [G·H, I]
+    // [G·H, I]; with layer norm dA was rewritten above: a rounding taken before it is not dA's
+    weight_gradient(a, grads.slot[kW], dA, x2, a.ln_x_gain.defined() ? nullptr : rounded_dA);
   } else {
     grads.slot[kW].zero_();
   }

@@ -151,12 +151,17 @@ PackedRight<scalar_t> backward_operand(const PassArgs& a, WeightSlot slot, int64
 // float64; out row-major with unit stride). A half-precision module's on the CPU's bfloat16
 // products (both operands rounded to bfloat16, sums float32) where it has them (bgemm.h), else
 // the float GEMM.
-void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B);
+// `rounded_A`: where two gradients take the same A (an LSTM's dR and dW without layer norm: dG both),
+// the caller's slot for A rounded to bfloat16, filled by the first of them and read by the second
+// (the bfloat16 products only; ignored elsewhere).
+void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B,
+                     Bf16RoundedX* rounded_A = nullptr);
 
 // out = Aᵀ · B on the bfloat16 kernels (bf16_products()): both float32 operands read in place and
 // rounded to bfloat16 (A transposed as it is rounded, B packed), sums in float32. A [rows, N], B
-// [rows, K], out [N, K], each with unit-stride rows: a bfloat16 module's weight gradient.
-void bf16_weight_gradient(const Tensor& out, const Tensor& A, const Tensor& B);
+// [rows, K], out [N, K], each with unit-stride rows: a bfloat16 module's weight gradient. Aᵀ rounded
+// into *rounded_A when given and empty, or taken from it when filled (the same A: its shape checked).
+void bf16_weight_gradient(const Tensor& out, const Tensor& A, const Tensor& B, Bf16RoundedX* rounded_A = nullptr);
 
 // Which gradients a backward computes; the others' work is skipped (their block slices are zero).
 struct GradNeeds {
@@ -290,8 +295,10 @@ class InputSteps {
 // Backward of the input projection from dA [T·B, G·H] (the gradient of its output): writes W's
 // gradient and LN_x's gain / shift gradients into `grads` and returns dx (undefined unless
 // needs.dx). With layer norm, dA is overwritten with the gradient of W x (callers read dA before).
+// `rounded_dA`: weight_gradient's shared rounding of dA (for W's gradient), where the caller's dR took it.
 Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tensor& raw, const Tensor& mean,
-                                 const Tensor& rstd, const GradNeeds& needs, WeightGrads& grads);
+                                 const Tensor& rstd, const GradNeeds& needs, WeightGrads& grads,
+                                 Bf16RoundedX* rounded_dA = nullptr);
 
 // The sum of optional bias pieces (undefined when none): folded into the input projection.
 // first + second[:second_count] (second's other entries taken as 0; second_count < 0: all of

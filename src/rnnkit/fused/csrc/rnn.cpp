@@ -175,9 +175,11 @@ struct Rnn {
     const int64_t TB = T * B;
     WeightGrads grads(a);
     Tensor dh0 = dh_dir + (rm ? dh_rec * a.recurrent_mask : dh_rec);
+    Bf16RoundedX dG_rounded;  // without layer norm dgh is dA: R's and W's gradients share its rounding (lstm.cpp)
+    Bf16RoundedX* shared_dG = ln ? nullptr : &dG_rounded;
     if (needs.dR) {
       Tensor h_in = rm ? hidden_prev * a.recurrent_mask : hidden_prev;
-      weight_gradient(a, grads.slot[kR], dgh.view({TB, H}), h_in.view({TB, H}));
+      weight_gradient(a, grads.slot[kR], dgh.view({TB, H}), h_in.view({TB, H}), shared_dG);
     } else {
       grads.slot[kR].zero_();
     }
@@ -191,7 +193,7 @@ struct Rnn {
       grads.put(kBiasW, db), grads.put(kBiasR, db);
     }
     Tensor dx = input_projection_backward(a, dA2, saved[kInputRaw], saved[kInputMean], saved[kInputRstd], needs,
-                                          grads);
+                                          grads, shared_dG);
     return {dx, dh0, Tensor(), grads.block};
   }
 };
