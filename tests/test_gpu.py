@@ -342,3 +342,36 @@ def test_triton_plain_lstm_on_cuda(graphs, monkeypatch):
         module.backend = "triton"
         actual = module(x, hx, lengths)
     assert_close([actual[0], *actual[1]], [expected[0], *expected[1]], "no_grad")
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_lengths_inside_a_callers_cuda_graph(backend, monkeypatch):
+    """A module call with lengths captured in the caller's own torch.cuda.graph (make_graphed_callables,
+    torch.compile's reduce-overhead do the same): capture succeeds (no blocking host-to-device copy of a step
+    mask) and a replay on new inputs gives the eager call's results."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            pytest.skip("the interpreter runs on CPU tensors")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    module = make_module("lstm", 24, 40, torch.float32, device="cuda", num_layers=2, layer_norm=True).eval()
+    module.backend = backend
+    lengths = torch.tensor([9, 3, 9, 1, 6])
+    static_x = torch.randn(9, 5, 24, device="cuda")
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture (kernels compiled, caches filled)
+            for _ in range(2):
+                module(static_x, None, lengths)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y, (static_h, static_c) = module(static_x, None, lengths)
+        x = torch.randn(9, 5, 24, device="cuda")
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        y, (h, c) = module(x, None, lengths)
+    assert_close([static_y, static_h, static_c], [y, h, c], "replayed against eager")

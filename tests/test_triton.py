@@ -441,6 +441,7 @@ class EmulatedGraphs:
     def __init__(self, monkeypatch):
         from triton.runtime.interpreter import InterpretedFunction
 
+        from rnnkit import masks
         from rnnkit.triton import graphs
 
         self.captures, self.replays, self.capture_options, self.restored = 0, 0, [], []
@@ -502,7 +503,7 @@ class EmulatedGraphs:
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
         monkeypatch.setattr(torch.cuda, "graph", capture)
         monkeypatch.setattr(graphs, "_on_gpu", lambda device: True)
-        monkeypatch.setattr(graphs, "stream_capturing", lambda device: emulation.capturing)
+        monkeypatch.setattr(masks, "stream_capturing", lambda device: emulation.capturing)
         monkeypatch.setattr(graphs, "_cache", type(graphs._cache)())
         monkeypatch.setattr(graphs, "_capture_failure", None)
 
@@ -623,6 +624,42 @@ def test_inside_a_callers_cuda_graph_capture(emulated_graphs, monkeypatch):
     emulated_graphs.capturing = False
     expected = make_tensors(args)
     assert torch.equal(captured.scalars, expected.scalars) and torch.equal(captured.keep, expected.keep)
+
+
+@needs_kernels
+@pytest.mark.parametrize("training", [False, True])
+def test_lengths_inside_a_callers_cuda_graph_capture_copy_nothing_to_the_device(emulated_graphs, monkeypatch, training):
+    """A whole call with lengths (the padding's zeroing, the loops' step mask, the backward) inside a caller's
+    capture: neither the lengths nor a step mask is copied to the device (the padding's T x B mask was built on
+    the host and copied over, which a capture refuses); the masks are filled on the device, and the results are
+    the reference's."""
+    emulated_graphs.capturing = True
+    to = torch.Tensor.to
+
+    def no_device_copies(self, *args, **kwargs):  # lengths or a step mask to the input's device (not "cpu": the check's)
+        to_device = "device" in kwargs or any(isinstance(a, torch.device) for a in args)
+        if to_device and self.dtype in (torch.bool, torch.int64):
+            raise AssertionError(f"a copy to a device while the stream is capturing: .to{args, kwargs}")
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", no_device_copies)
+    assert_triton_matches("lstm", training=training, T=4, B=3, lengths=[4, 1, 2], layer_norm=True)
+    assert_triton_matches("gru", training=training, T=4, B=3, lengths=[2, 4, 3], bidirectional=True)
+
+
+def test_step_mask_inside_a_capture_is_the_mask_elsewhere(monkeypatch):
+    """masks.step_mask, every backend's builder of the steps that run: filled on the device inside a capture,
+    compared there elsewhere; the same [T, B] either way, in the dtype asked for, None without lengths."""
+    from rnnkit import masks
+
+    lengths = torch.tensor([5, 1, 3, 2])
+    expected = torch.arange(5).unsqueeze(1) < lengths.unsqueeze(0)
+    assert masks.step_mask(None, 5, torch.device("cpu")) is None
+    for capturing in (False, True):
+        monkeypatch.setattr(masks, "stream_capturing", lambda device: capturing)
+        assert torch.equal(masks.step_mask(lengths, 5, torch.device("cpu")), expected)
+        keep = masks.step_mask(lengths, 5, torch.device("cpu"), torch.float64)
+        assert keep.dtype == torch.float64 and torch.equal(keep, expected.double())
 
 
 # ---- on CUDA only: what the CPU emulation cannot show (RNNKIT_TEST_TRITON_DEVICE=cuda) ----------------

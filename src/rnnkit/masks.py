@@ -41,6 +41,32 @@ def in_transform(kind: TransformType) -> bool:
     return any(i.key() == kind for i in retrieve_all_functorch_interpreters())
 
 
+def stream_capturing(device: torch.device) -> bool:
+    """Whether the current stream (of ``device``, the current device in a pass) is capturing a CUDA graph:
+    a caller's (``torch.cuda.graph``, ``make_graphed_callables``, ``torch.compile(mode="reduce-overhead")``)."""
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def step_mask(lengths: Optional[torch.Tensor], T: int, device: torch.device,
+              dtype: torch.dtype = torch.bool) -> Optional[torch.Tensor]:
+    """[T, B] on ``device``: 1 (True) where t < length, else 0; None without lengths. The one builder of
+    the steps that run, for every backend (the padding's zeroing, the passes' backward, Triton's loops).
+
+    ``lengths`` is the checked [B] int64 on the CPU (`functional.check_lengths`). Inside a caller's
+    CUDA-graph capture, where a blocking host-to-device copy is refused, the mask is filled on the
+    device row by row (the lengths are host values: the caller's graph records them, as it records
+    every shape); elsewhere the B lengths are copied over and compared there, not a T x B mask."""
+    if lengths is None:
+        return None
+    if lengths.device.type == "cpu" and stream_capturing(device):
+        mask = torch.ones(T, lengths.shape[0], dtype=dtype, device=device)
+        for b, length in enumerate(lengths.tolist()):
+            if length < T:
+                mask[length:, b].fill_(0)
+        return mask
+    return (torch.arange(T, device=device).unsqueeze(1) < lengths.to(device).unsqueeze(0)).to(dtype)
+
+
 def _bernoulli(shape, q: float, like: torch.Tensor) -> torch.Tensor:
     """1 with probability q, else 0. Under torch.func.vmap drawn out of place: with
     ``randomness="different"`` vmap refuses an in-place draw into a tensor it has not batched,

@@ -33,7 +33,7 @@ import torch
 from torch._C._functorch import TransformType
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .masks import PassMasks, in_transform
+from .masks import PassMasks, in_transform, step_mask
 from .params import WEIGHT_SLOTS, PassWeights
 from .spec import CellSpec
 
@@ -407,7 +407,7 @@ def _reference_backward(scalars: PassScalars, x, h0, c0, weights, mask_args, dy,
 
     lengths, recurrent, zone_h, zone_c = mask_args
     T = x.shape[0]
-    step_mask = None if lengths is None else torch.arange(T, device=x.device).unsqueeze(1) < lengths.to(x.device)
+    steps = step_mask(lengths, T, x.device)
     masks = PassMasks(recurrent, zone_h if zone_h is not None else (scalars.zoneout_h or None),
                       zone_c if zone_c is not None else (scalars.zoneout_c or None))
     w = PassWeights(*weights)
@@ -423,7 +423,7 @@ def _reference_backward(scalars: PassScalars, x, h0, c0, weights, mask_args, dy,
     with torch.enable_grad():
         # half-precision matrices (fused, bfloat16 / float16 modules) widened to x's dtype: a graph back to them
         w = PassWeights(*(t if t is None or t.dtype == x.dtype else t.to(x.dtype) for t in weights))
-        y, h_n, c_n = PASSES[scalars.mode](cell, x, h0, c0, w, step_mask, scalars.reverse, masks)
+        y, h_n, c_n = PASSES[scalars.mode](cell, x, h0, c0, w, steps, scalars.reverse, masks)
         outputs, upstream = [y, h_n], [dy, dh_n]
         if c_n is not None:
             outputs.append(c_n)

@@ -4,8 +4,7 @@ Every fused backend is tested against these. Each pass has the signature
 ``(cell, x, h0, c0, weights, step_mask, reverse, masks) -> (y, h_n, c_n)``; the backend's
 ``run_pass`` takes the lengths and derives the step mask.
 """
-import torch
-
+from ..masks import step_mask
 from .gru import gru_pass
 from .lstm import lstm_pass
 from .rnn import rnn_pass
@@ -28,10 +27,8 @@ class ReferenceBackend:
         return None
 
     def run_pass(self, cell, x, h0, c0, weights, lengths, reverse, masks):
-        step_mask = None
-        if lengths is not None:
-            step_mask = (torch.arange(x.shape[0]).unsqueeze(1) < lengths.unsqueeze(0)).to(x.device)  # [T, B]
-        return PASSES[cell.mode](cell, x, h0, c0, weights, step_mask, reverse, masks)
+        steps = step_mask(lengths, x.shape[0], x.device)  # [T, B]
+        return PASSES[cell.mode](cell, x, h0, c0, weights, steps, reverse, masks)
 
 
 __all__ = ["ReferenceBackend", "PASSES", "lstm_pass", "gru_pass", "rnn_pass"]

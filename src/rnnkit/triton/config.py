@@ -12,6 +12,9 @@ from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .. import masks
+from ..masks import step_mask
+
 
 LN_EPS = 1e-5
 
@@ -101,7 +104,8 @@ def make_tensors(args: dict) -> PassTensors:
     pair = lambda name: None if args[name + "_gain"] is None else (cast(args[name + "_gain"]),  # noqa: E731
                                                                    cast(args[name + "_shift"]))
     T, B = x.shape[:2]
-    keep = keep_mask(args["lengths"], T, B, dtype, x.device)
+    keep = step_mask(args["lengths"], T, x.device, dtype)  # [T, B] 1.0 where t < length
+    keep = torch.ones(T, B, dtype=dtype, device=x.device) if keep is None else keep
     scalars = scalars_tensor(
         (args["zoneout_h"], args["zoneout_c"], args["cell_clip"] or 0.0, args["proj_clip"] or 0.0, LN_EPS),
         dtype, x.device, plain=type(x) is torch.Tensor and _get_current_dispatch_mode() is None,
@@ -126,9 +130,7 @@ _pinned: Dict[tuple, torch.Tensor] = {}
 
 def scalars_tensor(values: Tuple[float, ...], dtype: torch.dtype, device: torch.device, plain: bool) -> torch.Tensor:
     """[len(values)] on ``device``; ``plain``: eager, on real tensors (not fake ones), so a host copy may be kept."""
-    from .graphs import stream_capturing
-
-    if stream_capturing(device):
+    if masks.stream_capturing(device):
         out = torch.empty(len(values), dtype=dtype, device=device)
         for k, value in enumerate(values):
             out[k].fill_(value)
@@ -144,22 +146,6 @@ def scalars_tensor(values: Tuple[float, ...], dtype: torch.dtype, device: torch.
             _pinned.clear()
         _pinned[key] = host
     return host.to(device, non_blocking=True)
-
-
-def keep_mask(lengths: Optional[torch.Tensor], T: int, B: int, dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor:
-    """[T, B] 1.0 where t < length (all ones without lengths)."""
-    from .graphs import stream_capturing
-
-    if lengths is None:
-        return torch.ones(T, B, dtype=dtype, device=device)
-    if lengths.device.type == "cpu" and stream_capturing(device):
-        keep = torch.ones(T, B, dtype=dtype, device=device)
-        for b, length in enumerate(lengths.tolist()):
-            if length < T:
-                keep[length:, b].fill_(0.0)
-        return keep
-    return (torch.arange(T, device=device).unsqueeze(1) < lengths.to(device).unsqueeze(0)).to(dtype)
 
 
 def time_steps(cfg: PassConfig) -> range:

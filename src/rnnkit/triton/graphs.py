@@ -26,6 +26,8 @@ from typing import Callable, Dict, Iterable, Optional, Union
 
 import torch
 
+from .. import masks
+
 _CACHE_SIZE = 8  # graphs kept (each holds its static buffers), least recently used dropped
 _EAGER = "eager"  # cached for a key whose capture failed: its passes run without a graph
 _cache: "OrderedDict[tuple, Union[_Graphed, str]]" = OrderedDict()
@@ -39,12 +41,6 @@ def error_summary(error: BaseException) -> str:
     return f"{type(error).__name__}: {first[:300]}"
 
 
-def stream_capturing(device: torch.device) -> bool:
-    """Whether the current stream (of ``device``, the current device in a pass) is capturing a CUDA graph:
-    a caller's (``torch.cuda.graph``, ``make_graphed_callables``, ``torch.compile(mode="reduce-overhead")``)."""
-    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def _on_gpu(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
@@ -53,7 +49,7 @@ def graphs_enabled(device: torch.device) -> bool:
     return (
         _on_gpu(device)
         and os.environ.get("RNNKIT_TRITON_CUDA_GRAPHS", "1") != "0"
-        and not stream_capturing(device)  # inside a caller's capture: its graph records our launches
+        and not masks.stream_capturing(device)  # inside a caller's capture: its graph records our launches
     )
 
 

@@ -60,7 +60,8 @@ def launch_failure(check: bool = True) -> Optional[str]:
     if _launch_checked or not check:
         return _launch_failure
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    from .graphs import error_summary, stream_capturing
+    from ..masks import stream_capturing
+    from .graphs import error_summary
 
     if stream_capturing(device):  # not inside a caller's CUDA-graph capture: a later call checks
         return None
