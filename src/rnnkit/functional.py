@@ -200,8 +200,6 @@ def join_states(spec: RNNSpec, hs: List[torch.Tensor], unbatched: bool) -> State
     return out.squeeze(1) if unbatched else out
 
 
-# ---- the stack -----------------------------------------------------------------------
-
 # ---- variable lengths: the batch shrinks as sequences end ------------------------------
 
 # Measured on a 1-thread AMD EPYC (LSTM, lengths spread from T/8 to T: 56% of the T·B steps run),
@@ -275,6 +273,8 @@ class Segments:
             y = torch.cat([y, y.new_zeros(T - last, B, y.shape[2])])
         return y, h, c
 
+
+# ---- the stack -----------------------------------------------------------------------
 
 def run_stack(backend, spec: RNNSpec, weights: Sequence[PassWeights], x, h0s, c0s, lengths, training):
     """All layers and directions on time-major x -> (y [T, B, F], h_ns, c_ns).
