@@ -188,10 +188,14 @@ def _vmap_by_loop(op) -> Callable:
 # ---- the ops of one backend --------------------------------------------------------------------
 
 def _any_batched(values) -> bool:
-    """Whether a value is a vmap-batched tensor (functorch's, or autograd's is_grads_batched one)."""
-    functorch = torch._C._functorch
-    return any(functorch.is_batchedtensor(v) or functorch.is_legacy_batchedtensor(v)
-               for v in values if isinstance(v, torch.Tensor))
+    """Whether a value is a torch.func.vmap-batched tensor."""
+    return any(torch._C._functorch.is_batchedtensor(v) for v in values if isinstance(v, torch.Tensor))
+
+
+def _legacy_batched(values) -> bool:
+    """Whether a value is batched by autograd's is_grads_batched (torch's legacy vmap, which has no
+    rule for the ops: `pass_gradients` recomputes such a backward in plain torch ops)."""
+    return any(torch._C._functorch.is_legacy_batchedtensor(v) for v in values if isinstance(v, torch.Tensor))
 
 
 def forward_ad_reason() -> Optional[str]:
@@ -258,7 +262,7 @@ class PassOps:
 
     def backward(self, *values):
         """The backward op on its arguments in schema order. The upstream gradients can be batched
-        where x is not (``torch.autograd.grad(..., is_grads_batched=True)``): the dispatcher then."""
+        where x is not (a vmap of a vjp_fn): the dispatcher then."""
         if _direct(values[0]) and not _any_batched(values):
             return self.backward_impl(*values)
         return self.backward_op(*values)
@@ -338,16 +342,24 @@ def pass_gradients(ops: "PassOps", scalars: PassScalars, x, h0, c0, weights, mas
     """
     need_x, need_h0, need_c0 = needs[:3]
     need_weights = needs[3:]
-    if not torch.compiler.is_compiling() and _outlived_transform(x):
+    if not torch.compiler.is_compiling() and any(map(_outlived_transform, (x, h0, c0, *weights))):
         # torch.func.vjp / jacrev call their vjp_fn after the forward's transform has exited: the saved
-        # tensors are then wrappers of a dead level, on which recomputing the pass (the create_graph
-        # path they ask for) gave wrong gradients. Their values are the forward's: the exact backward
-        # runs on them (first order; nothing on a dead level can be differentiated again).
+        # tensors are then wrappers of a dead level (any of them: x is a plain tensor when only the
+        # weights were transformed), on which recomputing the pass gave wrong first-order gradients and
+        # no second-order ones. Unwrapped, they are the forward's values at the levels still alive: an
+        # enclosing transform or autograd (jacrev(jacrev(f)), hessian of the weights) differentiates
+        # the recomputation on them; with nothing there to differentiate, the exact backward runs.
         x, h0, c0, y, dy, dh_n, dc_n = map(_unwrapped, (x, h0, c0, y, dy, dh_n, dc_n))
         weights, mask_args, saved = ([_unwrapped(t) for t in group] for group in (weights, mask_args, saved))
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (x, h0, c0, *weights, dy, dh_n, dc_n)):
+            return _reference_backward(scalars, x, h0, c0, weights, mask_args, dy, dh_n, dc_n, tuple(needs))
         with torch.no_grad():
             return pass_gradients(ops, scalars, x, h0, c0, weights, mask_args, y, saved, dy, dh_n, dc_n, needs)
-    if torch.is_grad_enabled():  # create_graph: gradients that are themselves differentiable
+    if torch.is_grad_enabled() or (not torch.compiler.is_compiling() and _legacy_batched((dy, dh_n, dc_n))):
+        # create_graph: gradients that are themselves differentiable; and upstream gradients batched by
+        # autograd's is_grads_batched (torch.autograd.functional.jacobian(vectorize=True)), whose legacy
+        # batching has no rule for the ops: the recomputation is plain torch ops, which it batches
         return _reference_backward(scalars, x, h0, c0, weights, mask_args, dy, dh_n, dc_n, tuple(needs))
     dy = torch.zeros_like(y) if dy is None else dy
     dh_n = torch.zeros_like(h0) if dh_n is None else dh_n
@@ -401,7 +413,8 @@ def _op_backward_for(ops: "PassOps"):
 
 def _reference_backward(scalars: PassScalars, x, h0, c0, weights, mask_args, dy, dh_n, dc_n, needs) -> tuple:
     """(dx, dh0, dc0, *weight gradients) of a pass as a differentiable computation: the pass
-    recomputed by the reference backend under autograd, differentiated with ``create_graph=True``."""
+    recomputed by the reference backend, differentiated with ``create_graph=True`` (with
+    ``torch.func.vjp`` where a wanted input is not tracked at the current level)."""
     from .ref import PASSES
     from .spec import CellSpec
 
@@ -419,21 +432,27 @@ def _reference_backward(scalars: PassScalars, x, h0, c0, weights, mask_args, dy,
         coupled_gates=scalars.coupled_gates, reset_after=scalars.reset_after, layer_norm=w.ln_h_gain is not None,
         cell_clip=scalars.cell_clip, proj_clip=scalars.proj_clip,
     )
-    inputs = [x, h0, c0, *weights]
-    with torch.enable_grad():
+    inputs = (x, h0, c0, *weights)
+    wanted = [t for t, need in zip(inputs, needs) if need and t is not None]
+    upstream = (dy, dh_n, dc_n) if c0 is not None else (dy, dh_n)
+    if all(g is None for g in upstream):  # no gradient reached the pass's outputs (they are not materialized): zeros
+        return tuple(torch.zeros_like(t) if (need and t is not None) else None for t, need in zip(inputs, needs))
+
+    def recompute(*values):
+        given = iter(values)
+        x, h0, c0, *weights = (next(given) if need and t is not None else t for t, need in zip(inputs, needs))
         # half-precision matrices (fused, bfloat16 / float16 modules) widened to x's dtype: a graph back to them
         w = PassWeights(*(t if t is None or t.dtype == x.dtype else t.to(x.dtype) for t in weights))
-        y, h_n, c_n = PASSES[scalars.mode](cell, x, h0, c0, w, steps, scalars.reverse, masks)
-        outputs, upstream = [y, h_n], [dy, dh_n]
-        if c_n is not None:
-            outputs.append(c_n)
-            upstream.append(dc_n)
-        wanted = [t for t, need in zip(inputs, needs) if need and t is not None]
-        pairs = [(o, g) for o, g in zip(outputs, upstream) if g is not None]
-        if not pairs:  # no gradient reached the pass's outputs (they are not materialized): zeros
-            return tuple(torch.zeros_like(t) if (need and t is not None) else None for t, need in zip(inputs, needs))
-        grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,
-                                         allow_unused=True))
+        outputs = PASSES[scalars.mode](cell, x, h0, c0, w, steps, scalars.reverse, masks)
+        return tuple(o for o, g in zip(outputs, upstream) if g is not None)
+
+    received = tuple(g for g in upstream if g is not None)
+    with torch.enable_grad():
+        if all(t.requires_grad for t in wanted):
+            grads = torch.autograd.grad(recompute(*wanted), wanted, received, create_graph=True, allow_unused=True)
+        else:  # a wanted input this level does not track (a dead transform's value, unwrapped): a transform's vjp
+            grads = torch.func.vjp(recompute, *wanted)[1](received)
+    grads = iter(grads)
     return tuple(next(grads) if (need and t is not None) else None for t, need in zip(inputs, needs))
 
 
