@@ -315,14 +315,14 @@ def _triton_interpreted() -> bool:
                                                   "the kernels; run with TRITON_INTERPRET=0 to test the compiled ones")
 @pytest.mark.parametrize("graphs", ["1", "0"], ids=["cuda_graphs", "eager"])
 def test_triton_plain_lstm_on_cuda(graphs, monkeypatch):
-    """Forward and backward of a plain LSTM against the reference, twice (the second call replays
-    the graph the first captured, on new inputs and weights), then under no_grad."""
+    """Forward and backward of a plain LSTM against the reference, three times (the first eager, the second
+    captures the graph, the third replays it on new inputs and weights), then under no_grad."""
     pytest.importorskip("triton")
     monkeypatch.setenv("RNNKIT_TRITON_CUDA_GRAPHS", graphs)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     module = make_module("lstm", 24, 40, torch.float32, device="cuda", num_layers=2)
     lengths = [9, 3, 9, 1, 6]
-    for call in range(2):
+    for call in range(3):
         if call:
             with torch.no_grad():
                 module.flat_weights.add_(0.05 * torch.randn_like(module.flat_weights))

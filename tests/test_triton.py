@@ -505,6 +505,7 @@ class EmulatedGraphs:
         monkeypatch.setattr(graphs, "_on_gpu", lambda device: True)
         monkeypatch.setattr(masks, "stream_capturing", lambda device: emulation.capturing)
         monkeypatch.setattr(graphs, "_cache", type(graphs._cache)())
+        monkeypatch.setattr(graphs, "_seen", type(graphs._seen)())
         monkeypatch.setattr(graphs, "_capture_failure", None)
 
 
@@ -527,12 +528,34 @@ GRAPH_CASES = {
 @needs_kernels
 @pytest.mark.parametrize("case", list(GRAPH_CASES))
 def test_cuda_graphs_capture_then_replay(case, emulated_graphs):
-    """The first call of a shape captures, the next replays on new inputs, weights and masks: both as the reference."""
+    """The first call of a shape runs eagerly, the second captures and replays, the third replays on new inputs,
+    weights and masks: each as the reference."""
     mode, options = GRAPH_CASES[case]
-    for call in range(2):
+    for call in range(3):
         torch.manual_seed(call)
         assert_triton_matches(mode, T=4, B=3, **options)
+        if call == 0:
+            assert emulated_graphs.captures == 0
     assert emulated_graphs.captures > 0 and emulated_graphs.replays == 2 * emulated_graphs.captures
+
+
+@needs_kernels
+def test_a_shape_met_once_is_not_captured_and_release_drops_the_graphs(emulated_graphs, monkeypatch):
+    """A shape called once (an epoch's last batch) costs no capture and holds no graph; release_graphs drops the
+    kept graphs, after which a shape starts over (eager, then captured)."""
+    from rnnkit.triton import graphs, release_graphs
+
+    module = make("gru", 4, 5, torch.float64).eval()
+    with torch.no_grad():
+        for B in (2, 3, 2):  # B 2 twice (captured at its second call), B 3 once
+            x = torch.randn(3, B, 4, dtype=torch.float64)
+            expected = _eval_outputs(module, x, "reference")
+            assert_close(_eval_outputs(module, x, "triton"), expected, "outputs")
+        assert emulated_graphs.captures == 1 and emulated_graphs.replays == 1
+        assert release_graphs() == 1 and not graphs._cache
+        for call in range(2):
+            assert_close(_eval_outputs(module, x, "triton"), expected, "outputs")
+        assert emulated_graphs.captures == 2 and emulated_graphs.replays == 2
 
 
 @needs_kernels
@@ -550,14 +573,15 @@ def _eval_outputs(module, x, backend):
 
 @needs_kernels
 def test_cuda_graphs_first_captured_under_inference_mode(emulated_graphs):
-    """A shape first met under inference_mode (a validation loop) and then under no_grad and with autograd:
-    the static buffers are no inference tensors, which a call outside inference mode could not copy into."""
+    """A shape captured under inference_mode (a validation loop) and then called under no_grad and with
+    autograd: the static buffers are no inference tensors, which a call outside inference mode could not copy
+    into."""
     module = make("lstm", 4, 5, torch.float64, peephole=True).eval()
     x = torch.randn(3, 2, 4, dtype=torch.float64)
     with torch.no_grad():
         expected = _eval_outputs(module, x, "reference")
-    for context in (torch.inference_mode, torch.no_grad, torch.inference_mode, torch.no_grad):
-        with context():
+    for context in (torch.no_grad, torch.inference_mode, torch.no_grad, torch.inference_mode, torch.no_grad):
+        with context():  # the first call eager, the second (under inference_mode) captures
             assert_close(_eval_outputs(module, x, "triton"), expected, "outputs")
     assert emulated_graphs.captures == 1 and emulated_graphs.replays == 4
     assert_triton_matches("lstm", peephole=True, T=3, B=2)  # the training path after them
@@ -568,6 +592,8 @@ def test_cuda_graph_capture_failure_runs_eagerly(emulated_graphs):
     """Captures are thread-local (other threads' CUDA calls cannot invalidate them); one that fails anyway is
     said once, and its passes run without a graph, right."""
     emulated_graphs.fail = RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    assert_triton_matches("gru", training=True, layer_norm=True)  # first calls: eager, nothing captured
+    assert emulated_graphs.captures == 0
     with pytest.warns(RuntimeWarning, match="could not capture a CUDA graph.*operation not permitted"):
         assert_triton_matches("gru", training=True, layer_norm=True)
     assert emulated_graphs.capture_options[0] == {"capture_error_mode": "thread_local"}
@@ -578,7 +604,8 @@ def test_cuda_graph_capture_failure_runs_eagerly(emulated_graphs):
         warnings.simplefilter("always")
         assert_triton_matches("gru", training=True, layer_norm=True)  # the same shapes: not captured again
         assert emulated_graphs.captures == attempts
-        assert_triton_matches("gru", training=True, layer_norm=True, T=5)  # new shapes fail again, silently
+        for _ in range(2):  # new shapes fail again at their second call, silently
+            assert_triton_matches("gru", training=True, layer_norm=True, T=5)
     assert not [w for w in caught if "CUDA graph" in str(w.message)]
     assert emulated_graphs.captures > attempts and emulated_graphs.replays == 0
 
@@ -590,7 +617,7 @@ def test_cuda_graphs_are_kept_per_stream(emulated_graphs):
     x = torch.randn(3, 2, 4, dtype=torch.float64)
     with torch.no_grad():
         expected = _eval_outputs(module, x, "reference")
-        for stream, captures in ((1, 1), (2, 2), (1, 2), (2, 2)):
+        for stream, captures in ((1, 0), (2, 0), (1, 1), (2, 2), (1, 2), (2, 2)):
             emulated_graphs.stream = stream
             assert_close(_eval_outputs(module, x, "triton"), expected, "outputs")
             assert emulated_graphs.captures == captures
@@ -724,8 +751,9 @@ def test_cuda_graph_captures_beside_a_pinning_thread():
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for T in range(3, 13):  # every T a new shape: new captures
-                assert_triton_matches("gru", T=T, B=4, training=True, zoneout=0.1, layer_norm=True)
+            for T in range(3, 13):  # every T a new shape: new captures (at a shape's second call)
+                for _ in range(2):
+                    assert_triton_matches("gru", T=T, B=4, training=True, zoneout=0.1, layer_norm=True)
     finally:
         stop.set()
         thread.join()

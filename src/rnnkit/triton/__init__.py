@@ -7,7 +7,8 @@ lengths and reverse. Per pass: W·x as one GEMM over all steps; per step one GEM
 (all gates) and one fused Triton kernel for everything pointwise; backward mirrors it, with
 the weight gradients as one GEMM per matrix over all steps. float32, float64, and bfloat16 /
 float16 inputs (state and accumulation in float32). On CUDA the per-step loop is replayed
-from a CUDA graph captured once per shape (graphs.py; untested on hardware so far).
+from a CUDA graph captured at a shape's second call (graphs.py; untested on hardware so far;
+``rnnkit.triton.release_graphs()`` drops the kept graphs).
 
     >>> lstm = rnnkit.LSTM(8, 16, peephole=True, layer_norm=True, backend="triton").cuda()
     >>> y, (h_n, c_n) = lstm(torch.randn(5, 3, 8, device="cuda"))
@@ -25,6 +26,7 @@ from typing import Optional
 import torch
 
 from ..passes import forward_ad_reason, run_pass
+from .graphs import release_graphs
 from .ops import OPS, interpreting, kernels, launch_failure, loaded
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -95,4 +97,4 @@ class TritonBackend:
         return run_pass(OPS, cell, x, h0, c0, weights, lengths, reverse, masks)
 
 
-__all__ = ["TritonBackend", "interpreting"]
+__all__ = ["TritonBackend", "interpreting", "release_graphs"]

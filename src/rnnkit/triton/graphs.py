@@ -2,9 +2,12 @@
 
 A loop is ``loop(cfg, buffers)``: per-step GEMMs (``out=``) and Triton launches on the
 tensors of ``buffers`` only, allocating nothing, so that it can be captured. On a CUDA
-device the first call with a given key (loop, PassConfig, buffer shapes and dtypes)
-captures the loop into a ``torch.cuda.CUDAGraph`` over private static buffers; later calls
-copy their inputs in, replay the whole sequence as one launch, and clone the outputs out.
+device the first call with a given key (loop, PassConfig, buffer shapes and dtypes) runs
+eagerly; the second captures the loop into a ``torch.cuda.CUDAGraph`` over private static
+buffers, and it and later calls copy their inputs in, replay the whole sequence as one
+launch, and clone the outputs out. A shape met once (an epoch's last, smaller batch) thus
+costs no capture and holds no graph. ``RNNKIT_TRITON_GRAPHS_KEPT`` graphs are kept (default
+8, least recently used dropped); `release_graphs` drops them all.
 
 Graphs are kept per stream (two streams must not share one graph's static buffers), captured
 outside inference mode, in ``capture_error_mode="thread_local"`` (other threads' CUDA calls, a
@@ -28,9 +31,11 @@ import torch
 
 from .. import masks
 
-_CACHE_SIZE = 8  # graphs kept (each holds its static buffers), least recently used dropped
+_CACHE_SIZE = int(os.environ.get("RNNKIT_TRITON_GRAPHS_KEPT", "8"))  # graphs kept (each holds its static buffers)
 _EAGER = "eager"  # cached for a key whose capture failed: its passes run without a graph
+_SEEN = "seen"  # cached for a key met once: its second call captures
 _cache: "OrderedDict[tuple, Union[_Graphed, str]]" = OrderedDict()
+_seen: "OrderedDict[tuple, str]" = OrderedDict()  # keys met once, the most recent 4 x _CACHE_SIZE
 _lock = threading.Lock()  # the cache, and one capture at a time
 _capture_failure: Optional[str] = None  # the first failed capture's error (warned once)
 
@@ -137,12 +142,29 @@ def run_loop(loop: Callable, cfg, buffers: Dict[str, torch.Tensor], outputs: Ite
            tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(buffers.items())))
     with _lock:
         graphed = _cache.pop(key, None)
-        if graphed is None:
+        if graphed is None and _seen.pop(key, None) is None:  # a first call: eager, remembered
+            graphed = _SEEN
+            _seen[key] = _SEEN
+            while len(_seen) > 4 * _CACHE_SIZE:
+                _seen.popitem(last=False)
+        elif graphed is None:
             graphed = _captured(loop, cfg, buffers, device)
-        _cache[key] = graphed
-        while len(_cache) > _CACHE_SIZE:
-            _cache.popitem(last=False)
-    if graphed is _EAGER:
+        if graphed is not _SEEN:
+            _cache[key] = graphed
+            while len(_cache) > _CACHE_SIZE:
+                _cache.popitem(last=False)
+    if graphed is _EAGER or graphed is _SEEN:
         loop(cfg, buffers)
         return buffers
     return graphed(buffers, outputs, write_only)
+
+
+def release_graphs() -> int:
+    """Drop every kept CUDA graph and its static buffers (``torch.cuda.empty_cache()`` then returns their
+    memory to the device) and forget the shapes met once; returns how many graphs were dropped. Later calls
+    capture again as they would have the first time."""
+    with _lock:
+        dropped = sum(1 for g in _cache.values() if isinstance(g, _Graphed))
+        _cache.clear()
+        _seen.clear()
+    return dropped
