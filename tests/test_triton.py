@@ -825,3 +825,12 @@ def test_cuda_layer_norm_rows_past_2_31_elements():
     finally:
         x = out = stats = d_out = d_x = None
         torch.cuda.empty_cache()
+
+
+def test_graphs_kept_from_the_environment_is_checked():
+    """RNNKIT_TRITON_GRAPHS_KEPT: a whole number of graphs, 1 or more; anything else is named on import."""
+    code = "import rnnkit.triton.graphs as g; print(g._CACHE_SIZE)"
+    for value, expected in (("3", "3"), ("x", "RNNKIT_TRITON_GRAPHS_KEPT: expected a whole number"), ("0", "got '0'")):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "RNNKIT_TRITON_GRAPHS_KEPT": value},
+                             capture_output=True, text=True)
+        assert expected in out.stdout + out.stderr, (value, out.stderr)

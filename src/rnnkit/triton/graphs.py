@@ -31,7 +31,15 @@ import torch
 
 from .. import masks
 
-_CACHE_SIZE = int(os.environ.get("RNNKIT_TRITON_GRAPHS_KEPT", "8"))  # graphs kept (each holds its static buffers)
+
+def _graphs_kept() -> int:
+    value = os.environ.get("RNNKIT_TRITON_GRAPHS_KEPT", "8")
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"RNNKIT_TRITON_GRAPHS_KEPT: expected a whole number of graphs, 1 or more, got {value!r}")
+    return int(value)
+
+
+_CACHE_SIZE = _graphs_kept()  # graphs kept (each holds its static buffers), least recently used dropped
 _EAGER = "eager"  # cached for a key whose capture failed: its passes run without a graph
 _SEEN = "seen"  # cached for a key met once: its second call captures
 _cache: "OrderedDict[tuple, Union[_Graphed, str]]" = OrderedDict()
