@@ -16,6 +16,7 @@ struct Gru {
   const scalar_t *rm, *b_Rn, *ln_h_gain, *ln_h_shift;
   const bool* mask;
   Zoneout<scalar_t> zh;
+  bool quick;  // int8 inference: the quick σ and tanh (simd.h)
   // Saved gate row: r z n, and with reset_after the recurrent n term hn = LN_h(R h)_n + b_Rn.
   int64_t GS;
 
@@ -28,6 +29,7 @@ struct Gru {
     ln_h_shift = ln ? a.ln_h_shift.data_ptr<scalar_t>() : nullptr;
     mask = a.mask_ptr();
     zh = a.zone_h<scalar_t>();
+    quick = a.quantized();
     GS = after ? 4 * H : 3 * H;
   }
 
@@ -121,26 +123,26 @@ struct Gru {
               vec_loop<scalar_t>(2 * H, [&](int64_t q, int64_t n) {
                 vstore(input(q, n) + row.recurrent(q, n), gate + q, n);
               });
-              sigmoid_inplace(gate, 2 * H);  // r, z
+              sigmoid_inplace(gate, 2 * H, quick);  // r, z
               vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) {
                 const Vec rec = row.recurrent(2 * H + j, n);
                 const Vec hn = b_Rn ? rec + vload(b_Rn + j, n) : rec;
                 vstore(hn, gate + 3 * H + j, n);
                 vstore(input(2 * H + j, n) + vload(gate + j, n) * hn, gate + 2 * H + j, n);
               });
-              tanh_inplace(gate + 2 * H, H);  // n
+              tanh_inplace(gate + 2 * H, H, quick);  // n
             } else if (valid(t, b)) {
               const scalar_t* ax = gx_t + b * GH;
               const scalar_t* ghb = gh_t + b * GH;
               scalar_t* gate = gates_p + (k * B + b) * GS;
               for (int64_t q = 0; q < 2 * H; ++q) gate[q] = ax[q] + ghb[q];
-              sigmoid_inplace(gate, 2 * H);  // r, z
+              sigmoid_inplace(gate, 2 * H, quick);  // r, z
               for (int64_t j = 0; j < H; ++j) {
                 const scalar_t hn = ghb[2 * H + j] + (b_Rn ? b_Rn[j] : scalar_t(0));
                 gate[3 * H + j] = hn;
                 gate[2 * H + j] = ax[2 * H + j] + gate[j] * hn;
               }
-              tanh_inplace(gate + 2 * H, H);  // n
+              tanh_inplace(gate + 2 * H, H, quick);  // n
             } else if (ln) {
               steps.skipped_row<scalar_t>(t, b);  // the backward reads LN_x's statistics of every row
             }
@@ -160,7 +162,7 @@ struct Gru {
             const scalar_t* ax = gx_t + b * GH;
             scalar_t* gate = gates_p + (k * B + b) * GS;
             std::copy(ax, ax + 2 * H, gate);
-            sigmoid_inplace(gate, 2 * H);  // r, z
+            sigmoid_inplace(gate, 2 * H, quick);  // r, z
             for (int64_t j = 0; j < H; ++j) rhb[j] = gate[j] * hin_p[b * H + j];
           }
         });
@@ -171,7 +173,7 @@ struct Gru {
               const scalar_t* ax = gx_t + b * GH;
               scalar_t* gate = gates_p + (k * B + b) * GS;
               std::copy(ax + 2 * H, ax + 3 * H, gate + 2 * H);
-              tanh_inplace(gate + 2 * H, H);  // n
+              tanh_inplace(gate + 2 * H, H, quick);  // n
             }
             finish_h(t, k, b);
           }

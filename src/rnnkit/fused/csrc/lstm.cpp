@@ -22,6 +22,7 @@ struct Lstm {
   const scalar_t *ln_h_gain, *ln_h_shift, *ln_c_gain, *ln_c_shift;
   const bool* mask;
   Zoneout<scalar_t> zh, zc;
+  bool quick;  // int8 inference: the quick σ and tanh (simd.h)
 
   explicit Lstm(const PassArgs& args) : a(args) {
     T = a.T, B = a.B, H = a.H, Hr = a.Hr, GH = a.GH, P = a.Hr;
@@ -38,6 +39,7 @@ struct Lstm {
     ln_c_shift = ln ? a.ln_c_shift.data_ptr<scalar_t>() : nullptr;
     mask = a.mask_ptr();
     zh = a.zone_h<scalar_t>(), zc = a.zone_c<scalar_t>();
+    quick = a.quantized();
   }
 
   // tanh(LN_c(c̃)) of the n values at j of a clipped-c̃ row (LN_c with mean / rstd only under
@@ -45,7 +47,7 @@ struct Lstm {
   at::vec::Vectorized<scalar_t> cell_tanh(const scalar_t* cc, const at::vec::Vectorized<scalar_t>& mean,
                                           const at::vec::Vectorized<scalar_t>& rstd, int64_t j, int64_t n) const {
     const at::vec::Vectorized<scalar_t> v = vload(cc + j, n);
-    return vtanh(ln ? layer_norm_apply(v, mean, rstd, ln_c_gain, ln_c_shift, j, n) : v);
+    return vtanh(ln ? layer_norm_apply(v, mean, rstd, ln_c_gain, ln_c_shift, j, n) : v, quick);
   }
 
   int64_t step_time(int64_t s) const { return a.reverse ? T - 1 - s : s; }
@@ -185,15 +187,15 @@ struct Lstm {
             if (gf >= 0)
               for (int64_t j = 0; j < H; ++j) gate[gf + j] += p_f[j] * cb[j];
           }
-          sigmoid_inplace(gate + gi, gf < 0 ? H : 2 * H);  // i (and f, stored next to it)
-          tanh_inplace(gate + gg, H);
+          sigmoid_inplace(gate + gi, gf < 0 ? H : 2 * H, quick);  // i (and f, stored next to it)
+          tanh_inplace(gate + gg, H, quick);
           // clipped c̃: straight into c without zoneout (each value read as c_{t-1} before it is written)
           scalar_t* cc = zc.on() ? tmp_p + b * H : cb;
           cell_candidate(gate, cb, nullptr, cc);
           if (zc.on()) zone_into(cb, cc, zc.row(t, b), zc.p, H);
           if (peep)  // o peeks at the new c
             for (int64_t j = 0; j < H; ++j) gate[go + j] += p_o[j] * cc[j];
-          sigmoid_inplace(gate + go, H);
+          sigmoid_inplace(gate + go, H, quick);
           scalar_t mc = 0, rc = 1;
           if (ln) {
             row_stats(cc, H, mc, rc);

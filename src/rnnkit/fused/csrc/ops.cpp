@@ -448,14 +448,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "an uninitialized tensor of like's dtype, from the buffer cache when 256 KB or more (tests)");
   m.def(
       "activations",
-      [](const at::Tensor& v) {  // σ(v) and tanh(v) as the passes compute them (tests)
+      [](const at::Tensor& v, bool quick) {  // σ(v) and tanh(v) as the passes compute them (tests)
         TORCH_CHECK(v.dim() == 1 && v.is_contiguous(), "activations: a contiguous 1-D tensor");
         at::Tensor s = v.clone(), t = v.clone();
         AT_DISPATCH_FLOATING_TYPES(v.scalar_type(), "activations", [&] {
-          rnnkit::sigmoid_inplace(s.data_ptr<scalar_t>(), s.numel());
-          rnnkit::tanh_inplace(t.data_ptr<scalar_t>(), t.numel());
+          rnnkit::sigmoid_inplace(s.data_ptr<scalar_t>(), s.numel(), quick);
+          rnnkit::tanh_inplace(t.data_ptr<scalar_t>(), t.numel(), quick);
         });
         return std::make_pair(s, t);
       },
-      "σ and tanh of a 1-D tensor through the passes' vectorized activations");
+      py::arg("v"), py::arg("quick") = false,
+      "σ and tanh of a 1-D tensor through the passes' vectorized activations (quick: int8 inference's forms)");
 }

@@ -13,6 +13,7 @@ struct Rnn {
   const scalar_t *rm, *ln_h_gain, *ln_h_shift;
   const bool* mask;
   Zoneout<scalar_t> zh;
+  bool quick;  // int8 inference: the quick σ and tanh (simd.h)
 
   explicit Rnn(const PassArgs& args) : a(args) {
     T = a.T, B = a.B, H = a.H;
@@ -22,6 +23,7 @@ struct Rnn {
     ln_h_shift = ln ? a.ln_h_shift.data_ptr<scalar_t>() : nullptr;
     mask = a.mask_ptr();
     zh = a.zone_h<scalar_t>();
+    quick = a.quantized();
   }
 
   int64_t step_time(int64_t s) const { return a.reverse ? T - 1 - s : s; }
@@ -88,7 +90,7 @@ struct Rnn {
           if (relu) {
             for (int64_t j = 0; j < H; ++j) act[j] = std::max(act[j], scalar_t(0));
           } else {
-            tanh_inplace(act, H);
+            tanh_inplace(act, H, quick);
           }
           const scalar_t* d = zh.row(t, b);
           for (int64_t j = 0; j < H; ++j) {

@@ -229,6 +229,24 @@ inline VecF fast_tanh(const VecF& x) {
   return s | (x & VecF(-0.f));
 }
 
+// The quick forms for int8 inference, whose weights and inputs are quantized to about 1% (rnnkit.quantize):
+// the same exp_parts and one division left uncorrected, ~40% fewer instructions than σ's and tanh's
+// above (an int8 LSTM's pointwise pass is 18-25% of its time: 2-4% less time, medium, small and stream
+// on Zen 4). Against float64 over the accuracy test's grid: σ within 2.3 ulp, tanh within 2.5, 0.34 and
+// 0.25 on average (test_fused.py).
+inline VecF quick_sigmoid(const VecF& x) {
+  const VecF one(1.f);
+  const ExpParts e = exp_parts(at::vec::clamp_min(x | VecF(-0.f), VecF(-88.f)));  // −|x|
+  const VecF t = at::vec::fmadd(e.p, e.q, e.p);
+  return select_negative(x, one, t) / (one + t);
+}
+
+inline VecF quick_tanh(const VecF& x) {
+  const ExpParts e = exp_parts(at::vec::clamp_min(x.abs() * VecF(-2.f), VecF(-20.f)));
+  const VecF w = at::vec::fnmadd(e.p, e.q, VecF(1.f) - e.p);  // −expm1(−2|x|)
+  return (w / (VecF(2.f) - w)) | (x & VecF(-0.f));
+}
+
 template <>
 inline void sigmoid_inplace<float>(float* v, int64_t n) {
   vec_loop<float>(n, [&](int64_t j, int64_t count) { vstore(fast_sigmoid(vload(v + j, count)), v + j, count); });
@@ -239,10 +257,35 @@ inline void tanh_inplace<float>(float* v, int64_t n) {
   vec_loop<float>(n, [&](int64_t j, int64_t count) { vstore(fast_tanh(vload(v + j, count)), v + j, count); });
 }
 
-// tanh of one SIMD vector as tanh_inplace computes it (float: fast_tanh; double: Sleef), for
-// loops that fuse it with other pointwise work.
-inline at::vec::Vectorized<float> vtanh(const at::vec::Vectorized<float>& x) { return fast_tanh(x); }
-inline at::vec::Vectorized<double> vtanh(const at::vec::Vectorized<double>& x) { return x.tanh(); }
+// σ and tanh in place, the quick forms where `quick` (float only: float64 passes are never quantized).
+template <typename scalar_t>
+inline void sigmoid_inplace(scalar_t* v, int64_t n, bool quick) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (quick) {
+      vec_loop<float>(n, [&](int64_t j, int64_t count) { vstore(quick_sigmoid(vload(v + j, count)), v + j, count); });
+      return;
+    }
+  }
+  sigmoid_inplace(v, n);
+}
+
+template <typename scalar_t>
+inline void tanh_inplace(scalar_t* v, int64_t n, bool quick) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (quick) {
+      vec_loop<float>(n, [&](int64_t j, int64_t count) { vstore(quick_tanh(vload(v + j, count)), v + j, count); });
+      return;
+    }
+  }
+  tanh_inplace(v, n);
+}
+
+// tanh of one SIMD vector as tanh_inplace computes it (float: fast_tanh, or quick_tanh; double:
+// Sleef), for loops that fuse it with other pointwise work.
+inline at::vec::Vectorized<float> vtanh(const at::vec::Vectorized<float>& x, bool quick = false) {
+  return quick ? quick_tanh(x) : fast_tanh(x);
+}
+inline at::vec::Vectorized<double> vtanh(const at::vec::Vectorized<double>& x, bool = false) { return x.tanh(); }
 
 // The lanes of v added in double.
 template <typename scalar_t>
