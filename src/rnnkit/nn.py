@@ -330,11 +330,6 @@ class _PackedModule(_SpecAttributes, nn.Module):
         self._warned_unpacked = False
         self._rebound = False  # a weight was assigned (module.weight_ih_l0 = ..., load_state_dict(assign=True))
         self._packed = tuple(self._parameters.get(name) for name in self._names)  # the Parameters packed
-        if flat is None:
-            self._expected_ptrs = None
-        else:
-            base, size = flat.data_ptr(), flat.element_size()
-            self._expected_ptrs = [base + offset * size for offset, _, _ in self._packing]
 
     def _like(self) -> torch.Tensor:
         """A weight: inputs and states must have its dtype and device."""
@@ -345,12 +340,17 @@ class _PackedModule(_SpecAttributes, nn.Module):
         return [getattr(self, name) for name in self._names]
 
     def _aliased(self, tensors) -> bool:
-        """Whether ``tensors`` (the weights in buffer order) are exactly the packed buffer's pieces."""
-        return (
-            self._flat is not None
-            and tensors[0].dtype == self._flat.dtype
-            and [t.data_ptr() for t in tensors] == self._expected_ptrs
-        )
+        """Whether ``tensors`` (the weights in buffer order) are exactly the packed buffer's pieces.
+        The buffer's address is read now, not kept: moving a storage to shared memory (what
+        torch.multiprocessing does to a module it sends to a spawned process or a DataLoader
+        worker) moves the buffer and its views together, which keeps them aliased."""
+        flat = self._flat
+        if flat is None or tensors[0].dtype != flat.dtype:
+            return False
+        base, size = flat.data_ptr(), flat.element_size()
+        # the layout too: ``p.data = p.data.t()`` keeps a square weight's address, not its meaning
+        return all(t.data_ptr() == base + offset * size and t.shape == shape and t.is_contiguous()
+                   for t, (offset, _, shape) in zip(tensors, self._packing))
 
     def _note_unpacked(self, tensors) -> None:
         """Warn once that the parameters no longer alias the packed buffer: a weight is parametrized,
@@ -377,7 +377,7 @@ class _PackedModule(_SpecAttributes, nn.Module):
         transform, dispatch mode or tracing), no gradient to record (of the parameters, the input
         or the state, forward-mode AD's tangents included), no autocast, no random masks; else None.
         The plans hold the parameters' memory: they are rebuilt when a parameter, or the memory
-        behind one (``p.data = ...``, ``flatten_parameters``, ``.to``), changes. Generation loops
+        behind one or its layout (``p.data = ...``, ``flatten_parameters``, ``.to``), changes. Generation loops
         live on this path (README, "Speed": step API)."""
         if (self.training and self.spec.uses_dropout_masks) or not _direct(input) or forward_ad_reason():
             return None
@@ -389,11 +389,11 @@ class _PackedModule(_SpecAttributes, nn.Module):
             return None
         if any(t is None for t in tensors):  # a parametrized weight: computed each call
             return None
-        memory = tuple(t.data_ptr() for t in tensors)
+        memory = memory_of(tensors)
         cached = self.__dict__.get("_plan")
         if cached is None or cached[1] != self.backend or cached[3] != memory or \
                 any(a is not b for a, b in zip(cached[2], tensors)):
-            cached = (self._make_plans(tensors), self.backend, tensors, memory)
+            cached = StepPlans((self._make_plans(tensors), self.backend, tensors, memory))
             self.__dict__["_plan"] = cached
         plans = cached[0]
         if plans is None or torch.is_autocast_enabled(tensors[0].device.type):
@@ -592,6 +592,23 @@ def check_cell_input(spec: RNNSpec, input) -> None:
     if input.shape[-1] != spec.input_size:  # checked here so the message shows the caller's shape
         raise MismatchError(f"input: expected feature size input_size={spec.input_size} in the last axis, got shape "
                             f"{tuple(input.shape)}")
+
+
+class StepPlans(tuple):
+    """A module's cached one-step plans and what they were built from, kept in its ``__dict__``
+    under ``_plan``. The plans are compiled objects that neither copy nor pickle: a deepcopy drops
+    them (None, rebuilt on the next call) as ``__getstate__`` does, also where a parametrized
+    module's deepcopy copies the ``__dict__`` as it is."""
+
+    def __deepcopy__(self, memo):
+        return None
+
+
+def memory_of(tensors) -> tuple:
+    """What a step plan reads of each tensor: its address, shape and layout (``p.data = p.data.t()``
+    keeps a square weight's address, ``p.data = p.data[:n]`` its address and strides)."""
+    return (*map(torch.Tensor.data_ptr, tensors), *map(torch.Tensor.size, tensors),
+            *map(torch.Tensor.stride, tensors))  # map: a step's few µs count
 
 
 def step_plans(spec: RNNSpec, passes, like: torch.Tensor, scales=None) -> list:

@@ -32,8 +32,8 @@ from torch import nn
 
 from . import functional
 from . import nn as float_nn
-from .nn import (_NONLINEARITY, _Cell, _CellAttributes, _PackedModule, _Recurrent, _SpecAttributes, _StackAttributes,
-                 check_cell_input, one_step_call, step_plans)
+from .nn import (_NONLINEARITY, StepPlans, _Cell, _CellAttributes, _PackedModule, _Recurrent, _SpecAttributes,
+                 _StackAttributes, check_cell_input, memory_of, one_step_call, step_plans)
 from .errors import DTypeMismatchError, MismatchError
 from .params import Layout, PassWeights
 from .passes import (PASS_ARGUMENTS, _direct, forward_ad_reason, mask_tensors, named, output_shapes, pass_scalars,
@@ -241,14 +241,14 @@ class _Quantized(_SpecAttributes, nn.Module):
         when a buffer or the memory behind one is replaced, as load_state_dict(assign=True) does);
         None where a buffer is not contiguous, which the plans cannot take."""
         buffers = tuple(self._buffers.values())
-        memory = tuple(b.data_ptr() for b in buffers)  # `buffer.data = ...` keeps the object, not the memory
+        memory = memory_of(buffers)  # `buffer.data = ...` keeps the object, not the memory
         cached = self.__dict__.get("_plan")
         if cached is None or cached[2] != memory or any(a is not b for a, b in zip(cached[1], buffers)):
             passes, plans = self._passes(), None  # None: the general path
             if all(b.is_contiguous() for b in buffers):  # else e.g. loaded with assign=True
                 plans = step_plans(self.spec, [p.weights for p in passes], self._like(),
                                    [(p.W_scale, p.R_scale, p.W_hr_scale) for p in passes])
-            cached = (plans, buffers, memory)
+            cached = StepPlans((plans, buffers, memory))
             self.__dict__["_plan"] = cached
         return cached[0]
 
