@@ -110,3 +110,19 @@ def test_vectorized_jacobian_matches_torch_nn(mode):
         jacobian = torch.autograd.functional.jacobian(lambda v: m(v)[0], x, vectorize=True, create_graph=True)
         penalties.append(torch.autograd.grad(jacobian.square().sum(), list(m.parameters())))
     assert_close(list(penalties[0]), list(penalties[1]), f"{mode} Jacobian penalty through vectorize")
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_batched_gradients_of_a_parameter_match_torch_nn(backend):
+    """autograd.grad(..., is_grads_batched=True) with respect to a parameter: the gradients reach the
+    module's packing of its parameters batched, with no storage to pack them into ('Cannot access
+    storage of BatchedTensorImpl' on every backend); each comes back as it is, as torch.nn's."""
+    torch.manual_seed(0)
+    module = make_module("gru", I, H, DT, backend=backend)
+    expected_module = torch.nn.GRU(I, H, dtype=DT)
+    expected_module.load_state_dict(module.state_dict())
+    x = _x()
+    v = torch.randn(3, T, B, H, dtype=DT)
+    got, expected = (torch.autograd.grad(m(x)[0], [m.weight_hh_l0, m.bias_ih_l0], v, is_grads_batched=True)
+                     for m in (module, expected_module))
+    assert_close(list(got), list(expected), "batched parameter gradients")

@@ -66,6 +66,10 @@ class _Pack(torch.autograd.Function):
         needs = ctx.needs_input_grad[2:]
         if not any(need for need, g in zip(needs, grads) if g is not None):
             return (None, None) + (None,) * len(grads)
+        functorch = torch._C._functorch
+        if any(g is not None and (functorch.is_legacy_batchedtensor(g) or functorch.is_functorch_wrapped_tensor(g))
+               for g in grads):  # batched (is_grads_batched, vmap) or a transform's: no storage to pack them into
+            return (None, None) + tuple(g if need else None for need, g in zip(needs, grads))
         total = packing[-1][0] + packing[-1][1]
         packed = _already_packed(grads, packing, total)
         if packed is None:
