@@ -236,10 +236,12 @@ class _Quantized(_SpecAttributes, nn.Module):
                                "under torch.no_grad() / torch.inference_mode() with inputs that do not require grad, "
                                "or train the float module")
 
-    def _plans(self) -> Optional[list]:
-        """The fused kernels' one-step plans on the int8 weights, one per pass (built once, rebuilt
-        when a buffer or the memory behind one is replaced, as load_state_dict(assign=True) does);
-        None where a buffer is not contiguous, which the plans cannot take."""
+    def _prepared(self) -> tuple:
+        """(one-step plans, passes) on the int8 weights as they are: the fused kernels' one-step plans,
+        one per pass (None where a buffer is not contiguous, which the plans cannot take), and the
+        checked `_passes`. Built once, rebuilt when a buffer, the memory behind one or its shape or
+        layout changes (load_state_dict(assign=True), ``buffer.data = ...``): the check and the
+        grouping took 8-10 µs of every call."""
         buffers = tuple(self._buffers.values())
         memory = memory_of(buffers)  # `buffer.data = ...` keeps the object, not the memory
         cached = self.__dict__.get("_plan")
@@ -248,9 +250,17 @@ class _Quantized(_SpecAttributes, nn.Module):
             if all(b.is_contiguous() for b in buffers):  # else e.g. loaded with assign=True
                 plans = step_plans(self.spec, [p.weights for p in passes], self._like(),
                                    [(p.W_scale, p.R_scale, p.W_hr_scale) for p in passes])
-            cached = StepPlans((plans, buffers, memory))
+            cached = StepPlans((plans, buffers, memory, passes))
             self.__dict__["_plan"] = cached
-        return cached[0]
+        return cached[0], cached[3]
+
+    def _plans(self) -> Optional[list]:
+        return self._prepared()[0]
+
+    def _current_passes(self) -> list:
+        """`_passes`, from `_prepared`'s cache outside torch.compile / export (which cannot trace the
+        cache's comparison of data pointers, and run the traced graph without Python anyway)."""
+        return self._passes() if torch.compiler.is_compiling() else self._prepared()[1]
 
     def extra_repr(self) -> str:
         from .spec import RNNSpec
@@ -277,7 +287,7 @@ class _QuantizedStack(_StackAttributes, _Quantized):
         return functional.sequence_call(self._run, input, hx, lengths, self.spec.batch_first)
 
     def _run(self, input, hx, lengths, batch_first):
-        y, hy, _ = functional.run(self.spec, self._passes(), input, hx, lengths, training=False, backend=INT8,
+        y, hy, _ = functional.run(self.spec, self._current_passes(), input, hx, lengths, training=False, backend=INT8,
                                   batch_first=batch_first, like=self._like())
         return y, hy
 
@@ -303,7 +313,7 @@ class _QuantizedCell(_CellAttributes, _Quantized):
         if hx is not None:
             states = functional.check_cell_states(self.spec, hx, input, like)
             hx = tuple(t.unsqueeze(0) for t in states) if lstm else states[0].unsqueeze(0)
-        y, hy, _ = functional.run(self.spec, self._passes(), input.unsqueeze(0), hx, None, training=False,
+        y, hy, _ = functional.run(self.spec, self._current_passes(), input.unsqueeze(0), hx, None, training=False,
                                   backend=INT8, batch_first=False, like=like)
         return (hy[0][0], hy[1][0]) if lstm else hy[0]
 
