@@ -40,7 +40,7 @@ class Option:
     label: str
     families: Tuple[str, ...]
     in_use: Callable[["RNNSpec"], bool]
-    native: bool = False  # torch's own RNN ops (oneDNN / cuDNN) compute it
+    native: bool = False  # torch's own RNN ops (oneDNN / cuDNN) compute it (native.py may still decline: proj_size on the CPU)
     formats: FrozenSet[str] = frozenset()  # the interop formats that carry it
     changes_inference: bool = True
 

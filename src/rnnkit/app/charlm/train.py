@@ -114,11 +114,11 @@ def autocast(precision: str, device: torch.device):
 def check_precision(model: CharLM, precision: str, backend: str) -> None:
     """Run the model once on two characters under the precision's autocast; a UserError if it cannot.
 
-    torch's own oneDNN LSTM (rnnkit's ``native`` backend, ``auto``'s choice for a plain LSTM's
-    inference of batches on the CPU) has no bfloat16 kernel on CPUs without bfloat16 instructions;
-    say so before training.
     A backend named with ``--backend`` that cannot run the model raises
-    `rnnkit.BackendUnavailableError` here too (its modules only find out at the first call).
+    `rnnkit.BackendUnavailableError` here, before training (its modules only find out at the first
+    call): ``--backend native`` with ``--precision bf16`` on a CPU without bfloat16 instructions, where
+    torch's oneDNN LSTM has no bfloat16 kernel (``auto`` takes the fused backend there). Any other
+    failure under a low precision becomes a UserError naming ``--precision``.
     The check runs in eval mode and leaves the random generator as it found it.
     """
     device = next(model.parameters()).device
