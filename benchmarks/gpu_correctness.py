@@ -25,10 +25,10 @@ y, the final states, dx, the initial states' gradients and each weight's gradien
   one, where the float16 reference happened to stay on the ground truth's side). float32 compares
   their gradients, both backends seeing the same inputs.
 
-Each case calls the triton backend five times: once (on CUDA eagerly: a shape's first call is
+Each case calls the triton backend six times: once (on CUDA eagerly: a shape's first call is
 not captured), twice more on new inputs and perturbed weights (the second captures the CUDA
-graph, the third replays it, so stale buffers show), and twice under no_grad (the passes'
-inference buffers: eagerly, then captured). Allocations from Python are
+graph, the third replays it, so stale buffers show), and three times under no_grad (the passes'
+inference buffers: eagerly, captured, replayed on new inputs). Allocations from Python are
 NaN-filled (as tests/conftest.py does), so an unwritten output fails. One line per case and
 dtype; the last line counts them; the exit status is 1 when any case failed.
 
@@ -309,7 +309,7 @@ def _compare(label: str, actual: Result, expected: Result, bound_of) -> List[tup
 
 
 def check_case(case: Case, dtype, device: str, size: dict) -> Outcome:
-    """Every comparison of one case in one dtype (five calls of the triton backend)."""
+    """Every comparison of one case in one dtype (six calls of the triton backend)."""
     import torch
     from rnnkit.testing import TOLERANCE
 
@@ -319,7 +319,7 @@ def check_case(case: Case, dtype, device: str, size: dict) -> Outcome:
     lengths = size["lengths"] if case.lengths else None
     rows = []
     calls = [("call 1", 10, True), ("call 2", 20, True), ("call 3", 30, True), ("no_grad", 20, False),
-             ("no_grad 2", 30, False)]
+             ("no_grad 2", 30, False), ("no_grad 3", 40, False)]
     for label, seed, grad in calls:
         if label in ("call 2", "call 3"):  # new weights too: a graph replay must read them, not the capture's
             with torch.no_grad():

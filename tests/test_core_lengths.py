@@ -143,3 +143,18 @@ def test_all_sequences_of_length_one_with_a_long_tail():
     assert torch.all(y[1:] == 0)
     assert_close(y[:1], y_1, "y")
     assert_close(h_n, h_1, "h_n")
+
+
+def test_step_mask_inside_a_capture_is_the_mask_elsewhere(monkeypatch):
+    """masks.step_mask, every backend's builder of the steps that run: filled on the device inside a capture,
+    compared there elsewhere; the same [T, B] either way, in the dtype asked for, None without lengths."""
+    from rnnkit import masks
+
+    lengths = torch.tensor([5, 1, 3, 2])
+    expected = torch.arange(5).unsqueeze(1) < lengths.unsqueeze(0)
+    assert masks.step_mask(None, 5, torch.device("cpu")) is None
+    for capturing in (False, True):
+        monkeypatch.setattr(masks, "stream_capturing", lambda device: capturing)
+        assert torch.equal(masks.step_mask(lengths, 5, torch.device("cpu")), expected)
+        keep = masks.step_mask(lengths, 5, torch.device("cpu"), torch.float64)
+        assert keep.dtype == torch.float64 and torch.equal(keep, expected.double())

@@ -782,3 +782,19 @@ def test_int8_stacks_have_the_rnnbase_helpers():
     with pytest.raises(RuntimeError, match=r"Expected hidden\[1\] size"):
         q.check_forward_args(x, (hidden[0], hidden[1][:, :2]), None)
     assert torch.equal(q.permute_hidden(hidden, torch.tensor([2, 0, 1]))[0], hidden[0][:, [2, 0, 1]])
+
+
+@pytest.mark.filterwarnings("ignore:.*batching rule")
+def test_int8_module_under_vmap_of_inputs_and_of_buffers():
+    """vmap over inputs, and over buffers through functional_call (an ensemble of int8 models): as the
+    per-member calls. The general path's cache of checked passes keys on the buffers' data pointers,
+    which batched buffers do not have: it is kept to plain eager calls."""
+    quantized = rnnkit.quantize(rnnkit.LSTM(4, 5).eval())
+    xs = torch.randn(3, 6, 2, 4)
+    buffers = dict(quantized.named_buffers())
+    with torch.no_grad():
+        batched = torch.func.vmap(lambda x: quantized(x)[0])(xs)
+        assert torch.equal(batched, torch.stack([quantized(x)[0] for x in xs]))
+        stacked = {name: torch.stack([value, value]) for name, value in buffers.items()}
+        members = torch.func.vmap(lambda b: torch.func.functional_call(quantized, b, (xs[0],))[0])(stacked)
+        assert torch.equal(members, torch.stack([quantized(xs[0])[0]] * 2))

@@ -664,29 +664,18 @@ def test_lengths_inside_a_callers_cuda_graph_capture_copy_nothing_to_the_device(
     to = torch.Tensor.to
 
     def no_device_copies(self, *args, **kwargs):  # lengths or a step mask to the input's device (not "cpu": the check's)
-        to_device = "device" in kwargs or any(isinstance(a, torch.device) for a in args)
+        to_device = "device" in kwargs or any(isinstance(a, (torch.device, torch.Tensor)) for a in args)
         if to_device and self.dtype in (torch.bool, torch.int64):
             raise AssertionError(f"a copy to a device while the stream is capturing: .to{args, kwargs}")
         return to(self, *args, **kwargs)
 
+    def no_cuda(self, *args, **kwargs):
+        raise AssertionError("a .cuda() copy while the stream is capturing")
+
     monkeypatch.setattr(torch.Tensor, "to", no_device_copies)
+    monkeypatch.setattr(torch.Tensor, "cuda", no_cuda)
     assert_triton_matches("lstm", training=training, T=4, B=3, lengths=[4, 1, 2], layer_norm=True)
     assert_triton_matches("gru", training=training, T=4, B=3, lengths=[2, 4, 3], bidirectional=True)
-
-
-def test_step_mask_inside_a_capture_is_the_mask_elsewhere(monkeypatch):
-    """masks.step_mask, every backend's builder of the steps that run: filled on the device inside a capture,
-    compared there elsewhere; the same [T, B] either way, in the dtype asked for, None without lengths."""
-    from rnnkit import masks
-
-    lengths = torch.tensor([5, 1, 3, 2])
-    expected = torch.arange(5).unsqueeze(1) < lengths.unsqueeze(0)
-    assert masks.step_mask(None, 5, torch.device("cpu")) is None
-    for capturing in (False, True):
-        monkeypatch.setattr(masks, "stream_capturing", lambda device: capturing)
-        assert torch.equal(masks.step_mask(lengths, 5, torch.device("cpu")), expected)
-        keep = masks.step_mask(lengths, 5, torch.device("cpu"), torch.float64)
-        assert keep.dtype == torch.float64 and torch.equal(keep, expected.double())
 
 
 # ---- on CUDA only: what the CPU emulation cannot show (RNNKIT_TEST_TRITON_DEVICE=cuda) ----------------
@@ -827,10 +816,19 @@ def test_cuda_layer_norm_rows_past_2_31_elements():
         torch.cuda.empty_cache()
 
 
-def test_graphs_kept_from_the_environment_is_checked():
-    """RNNKIT_TRITON_GRAPHS_KEPT: a whole number of graphs, 1 or more; anything else is named on import."""
-    code = "import rnnkit.triton.graphs as g; print(g._CACHE_SIZE)"
-    for value, expected in (("3", "3"), ("x", "RNNKIT_TRITON_GRAPHS_KEPT: expected a whole number"), ("0", "got '0'")):
-        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "RNNKIT_TRITON_GRAPHS_KEPT": value},
-                             capture_output=True, text=True)
-        assert expected in out.stdout + out.stderr, (value, out.stderr)
+def test_graphs_kept_from_the_environment_is_checked_where_graphs_are_kept(monkeypatch):
+    """RNNKIT_TRITON_GRAPHS_KEPT: a whole number of graphs, 1 or more, read where graphs are kept; anything
+    else is named there, and a bad value does not stop ``import rnnkit`` (CPU users never keep a graph)."""
+    from rnnkit.triton import graphs
+
+    for value, expected in (("3", 3), ("12", 12)):
+        monkeypatch.setenv("RNNKIT_TRITON_GRAPHS_KEPT", value)
+        assert graphs.graphs_kept() == expected
+    for value in ("x", "0", "²", "-2", ""):
+        monkeypatch.setenv("RNNKIT_TRITON_GRAPHS_KEPT", value)
+        with pytest.raises(ValueError, match=f"RNNKIT_TRITON_GRAPHS_KEPT: expected a whole number.*got {value!r}"):
+            graphs.graphs_kept()
+    code = "import rnnkit, rnnkit.triton; print(rnnkit.LSTM(2, 3)(__import__('torch').zeros(1, 1, 2))[0].shape)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "RNNKIT_TRITON_GRAPHS_KEPT": "x"},
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "torch.Size([1, 1, 3])" in out.stdout, out.stderr

@@ -1,4 +1,5 @@
-"""Random masks of one forward call: variational dropout, DropConnect, zoneout, layer dropout.
+"""Masks of one forward call: the steps that run (`step_mask`, from the lengths) and the random ones,
+variational dropout, DropConnect, zoneout, layer dropout.
 
 Masks are drawn here, in one place and in a fixed order, from torch's default generator on
 the input's device, and handed to the backends as tensors. Every backend therefore sees the
@@ -43,7 +44,11 @@ def in_transform(kind: TransformType) -> bool:
 
 def stream_capturing(device: torch.device) -> bool:
     """Whether the current stream (of ``device``, the current device in a pass) is capturing a CUDA graph:
-    a caller's (``torch.cuda.graph``, ``make_graphed_callables``, ``torch.compile(mode="reduce-overhead")``)."""
+    a caller's (``torch.cuda.graph``, ``make_graphed_callables``, ``torch.compile(mode="reduce-overhead")``).
+    False while torch.compile traces: Dynamo cannot trace the query (a torch function returning a bool),
+    and a compiled graph's ops run without this Python."""
+    if torch.compiler.is_compiling():
+        return False
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 

@@ -257,10 +257,13 @@ class _Quantized(_SpecAttributes, nn.Module):
     def _plans(self) -> Optional[list]:
         return self._prepared()[0]
 
-    def _current_passes(self) -> list:
-        """`_passes`, from `_prepared`'s cache outside torch.compile / export (which cannot trace the
-        cache's comparison of data pointers, and run the traced graph without Python anyway)."""
-        return self._passes() if torch.compiler.is_compiling() else self._prepared()[1]
+    def _current_passes(self, x: torch.Tensor) -> list:
+        """`_passes`, from `_prepared`'s cache where the call is eager on plain tensors (`_direct`) and so
+        are the buffers; elsewhere made anew: torch.compile / export cannot trace the cache's comparison
+        of data pointers, and batched (vmap) or fake buffers have none."""
+        if _direct(x) and all(type(b) is torch.Tensor for b in self._buffers.values()):
+            return self._prepared()[1]
+        return self._passes()
 
     def extra_repr(self) -> str:
         from .spec import RNNSpec
@@ -287,8 +290,9 @@ class _QuantizedStack(_StackAttributes, _Quantized):
         return functional.sequence_call(self._run, input, hx, lengths, self.spec.batch_first)
 
     def _run(self, input, hx, lengths, batch_first):
-        y, hy, _ = functional.run(self.spec, self._current_passes(), input, hx, lengths, training=False, backend=INT8,
-                                  batch_first=batch_first, like=self._like())
+        data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
+        y, hy, _ = functional.run(self.spec, self._current_passes(data), input, hx, lengths, training=False,
+                                  backend=INT8, batch_first=batch_first, like=self._like())
         return y, hy
 
 
@@ -313,7 +317,7 @@ class _QuantizedCell(_CellAttributes, _Quantized):
         if hx is not None:
             states = functional.check_cell_states(self.spec, hx, input, like)
             hx = tuple(t.unsqueeze(0) for t in states) if lstm else states[0].unsqueeze(0)
-        y, hy, _ = functional.run(self.spec, self._current_passes(), input.unsqueeze(0), hx, None, training=False,
+        y, hy, _ = functional.run(self.spec, self._current_passes(input), input.unsqueeze(0), hx, None, training=False,
                                   backend=INT8, batch_first=False, like=like)
         return (hy[0][0], hy[1][0]) if lstm else hy[0]
 

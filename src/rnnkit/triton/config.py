@@ -13,7 +13,6 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import masks
-from ..masks import step_mask
 
 
 LN_EPS = 1e-5
@@ -104,7 +103,7 @@ def make_tensors(args: dict) -> PassTensors:
     pair = lambda name: None if args[name + "_gain"] is None else (cast(args[name + "_gain"]),  # noqa: E731
                                                                    cast(args[name + "_shift"]))
     T, B = x.shape[:2]
-    keep = step_mask(args["lengths"], T, x.device, dtype)  # [T, B] 1.0 where t < length
+    keep = masks.step_mask(args["lengths"], T, x.device, dtype)  # [T, B] 1.0 where t < length
     keep = torch.ones(T, B, dtype=dtype, device=x.device) if keep is None else keep
     scalars = scalars_tensor(
         (args["zoneout_h"], args["zoneout_c"], args["cell_clip"] or 0.0, args["proj_clip"] or 0.0, LN_EPS),

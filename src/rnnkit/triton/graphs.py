@@ -7,7 +7,7 @@ eagerly; the second captures the loop into a ``torch.cuda.CUDAGraph`` over priva
 buffers, and it and later calls copy their inputs in, replay the whole sequence as one
 launch, and clone the outputs out. A shape met once (an epoch's last, smaller batch) thus
 costs no capture and holds no graph. ``RNNKIT_TRITON_GRAPHS_KEPT`` graphs are kept (default
-8, least recently used dropped); `release_graphs` drops them all.
+8, least recently used dropped: `graphs_kept`); `release_graphs` drops them all.
 
 Graphs are kept per stream (two streams must not share one graph's static buffers), captured
 outside inference mode, in ``capture_error_mode="thread_local"`` (other threads' CUDA calls, a
@@ -32,18 +32,19 @@ import torch
 from .. import masks
 
 
-def _graphs_kept() -> int:
+def graphs_kept() -> int:
+    """How many graphs are kept (each holds its static buffers; the least recently used is dropped):
+    ``$RNNKIT_TRITON_GRAPHS_KEPT``, default 8, read at each capture (not on import: a bad value must
+    not stop ``import rnnkit`` where no graph is ever captured)."""
     value = os.environ.get("RNNKIT_TRITON_GRAPHS_KEPT", "8")
-    if not value.strip().isdigit() or int(value) < 1:
+    if not value.strip().isdecimal() or int(value) < 1:
         raise ValueError(f"RNNKIT_TRITON_GRAPHS_KEPT: expected a whole number of graphs, 1 or more, got {value!r}")
     return int(value)
 
 
-_CACHE_SIZE = _graphs_kept()  # graphs kept (each holds its static buffers), least recently used dropped
 _EAGER = "eager"  # cached for a key whose capture failed: its passes run without a graph
-_SEEN = "seen"  # cached for a key met once: its second call captures
 _cache: "OrderedDict[tuple, Union[_Graphed, str]]" = OrderedDict()
-_seen: "OrderedDict[tuple, str]" = OrderedDict()  # keys met once, the most recent 4 x _CACHE_SIZE
+_seen: "OrderedDict[tuple, None]" = OrderedDict()  # keys met once (their second call captures), the most recent
 _lock = threading.Lock()  # the cache, and one capture at a time
 _capture_failure: Optional[str] = None  # the first failed capture's error (warned once)
 
@@ -150,18 +151,20 @@ def run_loop(loop: Callable, cfg, buffers: Dict[str, torch.Tensor], outputs: Ite
            tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(buffers.items())))
     with _lock:
         graphed = _cache.pop(key, None)
-        if graphed is None and _seen.pop(key, None) is None:  # a first call: eager, remembered
-            graphed = _SEEN
-            _seen[key] = _SEEN
-            while len(_seen) > 4 * _CACHE_SIZE:
-                _seen.popitem(last=False)
-        elif graphed is None:
-            graphed = _captured(loop, cfg, buffers, device)
-        if graphed is not _SEEN:
+        if graphed is None:
+            if key not in _seen:  # a first call: eager, remembered
+                _seen[key] = None
+                while len(_seen) > 4 * graphs_kept():
+                    _seen.popitem(last=False)
+            else:
+                del _seen[key]
+                graphed = _captured(loop, cfg, buffers, device)
+        if graphed is not None:
             _cache[key] = graphed
-            while len(_cache) > _CACHE_SIZE:
+            kept = graphs_kept()
+            while len(_cache) > kept:
                 _cache.popitem(last=False)
-    if graphed is _EAGER or graphed is _SEEN:
+    if graphed is None or graphed is _EAGER:
         loop(cfg, buffers)
         return buffers
     return graphed(buffers, outputs, write_only)

@@ -396,6 +396,7 @@ Bf16RoundedX bf16_round(const float* X, int64_t rows, int64_t ldx, bool transpos
   Bf16RoundedX x;
   x.rows = rows, x.K = K, x.ld = 2 * pairs_of(K);
   x.storage = cached_empty({std::max<int64_t>(1, rows * x.ld)}, at::kShort);
+  if (poison_flag()) x.storage.fill_(-1);  // 0xffff, a bfloat16 NaN: padding left unwritten shows
   uint16_t* out = reinterpret_cast<uint16_t*>(x.storage.data_ptr<int16_t>());
   if (rows > 0 && K > 0) k.round(X, rows, ldx, transposed, K, x.ld, out);
   x.data = out;

@@ -69,7 +69,7 @@ void pack_groups_transposed(const int8_t* const rows[kPanel], int64_t width, int
     for (int j = 0; j < kPanel; ++j) {
       r[j] = kFull || j < width ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + 32 * b))
                                 : _mm256_setzero_si256();
-      // 1·w in pairs (int16, |sum| ≤ 254), then pairs of those (int32): exact
+      // 1·w in pairs (int16, |sum| ≤ 256), then pairs of those (int32): exact
       acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, r[j]), ones16));
     }
     __m256i t[kPanel], u[kPanel];
