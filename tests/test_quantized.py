@@ -179,16 +179,18 @@ def test_close_to_float32_per_layer(mode, options):
         assert rel_rms(q(x)[0], module(x)[0]) <= 2 * INT8
 
 
+@pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("mode, options", [
     pytest.param("lstm", dict(num_layers=3, peephole=True, layer_norm=True, proj_size=5), id="lstm"),
     pytest.param("gru", dict(num_layers=2, reset_after=False, batch_first=True), id="gru_reset_before"),
 ])
-def test_one_step_calls_of_a_stack_equal_one_call(mode, options):
+def test_one_step_calls_of_a_stack_equal_one_call(mode, options, batch):
     """A generation loop over an int8 stack (T calls of one step, the state carried) runs the int8
-    one-step plans, layer by layer, and equals one call over the T steps."""
+    one-step plans, layer by layer, and equals one call over the T steps (whose products read M
+    packed; a one-step call's read it as it is: for one row, 512-bit loops on AVX512-VNNI)."""
     module, q = quantized_pair(mode, I=8, H=12, **options)
     batch_first = options.get("batch_first", False)
-    x = torch.randn(3, 6, 8) if batch_first else torch.randn(6, 3, 8)
+    x = torch.randn(batch, 6, 8) if batch_first else torch.randn(6, batch, 8)
     with torch.no_grad():
         y, hy = q(x)
         general_run = q._run
@@ -207,10 +209,13 @@ def test_qgemm_is_exact():
     """The int8 GEMM against an int64 computation of the same quantization, odd shapes, zero rows."""
     extension = build.extension()
     # one row: blocks of 8 panels (64 columns) and a partial one (200 = 3 · 64 + 8)
-    for rows, N, K in [(1, 5, 37), (1, 200, 70), (1, 1024, 256), (3, 37, 33), (5, 148, 100), (64, 1024, 256),
-                       (2, 3, 1)]:
+    # and the 512-bit one-row loop (AVX512-VNNI): K in 1 to 8 chunks of 64 held in registers, cut or
+    # whole, or more (read from memory); N in blocks of 16 rows and a partial one
+    for rows, N, K in [(1, 5, 37), (1, 200, 70), (1, 1024, 256), (1, 17, 64), (1, 16, 513), (1, 33, 600),
+                       (1, 48, 1100), (3, 37, 33), (5, 148, 100), (64, 1024, 256), (2, 3, 1)]:
         X = torch.randn(rows, K) * 3
-        X[0, :] = 0  # a zero row: scale 0, zeros out
+        if rows > 1:
+            X[0, :] = 0  # a zero row: scale 0, zeros out
         M = torch.randint(-127, 128, (N, K), dtype=torch.int8)
         M[0, :] = 127
         scale = torch.rand(N) + 0.1
@@ -229,6 +234,7 @@ def test_qgemm_is_exact():
         for r in range(min(rows, 2)):  # the one-row kernel on M unpacked: the same bits as the packed one
             assert torch.equal(extension.qgemv(X[r].contiguous(), M, scale), C[r])
         assert torch.equal(extension.qgemm_unpacked(X, M, scale), C)  # several rows, M unpacked
+        assert torch.equal(extension.qgemv(torch.zeros(K), M, scale), torch.zeros(N))  # one zero row
     # the largest products everywhere: sums that would overflow int16 pairs must not saturate
     X = torch.full((4, 512), -2.0)
     M = torch.full((8, 512), -127, dtype=torch.int8)

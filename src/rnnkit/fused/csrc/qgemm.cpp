@@ -298,6 +298,124 @@ inline __m256i dot_sign(__m256i acc, __m256i x_abs, __m256i x_q, __m256i w) {
 }
 inline __m256i dot_packed(__m256i acc, __m256i x_aux, __m256i, __m256i w) { return dpbusd(acc, x_aux, w); }
 #include "qgemm_kernels.h"
+
+inline __m512i dpbusd512(__m512i acc, __m512i a, __m512i b) {  // in place, as dpbusd
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+// 16 vectors' lane sums, lane j of the result Σ acc[j] (exact: int32 addition in any order).
+inline __m512i lane_sums16(const __m512i acc[16]) {
+  __m512i s[8], t[4];
+  for (int j = 0; j < 8; ++j)  // per 128 bits: a0[0]+a0[2], a1[0]+a1[2], a0[1]+a0[3], a1[1]+a1[3]
+    s[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2 * j], acc[2 * j + 1]),
+                            _mm512_unpackhi_epi32(acc[2 * j], acc[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)  // per 128 bits: the partial sums of rows 4j .. 4j + 3, in order
+    t[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(s[2 * j], s[2 * j + 1]),
+                            _mm512_unpackhi_epi64(s[2 * j], s[2 * j + 1]));
+  const __m512i v01 = _mm512_add_epi32(_mm512_shuffle_i32x4(t[0], t[1], 0x44), _mm512_shuffle_i32x4(t[0], t[1], 0xee));
+  const __m512i v23 = _mm512_add_epi32(_mm512_shuffle_i32x4(t[2], t[3], 0x44), _mm512_shuffle_i32x4(t[2], t[3], 0xee));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(v01, v23, 0x88), _mm512_shuffle_i32x4(v01, v23, 0xdd));
+}
+
+// w with its signs flipped where x is negative: |x| · ±w = x · w (AVX-512 has no vpsignb).
+inline __m512i signed_like(__m512i w, __mmask64 negative) {
+  return _mm512_mask_sub_epi8(w, negative, _mm512_setzero_si512(), w);
+}
+
+// Σ_k x[k] · M[n, k] for the 16 rows from `row` (ld apart; the last `repeat` of them a repeat of
+// the one before, unused), K in CH chunks of 64 bytes (the last cut by `tail`): |x| and x's signs
+// in registers for the whole block, two accumulators a row.
+template <int CH>
+inline void rows16_held(const __m512i* a, const __mmask64* negative, const int8_t* const row[16], __mmask64 tail,
+                        __m512i acc[16]) {
+  __m512i x[CH];
+  __mmask64 n[CH];
+  for (int c = 0; c < CH; ++c) x[c] = a[c], n[c] = negative[c];
+  for (int j = 0; j < 16; ++j) {
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int c = 0; c < CH; ++c) {
+      const __m512i w = _mm512_maskz_loadu_epi8(c + 1 < CH ? ~__mmask64(0) : tail, row[j] + 64 * c);
+      if (c % 2 == 0) {
+        s0 = dpbusd512(s0, x[c], signed_like(w, n[c]));
+      } else {
+        s1 = dpbusd512(s1, x[c], signed_like(w, n[c]));
+      }
+    }
+    acc[j] = _mm512_add_epi32(s0, s1);
+  }
+}
+
+// The same for any number of chunks, |x| and its signs read from the block's arrays.
+inline void rows16_read(const __m512i* a, const __mmask64* negative, int64_t chunks, const int8_t* const row[16],
+                        __mmask64 tail, __m512i acc[16]) {
+  for (int j = 0; j < 16; ++j) {
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    int64_t c = 0;
+    for (; c + 2 < chunks; c += 2) {
+      s0 = dpbusd512(s0, a[c], signed_like(_mm512_loadu_si512(row[j] + 64 * c), negative[c]));
+      s1 = dpbusd512(s1, a[c + 1], signed_like(_mm512_loadu_si512(row[j] + 64 * c + 64), negative[c + 1]));
+    }
+    for (; c < chunks; ++c) {
+      const __m512i w = _mm512_maskz_loadu_epi8(c + 1 < chunks ? ~__mmask64(0) : tail, row[j] + 64 * c);
+      s0 = dpbusd512(s0, a[c], signed_like(w, negative[c]));
+    }
+    acc[j] = _mm512_add_epi32(s0, s1);
+  }
+}
+
+template <int CH = 8>
+inline void rows16(const __m512i* a, const __mmask64* negative, int64_t chunks, const int8_t* const row[16],
+                   __mmask64 tail, __m512i acc[16]) {
+  if (chunks == CH) return rows16_held<CH>(a, negative, row, tail, acc);
+  if constexpr (CH > 1) return rows16<CH - 1>(a, negative, chunks, row, tail, acc);
+  rows16_read(a, negative, chunks, row, tail, acc);
+}
+
+// One row of X against row-major M (no packing) on 512-bit vectors, 16 rows of M at a time, one
+// reduction per 16 outputs: a one-step call of batch one (the step API) reads M as it is, 25-30%
+// faster than the 256-bit loop (which sums each output horizontally).
+void unpacked_one_row(const RowsX& qx, const QuantizedRows& M, int64_t N, int64_t K, float beta, float* C) {
+  constexpr int64_t kRows = 16;
+  const int64_t chunks = (K + 63) / 64;
+  const __mmask64 tail = K % 64 == 0 ? ~__mmask64(0) : (__mmask64(1) << (K % 64)) - 1;
+  std::vector<__m512i> a(chunks);  // |x| and its signs, 64 bytes a chunk (never read past K)
+  std::vector<__mmask64> negative(chunks);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __mmask64 m = c + 1 < chunks ? ~__mmask64(0) : tail;
+    a[c] = _mm512_maskz_loadu_epi8(m, qx.q + qx.abs_off + 64 * c);
+    negative[c] = _mm512_movepi8_mask(_mm512_maskz_loadu_epi8(m, qx.q + 64 * c));
+  }
+  const float sx = qx.sx[0];
+  at::parallel_for(0, (N + kRows - 1) / kRows, std::max<int64_t>(1, kGrain / (kRows * K)), [&](int64_t begin,
+                                                                                                int64_t end) {
+    for (int64_t n = kRows * begin; n < std::min(N, kRows * end); n += kRows) {
+      const int64_t rows_m = std::min(kRows, N - n);
+      const int8_t* row[kRows];
+      for (int64_t j = 0; j < kRows; ++j) row[j] = M.data + (n + std::min(j, rows_m - 1)) * M.ld;  // past N: unused
+      __m512i acc[kRows];
+      rows16(a.data(), negative.data(), chunks, row, tail, acc);
+      const __mmask16 out = __mmask16((1u << rows_m) - 1);
+      __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(sx), _mm512_maskz_loadu_ps(out, M.scale + n)),
+                               _mm512_cvtepi32_ps(lane_sums16(acc)));
+      if (beta != 0) {
+        asm("" : "+v"(v));  // v rounded before the add: no fused multiply-add
+        v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(beta), _mm512_maskz_loadu_ps(out, C + n)));
+      }
+      _mm512_mask_storeu_ps(C + n, out, v);
+    }
+  });
+}
+
+// `unpacked`, with a single row of X on the 512-bit loop above.
+void unpacked_512(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M, int64_t N, int64_t K, float beta,
+                  float* C, int64_t ldc) {
+  if (rows != 1) return unpacked(X, rows, ldx, M, N, K, beta, C, ldc);
+  thread_local Scratch scratch;
+  RowsX qx;
+  quantize_rows<false>(X, 1, ldx, K, scratch, qx);
+  unpacked_one_row(qx, M, N, K, beta, C);
+}
 }  // namespace avx512_vnni
 #pragma GCC pop_options
 
@@ -327,7 +445,7 @@ bool has_avx_vnni() { return __builtin_cpu_supports("avxvnni"); }
 // In the order `auto` tries them; emulated-vnni only on request (tests).
 const Int8Kernels kKernels[] = {
 #ifdef RNNKIT_VNNI_KERNELS
-    {"avx512-vnni", avx512_vnni::unpacked, avx512_vnni::packed, has_avx512_vnni, true},
+    {"avx512-vnni", avx512_vnni::unpacked_512, avx512_vnni::packed, has_avx512_vnni, true},
     {"avx-vnni", avx_vnni::unpacked, avx_vnni::packed, has_avx_vnni, true},
 #endif
     {"avx2", avx2::unpacked, avx2::packed, runs_everywhere, true},
