@@ -205,6 +205,66 @@ def test_one_step_calls_of_a_stack_equal_one_call_over_the_sequence(kind, dtype)
     assert_close(state, hy, "final state")
 
 
+def _general_path_only(monkeypatch):
+    """Calls of stacks take the general path: nn.planned_call declines every call."""
+    monkeypatch.setattr(rnnkit.nn, "planned_call", lambda *args: None)
+    monkeypatch.setattr(rnnkit.quantized, "planned_call", lambda *args: None)
+
+
+def _leaves(out):
+    y, state = out
+    return [y, *(state if isinstance(state, tuple) else (state,))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
+@pytest.mark.parametrize("kind", list(STACKS))
+@pytest.mark.parametrize("backend", ["fused", "auto"])
+def test_sequence_calls_without_a_gradient_run_on_the_plans_and_equal_the_general_path(kind, dtype, backend,
+                                                                                         monkeypatch):
+    """A call of many steps without a gradient runs each layer's pass through its plan, one C++
+    call a layer (nn.planned_call), with the general path's outputs, final states, dtypes and
+    strides bit for bit, from a given state and from none; batches of 1, 3 and 7 rows."""
+    cls, options = STACKS[kind]
+    fused, _ = _fused_and_reference(cls, dtype, **options)
+    fused.backend = backend
+    batch_first = options.get("batch_first", False)
+    for batch in (1, 3, 7):
+        x = torch.randn(batch, T, I, dtype=dtype) if batch_first else torch.randn(T, batch, I, dtype=dtype)
+        with torch.no_grad():
+            hx = fused(x)[1]
+            with monkeypatch.context() as patch:
+                _general_path_only(patch)
+                want = [fused(x), fused(x, hx)]
+            chosen = fused.last_backend  # auto: oneDNN's for a plain LSTM's batch of 5 rows or more (next test)
+            with monkeypatch.context() as patch:
+                if chosen == "fused":  # the plans run every layer
+                    patch.setattr(fused, "_pass_weights", lambda: pytest.fail("left the plans for the general path"))
+                got = [fused(x), fused(x, hx)]
+        assert fused.last_backend == chosen
+        for a, b in zip(got, want):
+            for u, v in zip(_leaves(a), _leaves(b)):
+                assert torch.equal(u, v) and u.dtype == v.dtype and u.stride() == v.stride()
+
+
+def test_sequence_calls_leave_auto_s_choice_as_it_is(monkeypatch):
+    """The plans run a sequence only where the general path would choose the fused kernels: with
+    "auto", an LSTM's padded batch of backend.NATIVE_MIN_BATCH rows or more stays on oneDNN's
+    (native), a smaller one on the plans; a call that records a graph takes the general path."""
+    require_fused_kernels()
+    lstm = rnnkit.LSTM(I, H, num_layers=2).eval()
+    general = lstm._pass_weights
+    calls = []
+    monkeypatch.setattr(lstm, "_pass_weights", lambda: calls.append(1) or general())
+    small, large = rnnkit.backend.NATIVE_MIN_BATCH - 1, rnnkit.backend.NATIVE_MIN_BATCH
+    with torch.no_grad():
+        lstm(torch.randn(T, small, I))
+        assert (calls, lstm.last_backend) == ([], "fused")
+        lstm(torch.randn(T, large, I))
+        assert (len(calls), lstm.last_backend) == (1, "native")
+    lstm(torch.randn(T, small, I, requires_grad=True))
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("options", [dict(bidirectional=True), dict(num_layers=2, hidden_size=[H, H + 2])],
                          ids=["bidirectional", "per_layer_sizes"])
 def test_one_step_calls_the_plans_do_not_take_run_the_general_path(options):

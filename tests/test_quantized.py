@@ -205,6 +205,33 @@ def test_one_step_calls_of_a_stack_equal_one_call(mode, options, batch):
     assert_close(state, hy, "final state", tol=EXACT)
 
 
+@pytest.mark.parametrize("mode, options", [
+    pytest.param("lstm", dict(num_layers=3, peephole=True, layer_norm=True, proj_size=5, zoneout=0.2), id="lstm"),
+    pytest.param("gru", dict(num_layers=2, reset_after=False, batch_first=True), id="gru_reset_before"),
+    pytest.param("rnn_relu", dict(num_layers=2), id="rnn_relu"),
+])
+def test_sequence_calls_run_on_the_plans_and_equal_the_general_path(mode, options, monkeypatch):
+    """A call over many steps runs each layer's pass through its plan (nn.planned_call), with the
+    general path's outputs and final states bit for bit (batches of 1, 3 and 7 rows, from no state
+    and from a given one)."""
+    _, q = quantized_pair(mode, I=8, H=12, **options)
+    batch_first = options.get("batch_first", False)
+    general = q._run
+    for batch in (1, 3, 7):
+        x = torch.randn(batch, 6, 8) if batch_first else torch.randn(6, batch, 8)
+        with torch.no_grad():
+            hx = q(x)[1]
+            q._run = lambda *args: pytest.fail("a sequence call left the plans for the general path")
+            got = [q(x), q(x, hx)]
+            q._run = general
+            with monkeypatch.context() as patch:
+                patch.setattr(rnnkit.quantized, "planned_call", lambda *args: None)
+                want = [q(x), q(x, hx)]
+        for a, b in zip(got, want):
+            for u, v in zip(flatten(a), flatten(b)):
+                assert torch.equal(u, v) and u.stride() == v.stride()
+
+
 def test_qgemm_is_exact():
     """The int8 GEMM against an int64 computation of the same quantization, odd shapes, zero rows."""
     extension = build.extension()

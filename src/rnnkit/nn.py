@@ -375,11 +375,13 @@ class _PackedModule(_SpecAttributes, nn.Module):
                 stacklevel=3,
             )
 
-    def _step_plans(self, input, hx) -> Optional[list]:
-        """The fused kernels' one-step plans, one per pass (weights and scalars fixed once, one C++
-        call a step), when this call can take them: eager with plain tensors (no torch.func
-        transform, dispatch mode or tracing), no gradient to record (of the parameters, the input
-        or the state, forward-mode AD's tangents included), no autocast, no random masks; else None.
+    def _step_plans(self, input, hx, steps: int = 1, batch: int = 1) -> Optional[list]:
+        """The fused kernels' plans, one per pass (weights and scalars fixed once, one C++ call a
+        step, or a pass over ``steps`` steps of ``batch`` rows), when this call can take them: eager
+        with plain tensors (no torch.func transform, dispatch mode or tracing), no gradient to record
+        (of the parameters, the input or the state, forward-mode AD's tangents included), no
+        autocast, no random masks, and, for more than one step, the backend the general path would
+        choose is ``fused`` (`_plans_take_sequences`); else None.
         The plans hold the parameters' memory: they are rebuilt when a parameter, or the memory
         behind one or its layout (``p.data = ...``, ``flatten_parameters``, ``.to``), changes. Generation loops
         live on this path (README, "Speed": step API)."""
@@ -397,12 +399,25 @@ class _PackedModule(_SpecAttributes, nn.Module):
         cached = self.__dict__.get("_plan")
         if cached is None or cached[1] != self.backend or cached[3] != memory or \
                 any(a is not b for a, b in zip(cached[2], tensors)):
-            cached = StepPlans((self._make_plans(tensors), self.backend, tensors, memory))
+            cached = StepPlans((self._make_plans(tensors), self.backend, tensors, memory, {}))
             self.__dict__["_plan"] = cached
         plans = cached[0]
         if plans is None or torch.is_autocast_enabled(tensors[0].device.type):
             return None
+        if steps != 1 and not self._plans_take_sequences(cached[4], tensors[0], batch):
+            return None
         return plans
+
+    def _plans_take_sequences(self, known: dict, weight: torch.Tensor, batch: int) -> bool:
+        """Whether the backend chosen for a call of several steps without a gradient (nor lengths) is
+        ``fused``, whose kernels the plans run: with ``"auto"`` an LSTM's padded batch of
+        `backend.NATIVE_MIN_BATCH` rows or more stays on oneDNN's (`backend.select`). The answer
+        depends on the batch only through that threshold, and is kept in ``known``."""
+        key = batch < backends_.NATIVE_MIN_BATCH
+        if key not in known:
+            chosen = backends_.select(self.backend, self.spec, weight.device, weight.dtype, steps=2, batch=batch)
+            known[key] = chosen.name == "fused"
+        return known[key]
 
     def _check_pieces(self, tensors) -> None:
         """Each weight has its entry's shape, and all have one dtype and device: a weight put in
@@ -633,15 +648,21 @@ def step_plans(spec: RNNSpec, passes, like: torch.Tensor, scales=None) -> list:
     return plans
 
 
-def one_step_call(spec: RNNSpec, plans_of, input, hx, lengths):
-    """A stack's call of one time step (generation loops) layer by layer through one-step plans
-    (``plans_of()``: one per layer, or None), or None where they cannot take it (the general path
-    then runs, and says what is wrong). One direction, one size for every layer, a tensor input
-    and tensor states; the results are the general path's."""
-    if lengths is not None or type(input) is not torch.Tensor or input.dim() != 3 or \
-            input.shape[1 if spec.batch_first else 0] != 1 or spec.num_directions != 1 or spec.per_layer:
+def planned_call(spec: RNNSpec, plans_of, input, hx, lengths):
+    """A stack's call of inference layer by layer through its plans (``plans_of(steps, batch)``: one
+    per layer, or None), or None where they cannot take it (the general path then runs, and says
+    what is wrong). One direction, one size for every layer, a tensor input and tensor states; the
+    results are the general path's, bit for bit. A call of one time step (generation loops) runs each
+    layer's step, a longer one each layer's pass over the sequence: one C++ call a layer, where the
+    general path spent ~25 µs of Python a call (checks, states, masks, the backend's choice).
+    """
+    if lengths is not None or type(input) is not torch.Tensor or input.dim() != 3 or spec.num_directions != 1 \
+            or spec.per_layer:
         return None
-    plans = plans_of()
+    steps, batch = (input.shape[1], input.shape[0]) if spec.batch_first else input.shape[:2]
+    if steps == 0 or batch == 0:
+        return None
+    plans = plans_of(steps, batch)
     if plans is None:
         return None
     lstm, L = spec.mode == "lstm", spec.num_layers
@@ -653,17 +674,28 @@ def one_step_call(spec: RNNSpec, plans_of, input, hx, lengths):
                 type(t) is not torch.Tensor or t.dim() != 3 or t.shape[0] != L for t in parts):
             return None
         states = [(parts[0][layer], parts[1][layer]) if lstm else parts[0][layer] for layer in range(L)]
-    x = input[:, 0] if spec.batch_first else input[0]
     hs, cs = [], []
-    for plan, state in zip(plans, states):
-        out = plan(x, state)
-        if out is None:
-            return None
-        h, c = out if lstm else (out, None)
-        hs.append(h)
-        cs.append(c)
-        x = h
-    y = x.unsqueeze(1 if spec.batch_first else 0)
+    if steps == 1:
+        x = input[:, 0] if spec.batch_first else input[0]
+        for plan, state in zip(plans, states):
+            out = plan(x, state)
+            if out is None:
+                return None
+            h, c = out if lstm else (out, None)
+            hs.append(h)
+            cs.append(c)
+            x = h
+        y = x.unsqueeze(1 if spec.batch_first else 0)
+    else:
+        x = input.transpose(0, 1) if spec.batch_first else input
+        for plan, state in zip(plans, states):
+            out = plan.sequence(x, state)
+            if out is None:
+                return None
+            x = out[0]
+            hs.append(out[1])
+            cs.append(out[2] if lstm else None)
+        y = x.transpose(0, 1) if spec.batch_first else x
     h_n = torch.stack(hs)
     return (y, (h_n, torch.stack(cs))) if lstm else (y, h_n)
 
@@ -714,7 +746,8 @@ class _Recurrent(_StackAttributes, _PackedModule):
             (output, h_n), or (output, (h_n, c_n)) for LSTM; output is a PackedSequence
             when the input is one.
         """
-        out = one_step_call(self.spec, lambda: self._step_plans(input, hx), input, hx, lengths)
+        out = planned_call(self.spec, lambda steps, batch: self._step_plans(input, hx, steps, batch), input, hx,
+                           lengths)
         if out is not None:
             self.__dict__["last_backend"] = "fused"  # a plain attribute: skips Module.__setattr__
             return out

@@ -33,7 +33,7 @@ from torch import nn
 from . import functional
 from . import nn as float_nn
 from .nn import (_NONLINEARITY, StepPlans, _Cell, _CellAttributes, _PackedModule, _Recurrent, _SpecAttributes,
-                 _StackAttributes, check_cell_input, memory_of, one_step_call, step_plans)
+                 _StackAttributes, check_cell_input, memory_of, planned_call, step_plans)
 from .errors import DTypeMismatchError, MismatchError
 from .params import Layout, PassWeights
 from .passes import (PASS_ARGUMENTS, _direct, forward_ad_reason, mask_tensors, named, output_shapes, pass_scalars,
@@ -284,7 +284,8 @@ class _QuantizedStack(_StackAttributes, _Quantized):
         """As the float module's call (input, hx, lengths; PackedSequence), in evaluation mode."""
         data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
         self._check_call([data, *functional._leaves(hx)])
-        out = one_step_call(self.spec, lambda: self._plans() if _on_the_kernels(data) else None, input, hx, lengths)
+        out = planned_call(self.spec, lambda steps, batch: self._plans() if _on_the_kernels(data) else None, input, hx,
+                           lengths)
         if out is not None:
             return out
         return functional.sequence_call(self._run, input, hx, lengths, self.spec.batch_first)

@@ -128,15 +128,40 @@ py::tuple pass_forward_int8(RNNKIT_PASS_PARAMETERS, const Tensor& W_scale, const
   return py::make_tuple(out[0], out[1], or_empty(out[2], a.x));
 }
 
-// One-step cells' fast path (rnnkit.LSTMCell / GRUCell / RNNCell in inference): the pass's
-// weights and scalars, fixed when the cell builds it, and a call that takes only x and the state.
-// It returns None instead of raising when the call is not one it can take (shapes, dtypes,
-// devices), so that Python's checks give their errors naming the argument.
+// Inference's fast path, for one-step cells (rnnkit.LSTMCell / GRUCell / RNNCell) and for the
+// layers of a stack's call without a gradient: the pass's weights and scalars, fixed when the
+// module builds it, and calls that take only x and the state. They return None instead of raising
+// when the call is not one they can take (shapes, dtypes, devices), so that Python's checks give
+// their errors naming the argument.
 class StepPlan {
  public:
   explicit StepPlan(PassArgs weights) : base_(std::move(weights)) {}
 
+  // One step: input [B, I] or unbatched [I], hx the cell's state -> h' (or (h', c')).
   py::object call(const Tensor& input, const py::object& hx) const {
+    if (input.dim() < 1 || input.dim() > 2) return py::none();
+    const bool unbatched = input.dim() == 1;
+    const auto out = run(input, 1, unbatched ? 1 : input.size(0), unbatched, hx);
+    if (!out) return py::none();
+    const auto result = [&](const Tensor& t) { return unbatched ? t[0] : t; };
+    if (base_.mode != "lstm") return py::cast(result(out->at(1)));
+    return py::make_tuple(result(out->at(1)), result(out->at(2)));
+  }
+
+  // A layer's pass over a whole sequence: input [T, B, I], hx its state ([B, Hr], or a pair with
+  // [B, H]) or None -> (y [T, B, Hr], h_n, c_n), or (y, h_n) without a cell state.
+  py::object sequence(const Tensor& input, const py::object& hx) const {
+    if (input.dim() != 3 || input.size(0) == 0 || input.size(1) == 0) return py::none();
+    const auto out = run(input, input.size(0), input.size(1), false, hx);
+    if (!out) return py::none();
+    if (base_.mode != "lstm") return py::make_tuple(out->at(0), out->at(1));
+    return py::make_tuple(out->at(0), out->at(1), out->at(2));
+  }
+
+ private:
+  // The pass on x = input as [T, B, I] -> (y, h_n, c_n) in the input's dtype, or nothing.
+  std::optional<std::array<Tensor, 3>> run(const Tensor& input, int64_t T, int64_t B, bool unbatched,
+                                           const py::object& hx) const {
     const at::NoGradGuard no_grad;
     const Tensor& W = base_.W;
     // the input's and states' dtype: int8 weights take float32; a half-precision module's plan
@@ -144,36 +169,36 @@ class StepPlan {
     const at::ScalarType dtype = base_.quantized() ? at::kFloat : W.scalar_type();
     const bool half = base_.half_weights();
     const auto compute = [&](const Tensor& t) { return half ? t.to(at::kFloat) : t; };
-    if (input.dim() < 1 || input.dim() > 2 || input.size(-1) != W.size(1) || input.scalar_type() != dtype ||
-        input.device() != W.device()) {
-      return py::none();
+    if (input.size(-1) != W.size(1) || input.scalar_type() != dtype || input.device() != W.device()) {
+      return std::nullopt;
     }
-    const bool unbatched = input.dim() == 1, lstm = base_.mode == "lstm";
-    const int64_t B = unbatched ? 1 : input.size(0);
+    const bool lstm = base_.mode == "lstm";
     const int64_t Hr = base_.R.size(1);
     const int64_t H = base_.W_hr.defined() ? base_.W_hr.size(1) : (lstm ? W.size(0) / (base_.coupled ? 3 : 4) : Hr);
     PassArgs a = base_;
     const Tensor widened = half ? widen_vectors(a) : Tensor();  // a's half vectors point into it
-    a.x = compute(input.reshape({1, B, input.size(-1)})).contiguous();
+    a.x = compute(input.reshape({T, B, input.size(-1)})).contiguous();
     if (hx.is_none()) {
       a.h0 = at::zeros({B, Hr}, a.x.options());
       if (lstm) a.c0 = at::zeros({B, H}, a.x.options());
     } else {
       Tensor h, c;
       if (lstm) {
-        if (!py::isinstance<py::tuple>(hx) && !py::isinstance<py::list>(hx)) return py::none();
+        if (!py::isinstance<py::tuple>(hx) && !py::isinstance<py::list>(hx)) return std::nullopt;
         const py::sequence pair = hx.cast<py::sequence>();
-        if (pair.size() != 2 || !THPVariable_Check(pair[0].ptr()) || !THPVariable_Check(pair[1].ptr())) return py::none();
+        if (pair.size() != 2 || !THPVariable_Check(pair[0].ptr()) || !THPVariable_Check(pair[1].ptr())) {
+          return std::nullopt;
+        }
         h = pair[0].cast<Tensor>(), c = pair[1].cast<Tensor>();
       } else {
-        if (!THPVariable_Check(hx.ptr())) return py::none();
+        if (!THPVariable_Check(hx.ptr())) return std::nullopt;
         h = hx.cast<Tensor>();
       }
       const auto state_ok = [&](const Tensor& t, int64_t n) {
         return t.scalar_type() == dtype && t.device() == W.device() &&
                (unbatched ? (t.dim() == 1 && t.size(0) == n) : (t.dim() == 2 && t.size(0) == B && t.size(1) == n));
       };
-      if (!state_ok(h, Hr) || (lstm && !state_ok(c, H))) return py::none();
+      if (!state_ok(h, Hr) || (lstm && !state_ok(c, H))) return std::nullopt;
       const auto as_rows = [&](const Tensor& t, int64_t n) {  // [B, n] contiguous (no new view when it is)
         return t.dim() == 2 && t.is_contiguous() ? t : t.reshape({B, n}).contiguous();
       };
@@ -186,12 +211,10 @@ class StepPlan {
       py::gil_scoped_release no_gil;
       out = forward(a, false);
     }
-    const auto result = [&](const Tensor& t) { return (unbatched ? t[0] : t).to(dtype); };  // half: rounded back
-    if (!lstm) return py::cast(result(out[1]));
-    return py::make_tuple(result(out[1]), result(out[2]));
+    const auto back = [&](const Tensor& t) { return t.defined() ? t.to(dtype) : t; };  // half: rounded back
+    return std::array<Tensor, 3>{back(out[0]), back(out[1]), back(out[2])};
   }
 
- private:
   // A bfloat16 / float16 module's vectors (biases, peepholes, layer norm's gains and shifts) as the
   // float32 the cells read, widened from the module's tensors at every call: a copy kept in the plan
   // would miss their in-place updates (an optimizer's step, load_state_dict, init.*_), which change
@@ -434,8 +457,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_int8_kernel", &rnnkit::set_int8_kernel, py::arg("name"),
         "use these int8 kernels from now on ('auto': the CPU's choice); returns the previous name");
   m.def("saved_count", [] { return int(rnnkit::kNumSaved); }, "entries of the saved list");
-  py::class_<rnnkit::StepPlan>(m, "StepPlan", "a one-step cell's weights and scalars, fixed (inference)")
-      .def("__call__", &rnnkit::StepPlan::call, py::arg("input"), py::arg("hx"));
+  py::class_<rnnkit::StepPlan>(m, "StepPlan", "a pass's weights and scalars, fixed (inference): one step, or a whole sequence")
+      .def("__call__", &rnnkit::StepPlan::call, py::arg("input"), py::arg("hx"))
+      .def("sequence", &rnnkit::StepPlan::sequence, py::arg("input"), py::arg("hx"));
   m.def("step_plan", &rnnkit::make_step_plan, "a StepPlan (the pass arguments; x, h0, c0 are ignored)",
         RNNKIT_PASS_PY_ARGS, py::arg("W_scale") = py::none(), py::arg("R_scale") = py::none(),
         py::arg("W_hr_scale") = py::none());
