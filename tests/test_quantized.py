@@ -236,10 +236,12 @@ def test_qgemm_is_exact():
     """The int8 GEMM against an int64 computation of the same quantization, odd shapes, zero rows."""
     extension = build.extension()
     # one row: blocks of 8 panels (64 columns) and a partial one (200 = 3 · 64 + 8)
-    # and the 512-bit one-row loop (AVX512-VNNI): K in 1 to 8 chunks of 64 held in registers, cut or
-    # whole, or more (read from memory); N in blocks of 16 rows and a partial one
+    # and the 512-bit loops (AVX512-VNNI): one row, K in 1 to 8 chunks of 64 held in registers, cut or
+    # whole, or more (read from memory), N in blocks of 16 rows and a partial one; 2 to 8 rows, in
+    # blocks of 1 to 4 rows against 3 to 8 rows of M
     for rows, N, K in [(1, 5, 37), (1, 200, 70), (1, 1024, 256), (1, 17, 64), (1, 16, 513), (1, 33, 600),
-                       (1, 48, 1100), (3, 37, 33), (5, 148, 100), (64, 1024, 256), (2, 3, 1)]:
+                       (1, 48, 1100), (3, 37, 33), (5, 148, 100), (4, 31, 200), (8, 17, 513), (7, 10, 64),
+                       (64, 1024, 256), (2, 3, 1)]:
         X = torch.randn(rows, K) * 3
         if rows > 1:
             X[0, :] = 0  # a zero row: scale 0, zeros out

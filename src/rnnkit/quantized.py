@@ -369,8 +369,8 @@ _QUANTIZED = {float_nn.LSTM: LSTM, float_nn.GRU: GRU, float_nn.RNN: RNN, float_n
 #: The int8 GEMM kernels (csrc/qgemm.cpp), by the names `int8_kernel` and $RNNKIT_INT8_KERNEL use.
 #: Every one sums the same products exactly in int32: they give the same outputs bit for bit.
 INT8_KERNELS = {
-    "avx512-vnni": "AVX512-VNNI: vpdpbusd on x + 128 as unsigned bytes, less 128·Σw (one row of a one-step call: "
-                   "512-bit vpdpbusd on |x| and ±w)",
+    "avx512-vnni": "AVX512-VNNI: vpdpbusd on x + 128 as unsigned bytes, less 128·Σw (a one-step call's few rows: "
+                   "512-bit, on |x| and ±w for one row)",
     "avx-vnni": "AVX-VNNI: vpdpbusd (VEX) on x + 128 as unsigned bytes, less 128·Σw",
     "avx2": "AVX2: vpmaddubsw on |x| and sign(w, x), pairs summed by vpmaddwd",
     "emulated-vnni": "the VNNI kernels' arithmetic in AVX2 instructions (for tests on CPUs without VNNI)",

@@ -407,14 +407,71 @@ void unpacked_one_row(const RowsX& qx, const QuantizedRows& M, int64_t N, int64_
   });
 }
 
-// `unpacked`, with a single row of X on the 512-bit loop above.
+// Rows [r0, r0 + XR) of X (1 to 4) against row-major M (no packing), MR = 16 / (XR + 1) rows of M
+// at a time: x + 128 as unsigned bytes times w, less 128·Σw as the packed kernels do, Σw summed on
+// the way (a vpdpbusd of ones), so that each 64 bytes of M take XR + 1 products for the XR rows;
+// the MR·XR sums and MR row sums of a block are one reduction of 16 vectors.
+template <int XR>
+void unpacked_rows_512(const RowsX& qx, int64_t r0, const QuantizedRows& M, int64_t N, int64_t K, float beta,
+                       float* C, int64_t ldc) {
+  constexpr int MR = 16 / (XR + 1);
+  const int64_t chunks = (K + 63) / 64;
+  const __mmask64 tail = K % 64 == 0 ? ~__mmask64(0) : (__mmask64(1) << (K % 64)) - 1;
+  const __m512i ones = _mm512_set1_epi8(1);
+  const int8_t* xu[XR];  // x + 128, unsigned
+  for (int r = 0; r < XR; ++r) xu[r] = qx.q + (r0 + r) * qx.ld + qx.abs_off;
+  at::parallel_for(0, (N + MR - 1) / MR, std::max<int64_t>(1, kGrain / (MR * XR * K)), [&](int64_t begin,
+                                                                                            int64_t end) {
+    for (int64_t n = MR * begin; n < std::min(N, MR * end); n += MR) {
+      const int64_t rows_m = std::min<int64_t>(MR, N - n);
+      const int8_t* row[MR];
+      for (int64_t j = 0; j < MR; ++j) row[j] = M.data + (n + std::min(j, rows_m - 1)) * M.ld;  // past N: unused
+      __m512i acc[16];  // [j · XR + r]: row j of M times row r of X; [MR · XR + j]: Σ row j
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __mmask64 m = c + 1 < chunks ? ~__mmask64(0) : tail;  // never read past K
+        __m512i x[XR];
+        for (int r = 0; r < XR; ++r) x[r] = _mm512_maskz_loadu_epi8(m, xu[r] + 64 * c);
+        for (int j = 0; j < MR; ++j) {
+          const __m512i w = _mm512_maskz_loadu_epi8(m, row[j] + 64 * c);
+          for (int r = 0; r < XR; ++r) acc[j * XR + r] = dpbusd512(acc[j * XR + r], x[r], w);
+          acc[MR * XR + j] = dpbusd512(acc[MR * XR + j], ones, w);
+        }
+      }
+      alignas(64) int32_t sums[16];
+      _mm512_store_si512(sums, lane_sums16(acc));
+      for (int r = 0; r < XR; ++r) {
+        const float sx = qx.sx[r0 + r];
+        float* out = C + (r0 + r) * ldc;
+        for (int64_t j = 0; j < rows_m; ++j) {
+          float v = sx * M.scale[n + j] * float(sums[j * XR + r] - 128 * sums[MR * XR + j]);
+          asm("" : "+x"(v));  // v rounded before the add: no fused multiply-add
+          out[n + j] = beta == 0 ? v : v + beta * out[n + j];
+        }
+      }
+    }
+  });
+}
+
+// `unpacked` on 512-bit loops: one row of X (a one-step call of batch one) with w's signs flipped,
+// more (a step of a beam, a small batch) up to four rows at a time with M's row sums.
 void unpacked_512(const float* X, int64_t rows, int64_t ldx, const QuantizedRows& M, int64_t N, int64_t K, float beta,
                   float* C, int64_t ldc) {
-  if (rows != 1) return unpacked(X, rows, ldx, M, N, K, beta, C, ldc);
   thread_local Scratch scratch;
   RowsX qx;
-  quantize_rows<false>(X, 1, ldx, K, scratch, qx);
-  unpacked_one_row(qx, M, N, K, beta, C);
+  if (rows == 1) {
+    quantize_rows<false>(X, 1, ldx, K, scratch, qx);
+    return unpacked_one_row(qx, M, N, K, beta, C);
+  }
+  quantize_rows<true>(X, rows, ldx, K, scratch, qx);
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    switch (std::min<int64_t>(4, rows - r0)) {
+      case 1: unpacked_rows_512<1>(qx, r0, M, N, K, beta, C, ldc); break;
+      case 2: unpacked_rows_512<2>(qx, r0, M, N, K, beta, C, ldc); break;
+      case 3: unpacked_rows_512<3>(qx, r0, M, N, K, beta, C, ldc); break;
+      default: unpacked_rows_512<4>(qx, r0, M, N, K, beta, C, ldc); break;
+    }
+  }
 }
 }  // namespace avx512_vnni
 #pragma GCC pop_options
