@@ -223,13 +223,14 @@ def test_sequence_calls_without_a_gradient_run_on_the_plans_and_equal_the_genera
                                                                                          monkeypatch):
     """A call of many steps without a gradient runs each layer's pass through its plan, one C++
     call a layer (nn.planned_call), with the general path's outputs, final states, dtypes and
-    strides bit for bit, from a given state and from none; batches of 1, 3 and 7 rows."""
+    strides bit for bit, from a given state and from none; batches of 1, 3 and 7 rows, and a call
+    of one step (the layers' step plans)."""
     cls, options = STACKS[kind]
     fused, _ = _fused_and_reference(cls, dtype, **options)
     fused.backend = backend
     batch_first = options.get("batch_first", False)
-    for batch in (1, 3, 7):
-        x = torch.randn(batch, T, I, dtype=dtype) if batch_first else torch.randn(T, batch, I, dtype=dtype)
+    for batch, steps in ((1, T), (3, T), (7, T), (3, 1)):
+        x = torch.randn(batch, steps, I, dtype=dtype) if batch_first else torch.randn(steps, batch, I, dtype=dtype)
         with torch.no_grad():
             hx = fused(x)[1]
             with monkeypatch.context() as patch:
@@ -244,6 +245,22 @@ def test_sequence_calls_without_a_gradient_run_on_the_plans_and_equal_the_genera
         for a, b in zip(got, want):
             for u, v in zip(_leaves(a), _leaves(b)):
                 assert torch.equal(u, v) and u.dtype == v.dtype and u.stride() == v.stride()
+
+
+def test_inputs_the_plans_cannot_take_go_to_the_general_path(monkeypatch):
+    """A sparse input or state is the general path's to refuse, with its message (the plans'
+    reshape would have said something else)."""
+    fused, _ = _fused_and_reference(rnnkit.LSTM, torch.float32)
+    x, h = torch.randn(T, B, I), torch.randn(1, B, H)
+    with torch.no_grad():
+        for args in ((x.to_sparse(),), (x, (h.to_sparse(), h)), (x, (h, h.to_sparse()))):
+            with pytest.raises(Exception) as planned:
+                fused(*args)
+            with monkeypatch.context() as patch:
+                _general_path_only(patch)
+                with pytest.raises(Exception) as general:
+                    fused(*args)
+            assert (type(planned.value), str(planned.value)) == (type(general.value), str(general.value))
 
 
 def test_sequence_calls_leave_auto_s_choice_as_it_is(monkeypatch):

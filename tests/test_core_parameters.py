@@ -487,6 +487,22 @@ def test_functional_call_does_not_warn_and_a_later_break_still_does(backend):
         kit(inputs(1))
 
 
+@pytest.mark.parametrize("steps", [1, 4])
+def test_a_call_without_a_gradient_warns_of_a_break_as_training_does(steps):
+    """Calls without a gradient run on the plans (nn.planned_call), not through _pass_weights: they
+    say just the same once the weights stopped aliasing the packed buffer (p.data = ...), once."""
+    kit, _ = make("lstm", "fused")
+    x = torch.randn(steps, 2, kit.input_size, dtype=F64)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        kit(x)
+        _rebind_data(kit)
+        kit(x)
+        kit(x)
+    assert len(ours(caught)) == 1, [str(w.message) for w in ours(caught)]
+    assert "_plan" in kit.__dict__  # the plans ran the calls
+
+
 ENSEMBLE_CASES = [pytest.param(name, backend, id=f"{name}-{backend}") for name in CONFIGS
                   for backend in ("reference", "fused")]
 # torch's own RNN ops have no vmap rule (torch.nn's LSTM fails under vmap too); "auto" is what a user

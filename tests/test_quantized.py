@@ -239,8 +239,8 @@ def test_qgemm_is_exact():
     # and the 512-bit loops (AVX512-VNNI): one row, K in 1 to 8 chunks of 64 held in registers, cut or
     # whole, or more (read from memory), N in blocks of 16 rows and a partial one; 2 to 8 rows, in
     # blocks of 1 to 4 rows against 3 to 8 rows of M
-    for rows, N, K in [(1, 5, 37), (1, 200, 70), (1, 1024, 256), (1, 17, 64), (1, 16, 513), (1, 33, 600),
-                       (1, 48, 1100), (3, 37, 33), (5, 148, 100), (4, 31, 200), (8, 17, 513), (7, 10, 64),
+    for rows, N, K in [(1, 5, 37), (1, 200, 70), (1, 150, 150), (1, 1024, 256), (1, 17, 300), (1, 19, 350),
+                       (1, 21, 420), (1, 23, 500), (1, 17, 64), (1, 16, 513), (1, 33, 600), (1, 48, 1100), (3, 37, 33), (5, 148, 100), (4, 31, 200), (8, 17, 513), (7, 10, 64),
                        (64, 1024, 256), (2, 3, 1)]:
         X = torch.randn(rows, K) * 3
         if rows > 1:

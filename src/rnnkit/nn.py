@@ -401,6 +401,8 @@ class _PackedModule(_SpecAttributes, nn.Module):
                 any(a is not b for a, b in zip(cached[2], tensors)):
             cached = StepPlans((self._make_plans(tensors), self.backend, tensors, memory, {}))
             self.__dict__["_plan"] = cached
+            if not self._aliased(tensors):  # as the general path says (`_pass_weights`)
+                self._note_unpacked(tensors)
         plans = cached[0]
         if plans is None or torch.is_autocast_enabled(tensors[0].device.type):
             return None
@@ -685,7 +687,8 @@ def planned_call(spec: RNNSpec, plans_of, input, hx, lengths):
             hs.append(h)
             cs.append(c)
             x = h
-        y = x.unsqueeze(1 if spec.batch_first else 0)
+        y = x.unsqueeze(0)
+        y = y.transpose(0, 1) if spec.batch_first else y  # the general path's strides
     else:
         x = input.transpose(0, 1) if spec.batch_first else input
         for plan, state in zip(plans, states):

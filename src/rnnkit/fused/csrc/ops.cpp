@@ -169,7 +169,8 @@ class StepPlan {
     const at::ScalarType dtype = base_.quantized() ? at::kFloat : W.scalar_type();
     const bool half = base_.half_weights();
     const auto compute = [&](const Tensor& t) { return half ? t.to(at::kFloat) : t; };
-    if (input.size(-1) != W.size(1) || input.scalar_type() != dtype || input.device() != W.device()) {
+    if (input.layout() != at::kStrided || input.size(-1) != W.size(1) || input.scalar_type() != dtype ||
+        input.device() != W.device()) {
       return std::nullopt;
     }
     const bool lstm = base_.mode == "lstm";
@@ -195,7 +196,7 @@ class StepPlan {
         h = hx.cast<Tensor>();
       }
       const auto state_ok = [&](const Tensor& t, int64_t n) {
-        return t.scalar_type() == dtype && t.device() == W.device() &&
+        return t.layout() == at::kStrided && t.scalar_type() == dtype && t.device() == W.device() &&
                (unbatched ? (t.dim() == 1 && t.size(0) == n) : (t.dim() == 2 && t.size(0) == B && t.size(1) == n));
       };
       if (!state_ok(h, Hr) || (lstm && !state_ok(c, H))) return std::nullopt;
