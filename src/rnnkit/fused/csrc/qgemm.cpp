@@ -240,6 +240,14 @@ void quantize_rows(const float* X, int64_t rows, int64_t ldx, int64_t K, Scratch
   out = {base, s.scales.data(), ld, padded};
 }
 
+// *c = sx · scale · sum (+ beta · *c), rounded before the add (no fused multiply-add): the output
+// of every kernel that finishes its sums one at a time, as the vector epilogues compute it.
+inline void put_output(float sx, float scale, int32_t sum, float beta, float* c) {
+  float v = sx * scale * float(sum);
+  asm("" : "+x"(v));
+  *c = beta == 0 ? v : v + beta * *c;
+}
+
 inline __m256i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -443,11 +451,8 @@ void unpacked_rows_512(const RowsX& qx, int64_t r0, const QuantizedRows& M, int6
       for (int r = 0; r < XR; ++r) {
         const float sx = qx.sx[r0 + r];
         float* out = C + (r0 + r) * ldc;
-        for (int64_t j = 0; j < rows_m; ++j) {
-          float v = sx * M.scale[n + j] * float(sums[j * XR + r] - 128 * sums[MR * XR + j]);
-          asm("" : "+x"(v));  // v rounded before the add: no fused multiply-add
-          out[n + j] = beta == 0 ? v : v + beta * out[n + j];
-        }
+        for (int64_t j = 0; j < rows_m; ++j)
+          put_output(sx, M.scale[n + j], sums[j * XR + r] - 128 * sums[MR * XR + j], beta, out + n + j);
       }
     }
   });

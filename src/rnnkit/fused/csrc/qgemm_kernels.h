@@ -49,11 +49,7 @@ void packed_kernel(const RowsX& qx, int64_t r0, const int8_t* w, int64_t panel_b
       } else {
         alignas(32) int32_t sums[kPanel];
         _mm256_store_si256(reinterpret_cast<__m256i*>(sums), acc[r][i]);
-        for (int64_t j = 0; n + j < width; ++j) {
-          float v = sx * scale[n + j] * float(sums[j]);
-          asm("" : "+x"(v));
-          c[n + j] = beta == 0 ? v : v + beta * c[n + j];
-        }
+        for (int64_t j = 0; n + j < width; ++j) put_output(sx, scale[n + j], sums[j], beta, c + n + j);
       }
     }
   }
@@ -171,11 +167,7 @@ void unpacked_rows(const RowsX& qx, int64_t r0, const QuantizedRows& M, int64_t 
       for (int r = 0; r < XR; ++r) {
         const float sx = qx.sx[r0 + r];
         float* out = C + (r0 + r) * ldc;
-        for (int j = 0; j < rows_m; ++j) {
-          float v = sx * M.scale[n + j] * float(lane_sum(acc[j][r]));
-          asm("" : "+x"(v));  // v rounded before the add: no fused multiply-add
-          out[n + j] = beta == 0 ? v : v + beta * out[n + j];
-        }
+        for (int j = 0; j < rows_m; ++j) put_output(sx, M.scale[n + j], lane_sum(acc[j][r]), beta, out + n + j);
       }
     }
   });
