@@ -331,9 +331,9 @@ inline __m512i signed_like(__m512i w, __mmask64 negative) {
   return _mm512_mask_sub_epi8(w, negative, _mm512_setzero_si512(), w);
 }
 
-// Σ_k x[k] · M[n, k] for the 16 rows from `row` (ld apart; the last `repeat` of them a repeat of
-// the one before, unused), K in CH chunks of 64 bytes (the last cut by `tail`): |x| and x's signs
-// in registers for the whole block, two accumulators a row.
+// Σ_k x[k] · M[n, k] for the 16 rows of M at `row` (past N, repeats of the last row, unused), K in
+// CH chunks of 64 bytes (the last cut by `tail`): |x| and x's signs in registers for the whole
+// block, two accumulators a row.
 template <int CH>
 inline void rows16_held(const __m512i* a, const __mmask64* negative, const int8_t* const row[16], __mmask64 tail,
                         __m512i acc[16]) {
@@ -387,8 +387,13 @@ void unpacked_one_row(const RowsX& qx, const QuantizedRows& M, int64_t N, int64_
   constexpr int64_t kRows = 16;
   const int64_t chunks = (K + 63) / 64;
   const __mmask64 tail = K % 64 == 0 ? ~__mmask64(0) : (__mmask64(1) << (K % 64)) - 1;
-  std::vector<__m512i> a(chunks);  // |x| and its signs, 64 bytes a chunk (never read past K)
-  std::vector<__mmask64> negative(chunks);
+  // |x| and its signs, 64 bytes a chunk (never read past K), in this thread's buffers: the loop's
+  // threads read them through the pointers (their own thread_locals are others)
+  thread_local std::vector<__m512i> a_buffer;
+  thread_local std::vector<__mmask64> negative_buffer;
+  a_buffer.resize(chunks), negative_buffer.resize(chunks);
+  __m512i* const a = a_buffer.data();
+  __mmask64* const negative = negative_buffer.data();
   for (int64_t c = 0; c < chunks; ++c) {
     const __mmask64 m = c + 1 < chunks ? ~__mmask64(0) : tail;
     a[c] = _mm512_maskz_loadu_epi8(m, qx.q + qx.abs_off + 64 * c);
@@ -402,7 +407,7 @@ void unpacked_one_row(const RowsX& qx, const QuantizedRows& M, int64_t N, int64_
       const int8_t* row[kRows];
       for (int64_t j = 0; j < kRows; ++j) row[j] = M.data + (n + std::min(j, rows_m - 1)) * M.ld;  // past N: unused
       __m512i acc[kRows];
-      rows16(a.data(), negative.data(), chunks, row, tail, acc);
+      rows16(a, negative, chunks, row, tail, acc);
       const __mmask16 out = __mmask16((1u << rows_m) - 1);
       __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(sx), _mm512_maskz_loadu_ps(out, M.scale + n)),
                                _mm512_cvtepi32_ps(lane_sums16(acc)));
