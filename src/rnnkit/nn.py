@@ -654,9 +654,9 @@ def planned_call(spec: RNNSpec, plans_of, input, hx, lengths):
     """A stack's call of inference layer by layer through its plans (``plans_of(steps, batch)``: one
     per layer, or None), or None where they cannot take it (the general path then runs, and says
     what is wrong). One direction, one size for every layer, a tensor input and tensor states; the
-    results are the general path's, bit for bit. A call of one time step (generation loops) runs each
-    layer's step, a longer one each layer's pass over the sequence: one C++ call a layer, where the
-    general path spent ~25 µs of Python a call (checks, states, masks, the backend's choice).
+    results are the general path's, bit for bit. Each layer's pass over the sequence (one time step
+    in a generation loop) is one C++ call, where the general path spent ~25 µs of Python a call
+    (checks, states, masks, the backend's choice).
     """
     if lengths is not None or type(input) is not torch.Tensor or input.dim() != 3 or spec.num_directions != 1 \
             or spec.per_layer:
@@ -677,28 +677,15 @@ def planned_call(spec: RNNSpec, plans_of, input, hx, lengths):
             return None
         states = [(parts[0][layer], parts[1][layer]) if lstm else parts[0][layer] for layer in range(L)]
     hs, cs = [], []
-    if steps == 1:
-        x = input[:, 0] if spec.batch_first else input[0]
-        for plan, state in zip(plans, states):
-            out = plan(x, state)
-            if out is None:
-                return None
-            h, c = out if lstm else (out, None)
-            hs.append(h)
-            cs.append(c)
-            x = h
-        y = x.unsqueeze(0)
-        y = y.transpose(0, 1) if spec.batch_first else y  # the general path's strides
-    else:
-        x = input.transpose(0, 1) if spec.batch_first else input
-        for plan, state in zip(plans, states):
-            out = plan.sequence(x, state)
-            if out is None:
-                return None
-            x = out[0]
-            hs.append(out[1])
-            cs.append(out[2] if lstm else None)
-        y = x.transpose(0, 1) if spec.batch_first else x
+    x = input.transpose(0, 1) if spec.batch_first else input
+    for plan, state in zip(plans, states):
+        out = plan.sequence(x, state)
+        if out is None:
+            return None
+        x = out[0]
+        hs.append(out[1])
+        cs.append(out[2] if lstm else None)
+    y = x.transpose(0, 1) if spec.batch_first else x
     h_n = torch.stack(hs)
     return (y, (h_n, torch.stack(cs))) if lstm else (y, h_n)
 
