@@ -28,6 +28,12 @@
 #               in bfloat16; torch's default flags).                                          <= 8.5 min
 #   suite       the whole test suite on the GPU machine (what CUDA's presence changes; triton's
 #               tests there run on CPU under the interpreter, as in CI).                      <= 8.5 min
+#   profile     benchmarks/gpu_profile.py: per call, torch.nn / native / triton with and without graph
+#               replay, and one profiled triton call (GPU kernel time against wall time, kernel and
+#               graph launches): why triton's steps cost 20-60 us at small shapes.            ~1-2 min
+#
+# Device time is now 15 minutes a session, all calls and starts together: benchmarks/gpu_call.sh
+# runs env, tests and correct side by side, profile, then bench-fp32 parts in ONE call of ~9 min.
 #
 # Run plan (device `run` calls, each with timeout_s 600; chain them without pausing to read the
 # results: the machine goes back 30 s after a call, and a new start costs 1-2 minutes of the 30;
@@ -179,11 +185,14 @@ stage_tests() {
     local pytest=("$PY" -m pytest -q -ra -p no:cacheprovider --durations=5)
     step "test_gpu.py" tests-gpu.log 120 "${pytest[@]}" tests/test_gpu.py
     pytest_summary tests-gpu.log
+    # PYTEST_WORKERS=N: test_triton.py in N processes (pytest-xdist; the kernels' compiles are CPU-bound)
+    local workers=()
+    [[ -n ${PYTEST_WORKERS:-} ]] && "$PY" -c "import xdist" 2>/dev/null && workers=(-n "$PYTEST_WORKERS")
     step "test_triton.py on cuda, CUDA graphs on" tests-triton-graphs.log 180 \
-        env RNNKIT_TEST_TRITON_DEVICE=cuda RNNKIT_TRITON_CUDA_GRAPHS=1 "${pytest[@]}" tests/test_triton.py
+        env RNNKIT_TEST_TRITON_DEVICE=cuda RNNKIT_TRITON_CUDA_GRAPHS=1 "${pytest[@]}" "${workers[@]}" tests/test_triton.py
     pytest_summary tests-triton-graphs.log
     step "test_triton.py on cuda, CUDA graphs off" tests-triton-eager.log 120 \
-        env RNNKIT_TEST_TRITON_DEVICE=cuda RNNKIT_TRITON_CUDA_GRAPHS=0 "${pytest[@]}" tests/test_triton.py
+        env RNNKIT_TEST_TRITON_DEVICE=cuda RNNKIT_TRITON_CUDA_GRAPHS=0 "${pytest[@]}" "${workers[@]}" tests/test_triton.py
     pytest_summary tests-triton-eager.log
 }
 
@@ -291,6 +300,13 @@ PYTHON
     while IFS= read -r line; do note "  ${line:0:240}"; done < <(head -n 60 "$OUT/bench-$dtype-summary.txt")
 }
 
+stage_profile() {
+    export TRITON_INTERPRET=0
+    unset RNNKIT_TRITON_INTERPRET
+    step "gpu_profile.py (where a call's time goes)" profile.txt 150 "$PY" benchmarks/gpu_profile.py
+    while IFS= read -r line; do note "  ${line:0:240}"; done < <(grep -E '^(gpu_profile|shape|small|deepbench)' "$OUT/profile.txt" | head -n 14)
+}
+
 stage_suite() {
     local workers=()
     "$PY" -c "import xdist" 2>/dev/null && workers=(-n 8)
@@ -299,7 +315,7 @@ stage_suite() {
 }
 
 (($#)) || {
-    echo "usage: bash benchmarks/gpu_session.sh STAGE [ARG ...] [STAGE ...]; stages: env tests correct bench-fp32 [PART ...] bench-bf16 [PART ...] suite" >&2
+    echo "usage: bash benchmarks/gpu_session.sh STAGE [ARG ...] [STAGE ...]; stages: env tests correct profile bench-fp32 [PART ...] bench-bf16 [PART ...] suite" >&2
     exit 2
 }
 while (($#)); do
@@ -324,7 +340,8 @@ while (($#)); do
     bench-fp32) stage_bench float32 "${args[@]}" ;;
     bench-bf16) stage_bench bfloat16 "${args[@]}" ;;
     suite) stage_suite ;;
-    *) note "  unknown stage '$stage' (env tests correct bench-fp32 bench-bf16 suite)" ;;
+    profile) stage_profile ;;
+    *) note "  unknown stage '$stage' (env tests correct profile bench-fp32 bench-bf16 suite)" ;;
     esac
 done
 

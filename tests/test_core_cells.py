@@ -273,13 +273,142 @@ def test_sequence_calls_leave_auto_s_choice_as_it_is(monkeypatch):
     calls = []
     monkeypatch.setattr(lstm, "_pass_weights", lambda: calls.append(1) or general())
     small, large = rnnkit.backend.NATIVE_MIN_BATCH - 1, rnnkit.backend.NATIVE_MIN_BATCH
+    whole = lstm._whole_native_call
+    native = []
+    monkeypatch.setattr(lstm, "_whole_native_call", lambda *args: native.append(1) or whole(*args))
     with torch.no_grad():
         lstm(torch.randn(T, small, I))
-        assert (calls, lstm.last_backend) == ([], "fused")
+        assert (calls, native, lstm.last_backend) == ([], [], "fused")
         lstm(torch.randn(T, large, I))
-        assert (len(calls), lstm.last_backend) == (1, "native")
+        assert (calls, native, lstm.last_backend) == ([], [1], "native")  # torch's one op (next tests)
     lstm(torch.randn(T, small, I, requires_grad=True))
-    assert len(calls) == 2
+    assert (len(calls), lstm.last_backend) == (1, "fused")
+
+
+NATIVE_STACKS = {  # id -> (module class, options): plain stacks, which torch's RNN ops compute
+    "lstm-2-bidirectional": (rnnkit.LSTM, dict(num_layers=2, bidirectional=True)),
+    "lstm-batch_first-no-bias": (rnnkit.LSTM, dict(batch_first=True, bias=False)),
+    "gru-2-batch_first": (rnnkit.GRU, dict(num_layers=2, batch_first=True)),
+    "rnn-relu-bidirectional": (rnnkit.RNN, dict(nonlinearity="relu", bidirectional=True)),
+    "lstm-3-dropout": (rnnkit.LSTM, dict(num_layers=3, dropout=0.4)),
+}
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("kind", list(NATIVE_STACKS))
+def test_native_calls_run_in_torch_s_one_op_and_equal_the_general_path(kind, training, monkeypatch):
+    """A call that "native" runs goes to torch's RNN op in one call (nn._whole_native_call, as
+    torch.nn's forward does), with the general path's outputs, final states and every gradient bit
+    for bit, from a given state (one that needs a gradient too) and from none, with and without a
+    gradient; dropout between layers in training stays on the general path (masks.py's masks)."""
+    cls, options = NATIVE_STACKS[kind]
+    torch.manual_seed(0)
+    module = cls(I, H, backend="native", **options).train(training)
+    batch_first = options.get("batch_first", False)
+    whole = module._whole_native_call
+    taken = []
+
+    def spy(*args):
+        out = whole(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(module, "_whole_native_call", spy)
+    D, L = 2 if options.get("bidirectional") else 1, options.get("num_layers", 1)
+    for grad in (False, True):
+        x = torch.randn(B, T, I) if batch_first else torch.randn(T, B, I)
+        h = torch.randn(L * D, B, H)
+        hx = (h, torch.randn(L * D, B, H)) if cls is rnnkit.LSTM else h
+        results = []
+        for whole_op in (True, False):
+            if not whole_op:
+                monkeypatch.setattr(module, "_whole_native_call", lambda *args: None)
+            for state in (None, hx):
+                xi = x.clone().requires_grad_(grad)
+                si = None if state is None else tuple(t.clone().requires_grad_(grad) for t in (
+                    state if isinstance(state, tuple) else (state,)))
+                si = si if si is None or cls is rnnkit.LSTM else si[0]
+                module.zero_grad()
+                torch.manual_seed(3)
+                with torch.set_grad_enabled(grad):
+                    out = module(xi, si)
+                leaves = _leaves(out)
+                got = [t.detach() for t in leaves]
+                if grad:
+                    torch.manual_seed(4)
+                    torch.autograd.backward(leaves, [torch.randn_like(t) for t in leaves])
+                    got += [xi.grad] + [t.grad for t in (si if isinstance(si, tuple) else (si,)) if t is not None]
+                    got += [p.grad for p in module.parameters()]
+                results.append((module.last_backend, got))
+            monkeypatch.setattr(module, "_whole_native_call", spy)
+        for (ran_a, a), (ran_b, b) in zip(results[:2], results[2:]):
+            assert ran_a == ran_b == "native"
+            for u, v in zip(a, b):
+                assert torch.equal(u, v) and u.stride() == v.stride()
+    on_masks = training and options.get("dropout")
+    assert taken and all(t != on_masks for t in taken), taken
+
+
+@pytest.mark.parametrize("kind", ["lstm-2-bidirectional", "gru-2-batch_first", "lstm-3-dropout"])
+def test_native_calls_on_a_packed_sequence_run_in_torch_s_one_op_and_equal_the_general_path(kind, monkeypatch):
+    """A PackedSequence (sorted or not) goes to torch's op as its data and batch sizes, with the
+    states in the caller's batch order (as torch.nn's): the general path's output, final states and
+    every gradient bit for bit, from a given state and from none."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    cls, options = NATIVE_STACKS[kind]
+    torch.manual_seed(0)
+    module = cls(I, H, backend="native", **options).eval()
+    whole = module._whole_native_call
+    D, L = 2 if options.get("bidirectional") else 1, options.get("num_layers", 1)
+    batch_first = options.get("batch_first", False)
+    for lengths, enforce_sorted in (([T, T - 2, 3, 1], True), ([2, T, 1, T - 1], False)):
+        x = torch.randn(len(lengths), T, I) if batch_first else torch.randn(T, len(lengths), I)
+        h = torch.randn(L * D, len(lengths), H)
+        hx = (h, torch.randn_like(h)) if cls is rnnkit.LSTM else h
+        results = []
+        for path in ("whole", "general"):
+            monkeypatch.setattr(module, "_whole_native_call", whole if path == "whole" else (lambda *args: None))
+            for state in (None, hx):
+                xi = x.clone().requires_grad_()
+                si = None if state is None else (tuple(t.clone().requires_grad_() for t in state)
+                                                  if isinstance(state, tuple) else state.clone().requires_grad_())
+                module.zero_grad()
+                packed = pack_padded_sequence(xi, lengths, batch_first=batch_first, enforce_sorted=enforce_sorted)
+                if path == "whole":
+                    assert whole(packed, si, None) is not None
+                y, hy = module(packed, si)
+                leaves = [y.data, *(hy if isinstance(hy, tuple) else (hy,))]
+                torch.manual_seed(4)
+                torch.autograd.backward(leaves, [torch.randn_like(t) for t in leaves])
+                got = [t.detach() for t in leaves] + [xi.grad] + [p.grad for p in module.parameters()]
+                got += [] if si is None else [t.grad for t in (si if isinstance(si, tuple) else (si,))]
+                assert torch.equal(y.batch_sizes, packed.batch_sizes)
+                results.append(got)
+        for a, b in zip(results[:2], results[2:]):
+            for u, v in zip(a, b):
+                assert torch.equal(u, v)
+
+
+def test_native_whole_op_takes_only_what_it_can_check():
+    """Inputs and states the one-op path cannot take as they are go to the general path, which
+    runs them or refuses them with its own message: lengths, unbatched inputs, inputs and states of
+    another shape or dtype, a tuple state on a GRU."""
+    lstm = rnnkit.LSTM(I, H, num_layers=2, backend="native")
+    gru = rnnkit.GRU(I, H, backend="native")
+    x, h = torch.randn(T, B, I), torch.randn(2, B, H)
+    assert lstm._whole_native_call(x, None, None) is not None
+    assert lstm._whole_native_call(x, (h, h), None) is not None
+    declined = [
+        (lstm, x, None, torch.full((B,), T)), (lstm, x[:, 0], None, None),
+        (lstm, torch.nn.utils.rnn.pack_padded_sequence(x.double(), [T] * B), None, None),
+        (lstm, x, (h[:1], h), None), (lstm, x, (h, h.double()), None), (lstm, x, [h, h], None), (lstm, x, h, None),
+        (lstm, x.double(), None, None), (lstm, x[:0], None, None), (gru, x, (h[:1],), None), (gru, x, h, None),
+    ]
+    for module, *args in declined:
+        assert module._whole_native_call(*args) is None, args
+    with pytest.raises(Exception, match="hx"):
+        gru(x, h)  # the general path's message: 1 layer, not 2
 
 
 @pytest.mark.parametrize("options", [dict(bidirectional=True), dict(num_layers=2, hidden_size=[H, H + 2])],

@@ -905,3 +905,96 @@ def test_reset_parameters_keeps_the_constructors_forget_bias():
     module.forget_bias = None  # torch.nn's uniform draw
     module.reset_parameters()
     assert not torch.equal(forget(module), torch.ones(H))
+
+
+# ---- a buffer placed as cuDNN places its weight space ------------------------------------------
+
+def _scattered_placement(spec, layout, device, dtype):
+    """A stand-in for cuDNN's placement (`native.cudnn_placement`), on any device: the matrices
+    first, in reverse order, then the vectors, with room between them and after them all (cuDNN
+    9.19 puts every matrix before every bias, and its weight space can be larger than the pieces)."""
+    from rnnkit.spec import options_in_use
+
+    if options_in_use(spec, native=False):
+        return None
+    entries = layout.entries
+    order = [e for e in reversed(entries) if len(e.shape) == 2] + [e for e in entries if len(e.shape) == 1]
+    offsets, at = {}, 0
+    for e in order:
+        offsets[e.name] = at
+        at += e.numel + 5
+    return tuple(offsets[e.name] for e in entries), at + 6
+
+
+PLACED_CASES = {
+    "lstm-proj-bidirectional": (rnnkit.LSTM, dict(num_layers=2, proj_size=3, bidirectional=True)),
+    "gru-2layers-no-bias": (rnnkit.GRU, dict(num_layers=2, bias=False)),
+    "rnn_relu": (rnnkit.RNN, dict(nonlinearity="relu")),
+}
+
+
+@pytest.mark.parametrize("case, backend", [(c, b) for c in PLACED_CASES for b in ("native", "fused", "reference")
+                                           if not (c.startswith("lstm-proj") and b == "native")])  # oneDNN: no LSTMP
+def test_a_buffer_placed_as_cudnn_places_it_computes_as_the_spec_layout_does(case, backend, monkeypatch):
+    """On CUDA a plain stack's buffer follows cuDNN's placement, not the spec's layout: the
+    parameters alias it at those offsets, outputs and every gradient are those of a module in the
+    spec's layout, flat_weights.grad is placed the same way (zeros between pieces), and the
+    placement survives .to(dtype), deepcopy, flatten_parameters, reset_parameters, state_dicts and
+    the converters' reads and writes. Here on the CPU, with a scattered stand-in placement."""
+    import rnnkit.nn as rnn_nn
+    from rnnkit.interop._common import load_pieces, torch_pieces
+
+    cls, options = PLACED_CASES[case]
+    torch.manual_seed(0)
+    plain = cls(5, 4, **options, backend=backend)
+    monkeypatch.setattr(rnn_nn, "cudnn_placement", _scattered_placement)
+    placed = cls(5, 4, **options, backend=backend)
+    placed.load_state_dict(plain.state_dict())
+    offsets = placed.flat_offsets
+    assert list(offsets.values()) != [e.offset for e in placed.layout.entries]
+    flat = placed.flat_weights
+    assert flat.numel() > placed.layout.numel
+    for name, p in placed.named_parameters():
+        assert p.data_ptr() == flat.data_ptr() + offsets[name] * flat.element_size(), name
+    x = torch.randn(6, 3, 5)
+    with pytest.raises(ValueError, match="placed as cuDNN places"):  # the functional calls read the spec's layout
+        rnnkit.forward_inference(placed.spec, flat, x)
+    rnnkit.forward_inference(plain.spec, plain.flat_weights, x)
+    outs = []
+    for module in (plain, placed):
+        xi = x.clone().requires_grad_()
+        y, state = module(xi)
+        leaves = [y] + list(state if isinstance(state, tuple) else (state,))
+        torch.manual_seed(1)
+        torch.autograd.backward(leaves, [torch.randn_like(t) for t in leaves])
+        outs.append((leaves, xi.grad, {n: p.grad for n, p in module.named_parameters()}))
+    (ya, dxa, ga), (yb, dxb, gb) = outs
+    for a, b in zip(ya, yb):
+        assert_close(b, a)
+    assert_close(dxb, dxa)
+    for name in ga:
+        assert_close(gb[name], ga[name])
+    grad = placed.flat_weights.grad
+    assert grad.shape == flat.shape
+    covered = torch.zeros(flat.numel(), dtype=torch.bool)
+    for name, view in placed.weight_views(grad).items():
+        assert_close(view, ga[name])
+        covered[offsets[name]:offsets[name] + view.numel()] = True
+    assert not grad[~covered].any(), "the room between pieces must hold zeros, not what the allocator left"
+
+    for moved in (placed.double(), copy.deepcopy(placed)):
+        assert moved.flat_offsets == offsets
+        for name, p in moved.named_parameters():
+            assert p.data_ptr() == moved.flat_weights.data_ptr() + offsets[name] * p.element_size(), name
+    assert_close(torch_pieces(placed)["weight_hh_l0"], plain.weight_hh_l0.double().detach())
+    placed.weight_ih_l0.data = placed.weight_ih_l0.data.clone()
+    with pytest.warns(UserWarning, match="not views of one packed buffer"):
+        copied = placed.flat_weights  # a copy, placed as the buffer is
+    assert copied.numel() == flat.numel() and torch.equal(placed.weight_views(copied)["weight_ih_l0"], placed.weight_ih_l0)
+    placed.flatten_parameters()
+    assert placed.flat_offsets == offsets
+    assert placed.weight_ih_l0.data_ptr() == placed.flat_weights.data_ptr() + offsets["weight_ih_l0"] * 8
+    load_pieces(placed, {n: torch.full_like(t, 0.5) for n, t in torch_pieces(plain).items()})
+    assert all(bool((p == 0.5).all()) for p in placed.parameters())
+    placed.reset_parameters()
+    assert all(bool((p.abs() <= 0.5).all()) and bool((p != 0.5).any()) for p in placed.parameters())

@@ -67,6 +67,24 @@ def test_correctness_sweep_runs_under_the_interpreter():
     assert "4/4 passed, 0 failed" in out.stdout.splitlines()[-1]
 
 
+def test_profile_script_runs_under_the_interpreter():
+    """benchmarks/gpu_profile.py (the next GPU session's first question) runs end to end: a row per
+    variant and mode with every runner's time and the profiled triton call (no GPU kernels here)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "RNNKIT_TRITON_CUDA_GRAPHS"}
+    env.update(TRITON_INTERPRET="1", RNNKIT_TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src")] + [p for p in [env.get("PYTHONPATH")] if p]))
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_profile.py"), "--device", "cpu", "--tiny",
+               "--variants", "lstm", "lstm_peephole", "--modes", "training", "--repeats", "1"]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith("tiny | ")]
+    assert [row[:3] for row in rows] == [["tiny", "lstm", "training"], ["tiny", "lstm_peephole", "training"]], out.stdout
+    assert all(len(row) == 8 for row in rows), rows
+    assert float(rows[0][4]) > 0 and rows[1][4].startswith("n/a"), rows  # native runs only the plain LSTM
+    assert all(float(row[5]) > 0 and float(row[6]) > 0 for row in rows), rows
+
+
 def test_correctness_sweep_flags_a_wrong_or_nan_result():
     sweep = _sweep_module()
     expected = sweep.Result(["y", "dx"], [torch.ones(3, 2), torch.ones(4)])
@@ -250,8 +268,9 @@ def test_native_with_lengths(training):
 
 @needs_cuda
 def test_native_dropout_between_layers_in_training():
-    """In training with dropout the native backend runs layer by layer (masks.py draws the
-    dropout masks): each layer's weights then start inside the buffer, not at its first byte."""
+    """In training with dropout between layers, cuDNN runs the whole stack and draws the masks
+    (on the CPU the native backend runs layer by layer on masks.py's): a layer run alone would
+    not start at the buffer's first byte, where cuDNN reads a stack's weights in place."""
     module = native_module("lstm-2layers-bidirectional", dropout=0.3)
     x = _input()
     assert_reads_packed_buffer(module, lambda: call_native(module, x, True))
@@ -262,6 +281,51 @@ def test_native_float16():
     module = native_module("lstm-2layers-bidirectional", dtype=torch.float16)
     x = _input(torch.float16)
     assert_reads_packed_buffer(module, lambda: call_native(module, x, True))
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", list(NATIVE_CONFIGS))
+def test_native_gradients_are_views_of_one_packed_gradient(config):
+    """cuDNN's backward writes the weights' gradient as one buffer placed as the weights are;
+    autograd keeps each piece as the parameter's .grad, so flat_weights.grad is that buffer (no
+    copy) and each .grad a view of it, as on the CPU (where rnnkit packs oneDNN's pieces)."""
+    module = native_module(config)
+    x = _input()
+    call_native(module, x, True)
+    grads = [p.grad for p in module.parameters()]
+    flat_grad = module.flat_weights.grad
+    assert all(g is not None and g.untyped_storage().data_ptr() == flat_grad.untyped_storage().data_ptr()
+               for g in grads), "the parameters' .grad are not views of flat_weights.grad"
+    for name, view in module.weight_views(flat_grad).items():
+        assert view.data_ptr() == getattr(module, name).grad.data_ptr(), name
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", ["lstm-2layers-bidirectional", "gru-2layers"])
+def test_native_gradient_in_eval_mode(config):
+    """cuDNN keeps what its backward needs only in its training mode, which torch.nn enters by the
+    train() flag (its RNNs in eval() fail on backward); rnnkit's enters it when a gradient is
+    wanted: outputs and gradients against the reference backend, on the packed buffer, in eval()."""
+    torch.backends.cudnn.allow_tf32, allow = False, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32, matmul = False, torch.backends.cuda.matmul.allow_tf32
+    try:
+        module = native_module(config).eval()
+        x = _input().requires_grad_()
+        results = []
+        for backend in ("native", "reference"):
+            module.backend = backend
+            y, _ = module(x)
+            grads = torch.autograd.grad(y.square().sum(), [x] + list(module.parameters()))
+            assert module.last_backend == backend
+            results.append((y, grads))
+        (y, grads), (y_ref, grads_ref) = results
+        assert_close(y, y_ref)
+        for g, g_ref in zip(grads, grads_ref):
+            assert_close(g, g_ref)
+        module.backend = "native"
+        assert_reads_packed_buffer(module, lambda: module(x)[0].sum().backward())
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = allow, matmul
 
 
 @needs_cuda

@@ -213,7 +213,7 @@ def test_low_precision_accumulates_in_fp32(dtype):
     out_t, grad_t = run_backend(module, "triton", x, hx, None, False)
     exact = make("lstm", 4, 5, torch.float64, peephole=True, layer_norm=True)
     with torch.no_grad():
-        exact.flat_weights.copy_(module.flat_weights)
+        exact.load_state_dict(module.state_dict())  # by name: on CUDA a plain stack's placement is cuDNN's
     up = lambda t: t.detach().double().requires_grad_(True)  # noqa: E731
     out_r, grad_r = run_backend(exact, "reference", up(x), tuple(up(h) for h in hx), None, False)
     for name, a, e in zip(["y", "h_n", "c_n", "dx", "dh0", "dc0", "d flat_weights"], out_t + grad_t, out_r + grad_r):
@@ -274,7 +274,7 @@ def test_small_preactivations_against_float64(mode, options, dtype):
     out_t, grad_t = run_backend(module, "triton", x, hx)
     exact = make(mode, 4, 5, torch.float64, **options)
     with torch.no_grad():
-        exact.flat_weights.copy_(module.flat_weights)
+        exact.load_state_dict(module.state_dict())  # by name: on CUDA a plain stack's placement is cuDNN's
     up = lambda t: t.detach().cpu().double().requires_grad_(True)  # noqa: E731
     exact_hx = tuple(up(h) for h in hx) if mode == "lstm" else up(hx)
     out_r, grad_r = run_backend(exact.cpu(), "reference", up(x), exact_hx)

@@ -72,6 +72,10 @@ def check_cell_states(spec, hx, input: torch.Tensor, like: torch.Tensor) -> tupl
 def check_weights(spec: RNNSpec, weights, layout: Layout) -> torch.Tensor:
     if not isinstance(weights, torch.Tensor):
         raise TypeError(f"weights: expected the packed 1-D parameter tensor, got {type(weights).__name__}")
+    if getattr(weights, "_rnnkit_placed", False):
+        raise ValueError("weights: expected a buffer in the spec's layout (rnnkit.Layout(spec)), got a module's "
+                         "flat_weights placed as cuDNN places its weight space (a plain stack on CUDA; "
+                         "module.flat_offsets): pass torch.cat([w.reshape(-1) for w in module.named_weights().values()])")
     if weights.dim() != 1 or weights.numel() != layout.numel:
         raise MismatchError(f"weights: expected a 1-D tensor of {layout.numel} values for this spec, got shape {_shape(weights)}")
     if not weights.is_floating_point():

@@ -9,7 +9,7 @@ table (``rnnkit.spec.OPTIONS``, column ``native``).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
@@ -23,6 +23,53 @@ _CELLS = {"lstm": "lstm_cell", "gru": "gru_cell", "rnn_tanh": "rnn_tanh_cell", "
 _LOW = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported, torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}
 
 _TORCH_SLOTS = ("W", "R", "b_W", "b_R", "W_hr")  # torch.nn's _flat_weights order within a pass
+_CUDNN_MODES = {"rnn_relu": 0, "rnn_tanh": 1, "lstm": 2, "gru": 3}  # cudnnRNNMode_t
+_CUDNN_PLACEMENTS: Dict[tuple, Optional[Tuple[Tuple[int, ...], int]]] = {}
+
+
+def cudnn_placement(spec: RNNSpec, layout, device, dtype) -> Optional[Tuple[Tuple[int, ...], int]]:
+    """Where cuDNN wants each of ``layout``'s pieces in its weight space, for a plain stack on a
+    CUDA device -> (one offset per entry, in the layout's order; the weight space's numel), or
+    None where cuDNN will not read this stack's weights (not CUDA, cuDNN off or refusing the
+    dtype, options torch's RNN ops do not compute).
+
+    Asked of cuDNN itself, once per (spec, device, dtype): torch's flatten (the one torch.nn's
+    ``flatten_parameters`` runs) packs placeholder weights into a new weight space and points
+    them at their places in it. The placement is cuDNN's, not a rule: cuDNN 8 put each layer's
+    biases after its matrices, cuDNN 9.19 puts every matrix first and the biases after them all,
+    and its weight space can be larger than the pieces (bias=False). A buffer laid out so is the
+    one torch's ``_cudnn_rnn`` takes as it is (``try_get_weight_buf``), with no copy per call."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.backends.cudnn.enabled or options_in_use(spec, native=False):
+        return None
+    if spec.bias_mode not in ("double", "none") or len(set(spec.hidden_sizes)) != 1 or len(set(spec.proj_sizes)) != 1:
+        return None
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (spec, device, dtype)
+    if key not in _CUDNN_PLACEMENTS:
+        _CUDNN_PLACEMENTS[key] = _ask_cudnn(spec, layout, device, dtype)
+    return _CUDNN_PLACEMENTS[key]
+
+
+def _ask_cudnn(spec: RNNSpec, layout, device, dtype) -> Optional[Tuple[Tuple[int, ...], int]]:
+    entries = layout.entries
+    placeholders = [torch.zeros(e.shape, device=device, dtype=dtype) for e in entries]
+    if not torch.backends.cudnn.is_acceptable(placeholders[0]):
+        return None
+    per_pass = sum(1 for e in entries if e.layer == 0 and e.direction == 0)
+    try:
+        with torch.no_grad():
+            flat = torch._cudnn_rnn_flatten_weight(
+                placeholders, per_pass, spec.input_size, _CUDNN_MODES[spec.mode], spec.hidden_sizes[0],
+                spec.proj_sizes[0], spec.num_layers, False, spec.bidirectional)
+    except RuntimeError:  # cuDNN refused the configuration: it will not read these weights either
+        return None
+    storage = flat.untyped_storage().data_ptr()
+    if flat.dim() != 1 or flat.storage_offset() != 0 or any(
+            t.untyped_storage().data_ptr() != storage or not t.is_contiguous() for t in placeholders):
+        return None
+    return tuple(t.storage_offset() for t in placeholders), flat.numel()
 
 
 class NativeBackend:
@@ -69,9 +116,14 @@ class NativeBackend:
     def run_stack(self, spec, weights, x, h0s, c0s, lengths, training):
         """Whole stack through torch._VF -> (y [T, B, F], h_ns, c_ns) as functional.run_stack.
 
-        With dropout between layers in training, layer by layer: the dropout masks come from
-        masks.py, as for every backend (torch's op would draw its own, on packed data with
-        lengths), so a seed gives the same masks whichever backend runs."""
+        With dropout between layers in training on the CPU, layer by layer: the dropout masks
+        come from masks.py, as for every backend (torch's op would draw its own, on packed data
+        with lengths), so a seed gives the same masks whichever backend runs. On CUDA, cuDNN
+        draws them in its one call, as torch.nn's does: cuDNN reads a stack's weights in place only
+        from its weight space's first byte, and its placement (`cudnn_placement`) need not keep a
+        layer's pieces together, so a layer run alone would have its weights copied at each call."""
+        if training and spec.dropout and spec.num_layers > 1 and x.device.type == "cuda":
+            return self._run(spec, spec.num_layers, weights, x, h0s, c0s, lengths, dropout=spec.dropout)
         if training and spec.dropout and spec.num_layers > 1:
             D, y, h_ns, c_ns = spec.num_directions, x, [], []
             for layer in range(spec.num_layers):
@@ -85,13 +137,49 @@ class NativeBackend:
             return y, h_ns, c_ns
         return self._run(spec, spec.num_layers, weights, x, h0s, c0s, lengths)
 
-    def _run(self, spec, num_layers, weights, x, h0s, c0s, lengths):
-        """``num_layers`` layers (their ``weights``, ``h0s``, ``c0s``) through torch._VF, no dropout."""
+    def run_whole(self, spec, weights, x, hx, training: bool, batch_first: bool, batch_sizes=None):
+        """A module's call in one op, as torch.nn's forward makes it -> (y, h_n) or (y, (h_n, c_n)).
+
+        ``weights`` are the stack's weights in torch.nn's order (`Layout` order for a plain stack),
+        ``x`` a padded 3-D tensor (or a PackedSequence's data, with its ``batch_sizes``), ``hx`` None
+        or the states stacked over layer-directions (in the packed batch's order), all of one dtype
+        and device and checked by the caller (`_Recurrent._whole_native_call`). What
+        `run_stack` does in several ops (the states split per pass and stacked again, zeros per
+        pass): on a GPU each of those is a kernel launch."""
+        lstm, L = spec.mode == "lstm", spec.num_layers
+        if hx is None:
+            B = int(batch_sizes[0]) if batch_sizes is not None else x.shape[0 if batch_first else 1]
+            zeros = x.new_zeros(L * spec.num_directions, B, spec.proj_sizes[0] or spec.hidden_sizes[0])
+            hx = (zeros, x.new_zeros(L * spec.num_directions, B, spec.hidden_sizes[0])) if lstm else zeros
+        dropout = spec.dropout if training and L > 1 and x.device.type == "cuda" else 0.0
+        train = bool(dropout)
+        if x.device.type == "cuda" and not train and torch.is_grad_enabled():
+            states = hx if lstm else (hx,)
+            train = x.requires_grad or any(t.requires_grad for t in weights) or any(t.requires_grad for t in states)
+        op = getattr(torch._VF, _OPS[spec.mode])
+        if batch_sizes is not None:
+            out = op(x, batch_sizes, hx, weights, spec.bias_mode == "double", L, float(dropout), train, spec.bidirectional)
+        else:
+            out = op(x, hx, weights, spec.bias_mode == "double", L, float(dropout), train, spec.bidirectional,
+                     batch_first)
+        return (out[0], (out[1], out[2])) if lstm else (out[0], out[1])
+
+    def _run(self, spec, num_layers, weights, x, h0s, c0s, lengths, dropout: float = 0.0):
+        """``num_layers`` layers (their ``weights``, ``h0s``, ``c0s``) through torch._VF; ``dropout``
+        between them is the op's own (cuDNN's masks).
+
+        On CUDA the op runs in cuDNN's training mode (which keeps what its backward needs) when a
+        gradient is to be computed, whatever the module's train() flag says: torch.nn passes that
+        flag, so its cuDNN RNN in eval() fails on backward; rnnkit's computes the gradient."""
         flat_weights = [getattr(w, slot) for w in weights for slot in _TORCH_SLOTS if getattr(w, slot) is not None]
         hx = torch.stack(h0s)
         state = (hx, torch.stack(c0s)) if spec.mode == "lstm" else hx
         op = getattr(torch._VF, _OPS[spec.mode])
-        args = (flat_weights, spec.bias_mode == "double", num_layers, 0.0, False, spec.bidirectional)
+        train = bool(dropout)
+        if x.device.type == "cuda" and not train and torch.is_grad_enabled():
+            train = x.requires_grad or any(t.requires_grad for t in flat_weights) or any(
+                t.requires_grad for t in h0s) or any(t.requires_grad for t in (c0s or ()))
+        args = (flat_weights, spec.bias_mode == "double", num_layers, float(dropout), train, spec.bidirectional)
         if lengths is None or x.shape[1] == 0:  # an empty batch has nothing to pack
             out = op(x, state, *args, False)
         else:

@@ -7,11 +7,13 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from . import backend as backends_
 from . import functional
 from .errors import DTypeMismatchError, MismatchError
 from .masks import draw_pass
+from .native import cudnn_placement
 from .params import TORCH_PIECES, Layout, PassWeights, check_forget_bias, initialize
 from .passes import _direct, forward_ad_reason
 from .spec import RNNSpec, _flag
@@ -50,14 +52,15 @@ class _Pack(torch.autograd.Function):
 
     ``apply(flat, packing, *params)`` -> one view of ``flat`` per parameter. Backward writes the
     pieces' gradients into one buffer laid out like ``flat`` (no copy when a single pass already
-    returned them so: a one-layer, one-direction module) and hands each parameter a view of it,
+    returned them so: a one-layer, one-direction module; zeros where cuDNN's placement leaves
+    room between pieces) and hands each parameter a view of it,
     which autograd keeps as the parameter's ``.grad``: so ``module.flat_weights.grad`` is the
     packed gradient, and each ``weight_ih_l0.grad`` its slice.
     """
 
     @staticmethod
     def forward(ctx, flat, packing, *params):
-        ctx.packing = packing
+        ctx.packing, ctx.total = packing, flat.numel()
         return tuple(flat[offset:offset + numel].view(shape) for offset, numel, shape in packing)
 
     @staticmethod
@@ -70,11 +73,11 @@ class _Pack(torch.autograd.Function):
         if any(g is not None and (functorch.is_legacy_batchedtensor(g) or functorch.is_functorch_wrapped_tensor(g))
                for g in grads):  # batched (is_grads_batched, vmap) or a transform's: no storage to pack them into
             return (None, None) + tuple(g if need else None for need, g in zip(needs, grads))
-        total = packing[-1][0] + packing[-1][1]
+        total = ctx.total
         packed = _already_packed(grads, packing, total)
         if packed is None:
             like = next(g for g in grads if g is not None)
-            packed = like.new_empty(total)
+            packed = like.new_empty(total) if _dense(packing, total) else like.new_zeros(total)
             for g, (offset, numel, _) in zip(grads, packing):
                 piece = packed[offset:offset + numel]
                 piece.zero_() if g is None else piece.copy_(g.reshape(-1))
@@ -82,6 +85,11 @@ class _Pack(torch.autograd.Function):
             packed[offset:offset + numel].view(shape) if need else None
             for need, (offset, numel, shape) in zip(needs, packing)
         )
+
+
+def _dense(packing, total: int) -> bool:
+    """Whether the pieces of ``packing`` cover a buffer of ``total`` values with no room between them."""
+    return sum(numel for _, numel, _ in packing) == total
 
 
 def _already_packed(grads, packing, total: int) -> Optional[torch.Tensor]:
@@ -296,7 +304,7 @@ class _PackedModule(_SpecAttributes, nn.Module):
     ``weight_peephole_l0``, ``layer_norm_ih_weight_l0``, ...), so optimizers, param groups,
     init-by-name loops, hooks, ``requires_grad_``, parametrizations, ``functional_call`` and
     state_dicts work as with torch.nn. The parameters are views of one contiguous buffer in the
-    spec's order, which the kernels take with no copy; backward writes one packed gradient and
+    spec's order (on CUDA, a plain stack's in cuDNN's placement), which the kernels take with no copy; backward writes one packed gradient and
     each parameter's ``.grad`` is a view of it. Anything that breaks the aliasing (a
     parametrization, ``p.data = ...``, ``load_state_dict(assign=True)``, ``set_``) still computes
     correctly, the parameters then being passed to the kernels one by one, and warns once;
@@ -316,17 +324,51 @@ class _PackedModule(_SpecAttributes, nn.Module):
                 raise backends_.BackendUnavailableError(f"backend={backend!r} cannot run here: {reason}")
         self.last_backend: Optional[str] = None
         entries = self.layout.entries
-        self._names = tuple(e.name for e in entries)  # buffer order
-        self._packing = tuple((e.offset, e.numel, e.shape) for e in entries)
-        flat = torch.empty(self.layout.numel, device=device, dtype=dtype)
+        self._names = tuple(e.name for e in entries)  # the layout's order
+        flat = self._new_flat(device, dtype)
+        views = self.weight_views(flat)
         torch_first = [e for e in entries if e.piece in TORCH_PIECES] + [e for e in entries if e.piece not in TORCH_PIECES]
         for e in torch_first:  # torch.nn's parameter order, the extras after
-            self.register_parameter(e.name, nn.Parameter(flat[e.offset:e.offset + e.numel].view(e.shape)))
+            self.register_parameter(e.name, nn.Parameter(views[e.name]))
         self._set_flat(flat)
         self.forget_bias = check_forget_bias(spec, forget_bias)  # here too: reset_parameters skips the meta device
         self.reset_parameters()
 
     # ---- the packed buffer -------------------------------------------------------------------
+
+    def _new_flat(self, device, dtype) -> torch.Tensor:
+        """A buffer for the weights on ``device`` in ``dtype``, placed as that device's kernels read
+        it (sets ``_packing``, one (offset, numel, shape) per entry in the layout's order): the
+        spec's layout, or, for a plain stack on CUDA, cuDNN's own placement
+        (`native.cudnn_placement`), so that cuDNN takes the buffer as it is. Any room cuDNN leaves
+        between pieces is zeros."""
+        flat = torch.empty(0, device=device, dtype=dtype)
+        entries = self.layout.entries
+        placed = cudnn_placement(self.spec, self.layout, flat.device, flat.dtype) if flat.is_floating_point() else None
+        if placed is not None and placed == (tuple(e.offset for e in entries), self.layout.numel):
+            placed = None  # cuDNN's placement is the spec's layout (a one-layer, one-direction stack with biases)
+        if placed is None:
+            self._packing = tuple((e.offset, e.numel, e.shape) for e in entries)
+            return flat.new_empty(self.layout.numel)
+        offsets, numel = placed
+        self._packing = tuple((offset, e.numel, e.shape) for offset, e in zip(offsets, entries))
+        flat = flat.new_zeros(numel)
+        flat._rnnkit_placed = True  # refused by the functional calls, which read the spec's layout
+        return flat
+
+    @property
+    def flat_offsets(self) -> dict:
+        """{name: offset} of each weight in `flat_weights`, in the layout's order: the spec's layout
+        (``rnnkit.Layout(spec)``'s offsets), except for a plain stack on CUDA, whose buffer is
+        placed as cuDNN places its weight space (cuDNN's choice, which differs between cuDNN
+        versions)."""
+        return {name: offset for name, (offset, _, _) in zip(self._names, self._packing)}
+
+    def weight_views(self, flat: Optional[torch.Tensor] = None) -> dict:
+        """{name: view} of each weight in ``flat`` (default `flat_weights`), at `flat_offsets`."""
+        flat = self.flat_weights if flat is None else flat
+        return {name: flat[offset:offset + numel].view(shape)
+                for name, (offset, numel, shape) in zip(self._names, self._packing)}
 
     def _set_flat(self, flat: Optional[torch.Tensor]) -> None:
         self.__dict__.pop("_plan", None)  # the one-step plans hold the old memory
@@ -474,8 +516,8 @@ class _PackedModule(_SpecAttributes, nn.Module):
 
     @property
     def flat_weights(self) -> torch.Tensor:
-        """The packed buffer the parameters alias (the spec's layout; ``rnnkit.Layout(spec)`` gives
-        the offsets), for cuDNN-style code. Its ``.grad`` is the packed gradient: a view that the
+        """The packed buffer the parameters alias (at `flat_offsets`: the spec's layout, or cuDNN's
+        placement for a plain stack on CUDA; `weight_views` cuts it), for cuDNN-style code. Its ``.grad`` is the packed gradient: a view that the
         parameters' ``.grad`` are slices of, after a backward (a copy when they are not).
 
         It is not itself a parameter and does not require grad: optimize ``module.parameters()``.
@@ -486,17 +528,25 @@ class _PackedModule(_SpecAttributes, nn.Module):
             flat = self._flat
         else:
             self._note_unpacked(tensors)
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            flat = self._placed_copy([t.detach() for t in tensors])
         grads = [None if p is None else p.grad for p in (self._parameters.get(n) for n in self._names)]
         if all(g is None for g in grads):
             flat.grad = None
         else:
             packed = _already_packed(grads, self._packing, flat.numel())
             if packed is None:
-                packed = torch.cat([(g if g is not None else torch.zeros_like(t)).detach().reshape(-1)
-                                    for g, t in zip(grads, tensors)])
+                packed = self._placed_copy([(g if g is not None else torch.zeros_like(t)).detach()
+                                            for g, t in zip(grads, tensors)], flat.numel())
             flat.grad = packed
         return flat
+
+    def _placed_copy(self, tensors, total: Optional[int] = None) -> torch.Tensor:
+        """``tensors`` (in the layout's order) copied into one new buffer placed as `flat_offsets` say."""
+        total = total or (self._flat.numel() if self._flat is not None else sum(n for _, n, _ in self._packing))
+        out = tensors[0].new_empty(total) if _dense(self._packing, total) else tensors[0].new_zeros(total)
+        for t, (offset, numel, _) in zip(tensors, self._packing):
+            out[offset:offset + numel].copy_(t.reshape(-1))
+        return out
 
     def flatten_parameters(self) -> None:
         """Pack the parameters into one contiguous buffer and make each a view of it again (the
@@ -521,7 +571,7 @@ class _PackedModule(_SpecAttributes, nn.Module):
                     f"got {name} as {p.dtype} on {p.device} and {self._names[params.index(first)]} as "
                     f"{first.dtype} on {first.device}"
                 )
-        flat = torch.empty(self.layout.numel, dtype=first.dtype, device=first.device)
+        flat = self._new_flat(first.device, first.dtype)
         if first.is_shared():
             flat.share_memory_()
         with torch.no_grad():
@@ -564,10 +614,10 @@ class _PackedModule(_SpecAttributes, nn.Module):
         fresh = torch.empty(self.layout.numel, dtype=any_param.dtype, device=any_param.device)
         initialize(self.layout, fresh, forget_bias=forget_bias)
         with torch.no_grad():
-            for name, (offset, numel, shape) in zip(self._names, self._packing):
+            for name, value in self.layout.named_views(fresh).items():
                 p = self._parameters.get(name)
                 if p is not None:
-                    p.copy_(fresh[offset:offset + numel].view(shape))
+                    p.copy_(value)
 
     def __setattr__(self, name, value) -> None:
         super().__setattr__(name, value)
@@ -736,13 +786,82 @@ class _Recurrent(_StackAttributes, _PackedModule):
             (output, h_n), or (output, (h_n, c_n)) for LSTM; output is a PackedSequence
             when the input is one.
         """
-        out = planned_call(self.spec, lambda steps, batch: self._step_plans(input, hx, steps, batch), input, hx,
-                           lengths)
+        cuda = type(input) is torch.Tensor and input.is_cuda  # the plans run the fused CPU kernels only
+        out = None if cuda else planned_call(self.spec, lambda steps, batch: self._step_plans(input, hx, steps, batch),
+                                             input, hx, lengths)
         if out is not None:
             self.__dict__["last_backend"] = "fused"  # a plain attribute: skips Module.__setattr__
             return out
+        out = self._whole_native_call(input, hx, lengths)
+        if out is not None:
+            self.__dict__["last_backend"] = "native"
+            return out
         weights = self._pass_weights()
         return functional.sequence_call(lambda *args: self._run(weights, *args), input, hx, lengths, self.spec.batch_first)
+
+    def _whole_native_call(self, input, hx, lengths):
+        """The call in torch's one RNN op, as torch.nn's forward makes it, where the general path
+        would choose ``native`` for it, or None (the general path then runs, and says what is
+        wrong): eager, a padded 3-D input of the weights' dtype and device, no lengths, states None
+        or stacked tensors of the right shapes, the parameters aliasing the packed buffer, no
+        autocast, and no dropout masks of masks.py to draw (dropout between layers in training on
+        the CPU). The results are the general path's, bit for bit; on CUDA it saves the general
+        path's launches (zeros and stacks per pass) and ~40-100 µs of Python a call, which
+        cuDNN-sized calls pay in full (issue 16: native read 0.7-0.9 of torch.nn's speed)."""
+        spec = self.spec
+        packed = type(input) is PackedSequence
+        if lengths is not None or spec.per_layer or not (packed or (type(input) is torch.Tensor and input.dim() == 3)):
+            return None
+        data = input.data if packed else input
+        tensors = self._current()
+        W = tensors[0]
+        if type(data) is not torch.Tensor or data.dtype != W.dtype or data.device != W.device or not _plain_eager() \
+                or torch.is_autocast_enabled(W.device.type) or not self._aliased(tensors):
+            return None
+        if self.training and spec.dropout and spec.num_layers > 1 and W.device.type != "cuda":
+            return None
+        if packed:
+            functional._check_packed(input)  # the general path's check and message
+            if data.shape[0] == 0:
+                return None
+            steps, batch = input.batch_sizes.shape[0], int(input.batch_sizes[0])
+        else:
+            steps, batch = (input.shape[1], input.shape[0]) if spec.batch_first else input.shape[:2]
+        if steps == 0 or batch == 0:
+            return None
+        if hx is not None:
+            lstm, LD = spec.mode == "lstm", spec.num_layers * spec.num_directions
+            parts = hx if lstm else (hx,)
+            if (lstm and (type(hx) is not tuple or len(hx) != 2)) or any(
+                    type(t) is not torch.Tensor or t.dtype != W.dtype or t.device != W.device for t in parts):
+                return None
+            shapes = ((LD, batch, spec.proj_sizes[0] or spec.hidden_sizes[0]), (LD, batch, spec.hidden_sizes[0]))
+            if any(tuple(t.shape) != shape for t, shape in zip(parts, shapes)):
+                return None
+        grad = torch.is_grad_enabled() and (data.requires_grad or any(t.requires_grad for t in tensors) or (
+            hx is not None and any(t.requires_grad for t in (hx if type(hx) is tuple else (hx,)))))
+        try:
+            chosen = backends_.select(self.backend, spec, W.device, W.dtype, steps=steps, grad=grad, batch=batch,
+                                      lengths=packed)
+        except backends_.BackendUnavailableError:
+            return None
+        if chosen.name != "native":
+            return None
+        # One packed gradient, of which each .grad is a view, as `_pass_weights` gives: cuDNN's backward
+        # writes its weight gradient as one buffer placed as the weights are (which `flat_weights.grad`
+        # finds), oneDNN's one tensor per weight, so on the CPU the pieces go through `_Pack`
+        if grad and W.device.type != "cuda" and any(t.requires_grad for t in tensors):
+            views = _Pack.apply(self._flat, self._packing, *tensors)
+            tensors = [v if t.requires_grad else t for v, t in zip(views, tensors)]
+        if not packed:
+            return chosen.run_whole(spec, tensors, input, hx, self.training, spec.batch_first)
+        order, unorder = input.sorted_indices, input.unsorted_indices
+        if hx is not None and order is not None:  # the states come in the caller's batch order, as torch.nn's
+            hx = tuple(t.index_select(1, order) for t in hx) if type(hx) is tuple else hx.index_select(1, order)
+        y, hy = chosen.run_whole(spec, tensors, data, hx, self.training, False, input.batch_sizes)
+        if unorder is not None:
+            hy = tuple(t.index_select(1, unorder) for t in hy) if type(hy) is tuple else hy.index_select(1, unorder)
+        return PackedSequence(y, input.batch_sizes, order, unorder), hy
 
     def _run(self, weights, input, hx, lengths, batch_first):
         y, hy, ran = functional.run(self.spec, weights, input, hx, lengths, training=self.training, backend=self.backend,

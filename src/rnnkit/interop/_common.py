@@ -102,12 +102,20 @@ def to_numpy(value, name: str = "value") -> np.ndarray:
 def torch_pieces(module) -> Dict[str, torch.Tensor]:
     """{torch.nn name: detached copy} of every piece of the module's weights, in buffer order.
 
-    Reads through the layout's views of ``module.flat_weights`` (docs/spec.md, "Parameters:
-    one packed buffer"), the one place converters read weights from.
+    Reads through the views of ``module.flat_weights`` (docs/spec.md, "Parameters: one packed
+    buffer"; at the module's `flat_offsets`, which on CUDA can be cuDNN's placement), the one
+    place converters read weights from.
     """
     with torch.no_grad():
-        return {entry.name: module.layout.view(module.flat_weights, entry.name).detach().clone()
-                for entry in module.layout}
+        views = _weight_views(module)
+        return {entry.name: views[entry.name].detach().clone() for entry in module.layout}
+
+
+def _weight_views(module) -> Dict[str, torch.Tensor]:
+    """{name: view of ``module.flat_weights``} at the module's offsets (its layout's, where it has no others)."""
+    if hasattr(module, "weight_views"):
+        return module.weight_views()
+    return module.layout.named_views(module.flat_weights)
 
 
 def numpy_pieces(module) -> Dict[str, np.ndarray]:
@@ -151,8 +159,8 @@ def check_keys(found: Iterable, expected: Iterable, what: str, optional: Iterabl
 def load_pieces(module, pieces: Dict[str, object]) -> None:
     """Copy ``pieces`` ({torch.nn name: array}) into the module's weights, checking names and shapes.
 
-    The one place converters write weights: in-place copies into the layout's views of
-    ``module.flat_weights``, without autograd.
+    The one place converters write weights: in-place copies into the views of
+    ``module.flat_weights`` (`_weight_views`), without autograd.
     """
     entries = list(module.layout)
     check_keys(pieces, [entry.name for entry in entries], "weights", kind="pieces")
@@ -164,9 +172,9 @@ def load_pieces(module, pieces: Dict[str, object]) -> None:
             raise ValueError(f"weights: {entry.name} expected shape {tuple(entry.shape)}, got {tuple(value.shape)}")
         values[entry.name] = value
     with torch.no_grad():
+        views = _weight_views(module)
         for name, value in values.items():
-            view = module.layout.view(module.flat_weights, name)
-            view.copy_(value.to(device=view.device, dtype=view.dtype))
+            views[name].copy_(value.to(device=views[name].device, dtype=views[name].dtype))
 
 
 def suffix(layer: int, direction: int) -> str:

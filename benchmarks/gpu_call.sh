@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue 16 in ONE device call, for a lease of 15 minutes: bash benchmarks/gpu_call.sh [BENCH PART ...]
+#
+# env first; then the `tests` and `correct` stages of gpu_session.sh side by side (their work is
+# mostly Triton's CPU-bound compiles and small GPU launches; test_triton.py in PYTEST_WORKERS
+# processes, default 4); then `profile` (benchmarks/gpu_profile.py) and `bench-fp32` on the PARTs
+# (default: DeepBench H 512 and 2048, small, the long shape, then more) alone on the GPU for what is
+# left of GPU_CALL_LIMIT_S (default 540 s; GPU_CALL_PROFILE=0 skips the profile).
+# First run 2026-11-28 on an H200 (README, "GPU"): ~35 s to start and copy, 510 s of command.
+# Every log goes into $OUT/logs.tar.gz (one folder per stage), the bench table into
+# $OUT/bench-float32.md, the stages' summaries into $OUT/summary.txt, printed last.
+# Locally: GPU_SESSION_DRY_RUN=1 OUT=/tmp/x bash benchmarks/gpu_call.sh
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+FINAL=${OUT:?set OUT to the folder that comes back}
+LIMIT=${GPU_CALL_LIMIT_S:-540}
+SIDE=${GPU_CALL_SIDE_S:-270}  # tests and correct, side by side
+START=$SECONDS
+W=${TMPDIR:-/tmp}/rnnkit-gpu-call
+rm -rf "$W" && mkdir -p "$W/1-env" "$W/2-tests" "$W/3-correct" "$W/5-bench"
+export PYTEST_WORKERS=${PYTEST_WORKERS:-4}
+parts=("$@")
+((${#parts[@]})) || parts=(deepbench-h512-b32 deepbench-h2048-b32 small long-h768 medium deepbench-h1024-b64 stream)
+
+OUT=$W/1-env GPU_SESSION_LIMIT_S=100 bash benchmarks/gpu_session.sh env >"$W/1-env/stdout.txt" 2>&1
+OUT=$W/2-tests GPU_SESSION_LIMIT_S=$SIDE bash benchmarks/gpu_session.sh tests >"$W/2-tests/stdout.txt" 2>&1 &
+OUT=$W/3-correct GPU_SESSION_LIMIT_S=$SIDE bash benchmarks/gpu_session.sh correct >"$W/3-correct/stdout.txt" 2>&1 &
+wait
+mkdir -p "$W/4-profile"
+[[ ${GPU_CALL_PROFILE:-1} == 1 ]] &&
+    OUT=$W/4-profile GPU_SESSION_LIMIT_S=160 bash benchmarks/gpu_session.sh profile >"$W/4-profile/stdout.txt" 2>&1
+left=$((LIMIT - (SECONDS - START) - 20))
+OUT=$W/5-bench GPU_SESSION_LIMIT_S=$left bash benchmarks/gpu_session.sh bench-fp32 "${parts[@]}" >"$W/5-bench/stdout.txt" 2>&1
+
+tar -czf "$FINAL/logs.tar.gz" -C "$W" .
+cat "$W"/*/summary.txt >"$FINAL/summary.txt" 2>/dev/null
+cp "$W/5-bench/bench-float32.md" "$FINAL/" 2>/dev/null
+echo "== gpu_call: $((SECONDS - START))s"
+cat "$FINAL/summary.txt"

@@ -1,0 +1,155 @@
+"""Where one call's time goes on a GPU (issue 16): for the next device session.
+
+The 2026-11-28 H200 run (README, "GPU") left two questions this answers in one short call:
+
+- the triton backend took 7-20x cuDNN's time at the overhead-bound shape `small` (T 100, B 16,
+  H 128, 2 layers: 32 us a step) but 0.84-1.0x at `long-h768` (21 us a step): is each step host-bound
+  (launches, Python) or device-bound (the GEMM and the pointwise kernel), and do the CUDA graphs
+  replay (one graph launch a pass) as graphs.py intends?
+- the native backend read 0.7-0.93 of torch.nn's speed on the same cuDNN op: how much of a call
+  is Python before the op (the whole-op path of nn.py, `_whole_native_call`, is meant to remove it)?
+
+For each variant and mode: the median wall time of one call (synchronized before and after, as
+`rnnkit bench` times), for torch.nn (its plain cell of the variant's mode where it lacks the
+variant), rnnkit's native backend (plain variants) and its triton backend with CUDA graphs on and
+off; then one profiled triton call (graphs on, after the warm-up that captures): the GPU time of
+its kernels, how many kernels and graph launches ran, and how long the host spent.
+
+    python benchmarks/gpu_profile.py                                    # small and deepbench-h512-b32
+    python benchmarks/gpu_profile.py --shapes long-h768 --variants lstm --modes training
+    TRITON_INTERPRET=1 RNNKIT_TRITON_INTERPRET=1 python benchmarks/gpu_profile.py --device cpu --tiny
+        # the script's own check, on the CPU under Triton's interpreter (tests/test_bench.py)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from rnnkit.app.bench.registry import SHAPES, VARIANTS, Shape
+from rnnkit.app.bench.runners import TORCH_MODULES, rnnkit_module
+
+TINY = Shape("tiny", 4, 2, 8, 8, 1, "the script's own check")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_call(call, device: str, repeats: int, warmup: int = 3) -> float:
+    """The median wall time of ``call()`` in microseconds, synchronized before and after each call."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        call()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def make_call(module, x, training: bool):
+    """One call: forward (and backward of a sum of squares, in training) of ``module`` on ``x``."""
+    def call():
+        if training:
+            y, _ = module(x)
+            y.square().sum().backward()
+        else:
+            with torch.no_grad():
+                module(x)
+    return call
+
+
+def profile_call(call, device: str) -> dict:
+    """One profiled call: its kernels' GPU time, kernel and graph-launch counts, and wall time."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    _sync(device)
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        call()
+        _sync(device)
+    wall = (time.perf_counter() - start) * 1e6
+    events = prof.events()
+    kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    return {
+        "wall_us": wall,
+        "kernels": len(kernels),
+        "kernel_us": sum(e.device_time_total for e in kernels) if kernels else 0.0,
+        "graph_launches": sum(1 for e in events if e.name == "cudaGraphLaunch"),
+        "kernel_launches": sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--shapes", nargs="+", default=["small", "deepbench-h512-b32"], choices=sorted(SHAPES))
+    parser.add_argument("--variants", nargs="+", default=["lstm", "lstm_layer_norm", "gru"],
+                        choices=[n for n, v in VARIANTS.items() if v.api == "sequence" and not v.lengths])
+    parser.add_argument("--modes", nargs="+", default=["inference", "training"], choices=["inference", "training"])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--tiny", action="store_true", help="one tiny shape instead of --shapes (the CPU check)")
+    args = parser.parse_args(argv)
+    device = args.device
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            print("gpu_profile: no CUDA device here", file=sys.stderr)
+            return 2
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 throughout, as the bench's float32 grid
+        torch.backends.cudnn.allow_tf32 = False
+        print(f"gpu_profile: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN "
+              f"{torch.backends.cudnn.version()}")
+    shapes = [TINY] if args.tiny else [SHAPES[name] for name in args.shapes]
+    graphs_before = os.environ.get("RNNKIT_TRITON_CUDA_GRAPHS")
+    print("shape | variant | mode | torch.nn us | native us | triton us (graphs) | triton us (no graphs) | "
+          "triton profiled: GPU kernel us / wall us, kernels, graph launches, kernel launches")
+    try:
+        for shape in shapes:
+            for name in args.variants:
+                variant = VARIANTS[name]
+                for mode in args.modes:
+                    training = mode == "training"
+                    torch.manual_seed(0)
+                    reference = rnnkit_module(variant, shape, "reference", device, torch.float32)
+                    x = torch.randn(shape.T, shape.B, reference.input_size, device=device)
+                    row = [shape.name, name, mode]
+                    torch_variant = variant if variant.torch_nn else VARIANTS[variant.mode]
+                    baseline = TORCH_MODULES[torch_variant.mode](**torch_variant.module_kwargs(shape)).to(device)
+                    row.append(f"{time_call(make_call(baseline, x, training), device, args.repeats):.0f}")
+                    native = rnnkit_module(variant, shape, "auto", device, torch.float32)
+                    native.backend = "native"
+                    try:
+                        row.append(f"{time_call(make_call(native, x, training), device, args.repeats):.0f}")
+                    except Exception as error:  # noqa: BLE001 - a variant native does not run
+                        row.append(f"n/a ({type(error).__name__})")
+                    triton = rnnkit_module(variant, shape, "triton", device, torch.float32)
+                    for graphs in ("1", "0"):
+                        os.environ["RNNKIT_TRITON_CUDA_GRAPHS"] = graphs
+                        row.append(f"{time_call(make_call(triton, x, training), device, args.repeats):.0f}")
+                    os.environ["RNNKIT_TRITON_CUDA_GRAPHS"] = "1"
+                    call = make_call(triton, x, training)
+                    for _ in range(3):  # the second call captures; the profiled one replays
+                        call()
+                    p = profile_call(call, device)
+                    row.append(f"{p['kernel_us']:.0f} / {p['wall_us']:.0f}, {p['kernels']}, {p['graph_launches']}, "
+                               f"{p['kernel_launches']}")
+                    print(" | ".join(row), flush=True)
+    finally:
+        if graphs_before is None:
+            os.environ.pop("RNNKIT_TRITON_CUDA_GRAPHS", None)
+        else:
+            os.environ["RNNKIT_TRITON_CUDA_GRAPHS"] = graphs_before
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
