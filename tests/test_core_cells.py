@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import rnnkit
+from rnnkit.errors import MismatchError
 from helpers import assert_close, require_fused_kernels
 
 T, B, I, H = 5, 3, 4, 6
@@ -404,11 +405,44 @@ def test_native_whole_op_takes_only_what_it_can_check():
         (lstm, torch.nn.utils.rnn.pack_padded_sequence(x.double(), [T] * B), None, None),
         (lstm, x, (h[:1], h), None), (lstm, x, (h, h.double()), None), (lstm, x, [h, h], None), (lstm, x, h, None),
         (lstm, x.double(), None, None), (lstm, x[:0], None, None), (gru, x, (h[:1],), None), (gru, x, h, None),
+        (lstm, torch.randn(T, B, I + 1), None, None),  # the feature size: torch's op would read past the rows
     ]
     for module, *args in declined:
         assert module._whole_native_call(*args) is None, args
     with pytest.raises(Exception, match="hx"):
         gru(x, h)  # the general path's message: 1 layer, not 2
+    with pytest.raises(MismatchError, match="input"):
+        lstm(torch.randn(T, B, I + 1))
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_native_one_op_takes_strided_states_as_the_general_path_does(mode, batch_first, monkeypatch):
+    """States that are views (an expanded learned h0, a batch-major state transposed) reach torch's
+    op contiguous, as the general path stacks them (cuDNN refuses a strided state, and torch's CPU
+    GRU on one gives other bits): outputs and every gradient bit for bit, over several seeds."""
+    for seed in range(6):
+        torch.manual_seed(seed)
+        cls = rnnkit.LSTM if mode == "lstm" else rnnkit.GRU
+        module = cls(I, H, num_layers=2, bidirectional=True, backend="native", batch_first=batch_first)
+        whole = module._whole_native_call
+        x = torch.randn(B, T, I) if batch_first else torch.randn(T, B, I)
+        h0 = torch.randn(4, 1, H, requires_grad=True)
+        c0 = torch.randn(B, 4, H).requires_grad_()
+        results = []
+        for path in (whole, lambda *args: None):
+            monkeypatch.setattr(module, "_whole_native_call", path)
+            module.zero_grad()
+            h0.grad = c0.grad = None
+            hx = (h0.expand(4, B, H), c0.transpose(0, 1)) if mode == "lstm" else c0.transpose(0, 1)
+            y, hy = module(x, hx)
+            outs = [y, *(hy if mode == "lstm" else (hy,))]
+            torch.manual_seed(4)
+            torch.autograd.backward(outs, [torch.randn_like(t) for t in outs])
+            results.append(outs + [h0.grad, c0.grad] + [p.grad for p in module.parameters()])
+        assert module.last_backend == "native"
+        for u, v in zip(*results):
+            assert (u is None and v is None) or torch.equal(u, v)
 
 
 @pytest.mark.parametrize("options", [dict(bidirectional=True), dict(num_layers=2, hidden_size=[H, H + 2])],

@@ -909,10 +909,10 @@ def test_reset_parameters_keeps_the_constructors_forget_bias():
 
 # ---- a buffer placed as cuDNN places its weight space ------------------------------------------
 
-def _scattered_placement(spec, layout, device, dtype):
+def _scattered_placement(spec, layout, device, dtype, between=0):
     """A stand-in for cuDNN's placement (`native.cudnn_placement`), on any device: the matrices
-    first, in reverse order, then the vectors, with room between them and after them all (cuDNN
-    9.19 puts every matrix before every bias, and its weight space can be larger than the pieces)."""
+    first, in reverse order, then the vectors, then room (cuDNN 9.19 puts every matrix before every
+    bias, and keeps room for the biases a stack without them lacks); ``between``: room between pieces."""
     from rnnkit.spec import options_in_use
 
     if options_in_use(spec, native=False):
@@ -922,7 +922,7 @@ def _scattered_placement(spec, layout, device, dtype):
     offsets, at = {}, 0
     for e in order:
         offsets[e.name] = at
-        at += e.numel + 5
+        at += e.numel + between
     return tuple(offsets[e.name] for e in entries), at + 6
 
 
@@ -935,7 +935,7 @@ PLACED_CASES = {
 
 @pytest.mark.parametrize("case, backend", [(c, b) for c in PLACED_CASES for b in ("native", "fused", "reference")
                                            if not (c.startswith("lstm-proj") and b == "native")])  # oneDNN: no LSTMP
-def test_a_buffer_placed_as_cudnn_places_it_computes_as_the_spec_layout_does(case, backend, monkeypatch):
+def test_a_buffer_placed_as_cudnn_places_it_computes_as_the_spec_layout_does(case, backend, monkeypatch):  # noqa: C901
     """On CUDA a plain stack's buffer follows cuDNN's placement, not the spec's layout: the
     parameters alias it at those offsets, outputs and every gradient are those of a module in the
     spec's layout, flat_weights.grad is placed the same way (zeros between pieces), and the
@@ -953,12 +953,15 @@ def test_a_buffer_placed_as_cudnn_places_it_computes_as_the_spec_layout_does(cas
     offsets = placed.flat_offsets
     assert list(offsets.values()) != [e.offset for e in placed.layout.entries]
     flat = placed.flat_weights
-    assert flat.numel() > placed.layout.numel
+    assert flat.numel() == placed.layout.numel  # the room past the pieces (cuDNN's bias slots) is not shown
+    room = placed._flat[placed.layout.numel:]
+    assert room.numel() == 6 and not room.any()
     for name, p in placed.named_parameters():
         assert p.data_ptr() == flat.data_ptr() + offsets[name] * flat.element_size(), name
     x = torch.randn(6, 3, 5)
-    with pytest.raises(ValueError, match="placed as cuDNN places"):  # the functional calls read the spec's layout
-        rnnkit.forward_inference(placed.spec, flat, x)
+    for given in (flat, flat.detach(), placed.weight_views()["weight_ih_l0"].view(-1)):  # the spec's layout is read
+        with pytest.raises(ValueError, match="placed as cuDNN places"):
+            rnnkit.forward_inference(placed.spec, given, x)
     rnnkit.forward_inference(plain.spec, plain.flat_weights, x)
     outs = []
     for module in (plain, placed):
@@ -976,11 +979,14 @@ def test_a_buffer_placed_as_cudnn_places_it_computes_as_the_spec_layout_does(cas
         assert_close(gb[name], ga[name])
     grad = placed.flat_weights.grad
     assert grad.shape == flat.shape
-    covered = torch.zeros(flat.numel(), dtype=torch.bool)
     for name, view in placed.weight_views(grad).items():
         assert_close(view, ga[name])
-        covered[offsets[name]:offsets[name] + view.numel()] = True
-    assert not grad[~covered].any(), "the room between pieces must hold zeros, not what the allocator left"
+        assert view.data_ptr() == gb[name].data_ptr(), "each .grad is a view of flat_weights.grad"
+    for _ in range(2):  # writes to the whole buffer, as cuDNN-style code makes them, never reach the room
+        placed.flat_weights.add_(1.0)
+        placed.flat_weights.sub_(placed.flat_weights.grad)
+    assert not room.any()
+    placed.load_state_dict(plain.state_dict())
 
     for moved in (placed.double(), copy.deepcopy(placed)):
         assert moved.flat_offsets == offsets
@@ -994,7 +1000,24 @@ def test_a_buffer_placed_as_cudnn_places_it_computes_as_the_spec_layout_does(cas
     placed.flatten_parameters()
     assert placed.flat_offsets == offsets
     assert placed.weight_ih_l0.data_ptr() == placed.flat_weights.data_ptr() + offsets["weight_ih_l0"] * 8
+    assert not placed._flat[placed.layout.numel:].any()
     load_pieces(placed, {n: torch.full_like(t, 0.5) for n, t in torch_pieces(plain).items()})
     assert all(bool((p == 0.5).all()) for p in placed.parameters())
     placed.reset_parameters()
     assert all(bool((p.abs() <= 0.5).all()) and bool((p != 0.5).any()) for p in placed.parameters())
+
+
+def test_a_cudnn_placement_with_room_between_pieces_is_not_taken(monkeypatch):
+    """Room between pieces could not be kept out of flat_weights' reach (cuDNN reads a bias-less
+    stack's room as biases): such a placement gives way to the spec's layout; and cells, which
+    never run cuDNN's RNN op, keep the spec's layout whatever cuDNN would say."""
+    import rnnkit.nn as rnn_nn
+
+    monkeypatch.setattr(rnn_nn, "cudnn_placement", lambda *args: _scattered_placement(*args, between=3))
+    lstm = rnnkit.LSTM(5, 4, num_layers=2, bias=False)
+    assert list(lstm.flat_offsets.values()) == [e.offset for e in lstm.layout.entries]
+    assert lstm.flat_weights.numel() == lstm.layout.numel and not lstm._cudnn_placed
+    monkeypatch.setattr(rnn_nn, "cudnn_placement", _scattered_placement)
+    cell = rnnkit.LSTMCell(5, 4, bias=False)
+    assert list(cell.flat_offsets.values()) == [e.offset for e in cell.layout.entries]
+    rnnkit.forward_inference(cell.spec, cell.flat_weights, torch.randn(2, 1, 5))  # the spec's layout: taken

@@ -19,6 +19,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from . import backend as backends_
 from .errors import DTypeMismatchError, MismatchError
 from .masks import draw_pass, layer_dropout, step_mask
+from .native import is_placed
 from .params import Layout, PassWeights, check_spec
 from .spec import RNNSpec
 
@@ -72,7 +73,7 @@ def check_cell_states(spec, hx, input: torch.Tensor, like: torch.Tensor) -> tupl
 def check_weights(spec: RNNSpec, weights, layout: Layout) -> torch.Tensor:
     if not isinstance(weights, torch.Tensor):
         raise TypeError(f"weights: expected the packed 1-D parameter tensor, got {type(weights).__name__}")
-    if getattr(weights, "_rnnkit_placed", False):
+    if is_placed(weights):
         raise ValueError("weights: expected a buffer in the spec's layout (rnnkit.Layout(spec)), got a module's "
                          "flat_weights placed as cuDNN places its weight space (a plain stack on CUDA; "
                          "module.flat_offsets): pass torch.cat([w.reshape(-1) for w in module.named_weights().values()])")

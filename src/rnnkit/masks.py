@@ -4,7 +4,9 @@ variational dropout, DropConnect, zoneout, layer dropout.
 Masks are drawn here, in one place and in a fixed order, from torch's default generator on
 the input's device, and handed to the backends as tensors. Every backend therefore sees the
 same masks under the same seed, which is what lets a fused kernel be tested against the
-reference in training mode.
+reference in training mode. One exception: on CUDA the native backend's dropout between layers
+is cuDNN's own, drawn inside its one call (cuDNN reads a stack's weights in place only as a
+whole stack), so there those masks are not these.
 """
 from __future__ import annotations
 

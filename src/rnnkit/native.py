@@ -9,6 +9,7 @@ table (``rnnkit.spec.OPTIONS``, column ``native``).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -25,6 +26,25 @@ _LOW = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported, torch.float1
 _TORCH_SLOTS = ("W", "R", "b_W", "b_R", "W_hr")  # torch.nn's _flat_weights order within a pass
 _CUDNN_MODES = {"rnn_relu": 0, "rnn_tanh": 1, "lstm": 2, "gru": 3}  # cudnnRNNMode_t
 _CUDNN_PLACEMENTS: Dict[tuple, Optional[Tuple[Tuple[int, ...], int]]] = {}
+_PLACED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()  # storage address -> buffer
+
+
+def register_placed(flat: torch.Tensor) -> None:
+    """Remember ``flat`` as a module's buffer in cuDNN's placement (not the spec's layout)."""
+    _PLACED[flat.untyped_storage().data_ptr()] = flat
+
+
+def is_placed(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lies in a module's buffer placed as cuDNN places its weight space (itself,
+    ``flat_weights``, a view or ``.detach()`` of it; a copy is not recognized)."""
+    if torch.compiler.is_compiling() or not _PLACED:  # first: Dynamo folds it (a traced call has no addresses)
+        return False
+    try:
+        address = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # fake / functional tensors under tracing
+        return False
+    owner = _PLACED.get(address) if address else None
+    return owner is not None and owner.untyped_storage().data_ptr() == address
 
 
 def cudnn_placement(spec: RNNSpec, layout, device, dtype) -> Optional[Tuple[Tuple[int, ...], int]]:
@@ -55,7 +75,7 @@ def cudnn_placement(spec: RNNSpec, layout, device, dtype) -> Optional[Tuple[Tupl
 def _ask_cudnn(spec: RNNSpec, layout, device, dtype) -> Optional[Tuple[Tuple[int, ...], int]]:
     entries = layout.entries
     placeholders = [torch.zeros(e.shape, device=device, dtype=dtype) for e in entries]
-    if not torch.backends.cudnn.is_acceptable(placeholders[0]):
+    if not torch.cudnn_is_acceptable(placeholders[0]):  # the check torch's RNN ops make
         return None
     per_pass = sum(1 for e in entries if e.layer == 0 and e.direction == 0)
     try:
@@ -151,6 +171,8 @@ class NativeBackend:
             B = int(batch_sizes[0]) if batch_sizes is not None else x.shape[0 if batch_first else 1]
             zeros = x.new_zeros(L * spec.num_directions, B, spec.proj_sizes[0] or spec.hidden_sizes[0])
             hx = (zeros, x.new_zeros(L * spec.num_directions, B, spec.hidden_sizes[0])) if lstm else zeros
+        else:  # as the general path stacks them (cuDNN refuses a strided state; oneDNN's result may differ)
+            hx = tuple(t.contiguous() for t in hx) if lstm else hx.contiguous()
         dropout = spec.dropout if training and L > 1 and x.device.type == "cuda" else 0.0
         train = bool(dropout)
         if x.device.type == "cuda" and not train and torch.is_grad_enabled():

@@ -13,7 +13,7 @@ from . import backend as backends_
 from . import functional
 from .errors import DTypeMismatchError, MismatchError
 from .masks import draw_pass
-from .native import cudnn_placement
+from .native import cudnn_placement, register_placed
 from .params import TORCH_PIECES, Layout, PassWeights, check_forget_bias, initialize
 from .passes import _direct, forward_ad_reason
 from .spec import RNNSpec, _flag
@@ -338,22 +338,33 @@ class _PackedModule(_SpecAttributes, nn.Module):
 
     def _new_flat(self, device, dtype) -> torch.Tensor:
         """A buffer for the weights on ``device`` in ``dtype``, placed as that device's kernels read
-        it (sets ``_packing``, one (offset, numel, shape) per entry in the layout's order): the
-        spec's layout, or, for a plain stack on CUDA, cuDNN's own placement
-        (`native.cudnn_placement`), so that cuDNN takes the buffer as it is. Any room cuDNN leaves
-        between pieces is zeros."""
+        it (sets ``_packing``, one (offset, numel, shape) per entry in the layout's order, and
+        ``_cudnn_placed``): the spec's layout, or, for a plain stack on CUDA, cuDNN's own placement
+        (`native.cudnn_placement`), so that cuDNN takes the buffer as it is.
+
+        cuDNN's weight space can be larger than the pieces: a stack without biases keeps room for
+        them, which cuDNN reads as biases (torch runs it with both), so it must stay zero. That
+        room, past the last piece, is zeroed here and left out of `flat_weights`, so no write to
+        the buffer reaches it; a placement with room between pieces is not taken (the spec's
+        layout then, and cuDNN copies the weights at each call)."""
         flat = torch.empty(0, device=device, dtype=dtype)
         entries = self.layout.entries
-        placed = cudnn_placement(self.spec, self.layout, flat.device, flat.dtype) if flat.is_floating_point() else None
-        if placed is not None and placed == (tuple(e.offset for e in entries), self.layout.numel):
-            placed = None  # cuDNN's placement is the spec's layout (a one-layer, one-direction stack with biases)
+        placed = None
+        if flat.is_floating_point() and self.layout.suffixes:  # a stack: cells never run cuDNN's RNN op
+            placed = cudnn_placement(self.spec, self.layout, flat.device, flat.dtype)
+        if placed is not None:
+            offsets, numel = placed
+            packing = tuple((offset, e.numel, e.shape) for offset, e in zip(offsets, entries))
+            if max(o + n for o, n, _ in packing) != self.layout.numel:  # room between pieces
+                placed = None
+        self._cudnn_placed = placed is not None
         if placed is None:
             self._packing = tuple((e.offset, e.numel, e.shape) for e in entries)
             return flat.new_empty(self.layout.numel)
-        offsets, numel = placed
-        self._packing = tuple((offset, e.numel, e.shape) for offset, e in zip(offsets, entries))
+        self._packing = packing
         flat = flat.new_zeros(numel)
-        flat._rnnkit_placed = True  # refused by the functional calls, which read the spec's layout
+        if packing != tuple((e.offset, e.numel, e.shape) for e in entries):
+            register_placed(flat)  # the functional calls read the spec's layout: they refuse it
         return flat
 
     @property
@@ -373,6 +384,8 @@ class _PackedModule(_SpecAttributes, nn.Module):
     def _set_flat(self, flat: Optional[torch.Tensor]) -> None:
         self.__dict__.pop("_plan", None)  # the one-step plans hold the old memory
         self._flat = flat
+        # what flat_weights shows: the pieces, without the room cuDNN keeps past them (see `_new_flat`)
+        self._shown = None if flat is None or flat.numel() == self.layout.numel else flat[:self.layout.numel]
         self._warned_unpacked = False
         self._rebound = False  # a weight was assigned (module.weight_ih_l0 = ..., load_state_dict(assign=True))
         self._packed = tuple(self._parameters.get(name) for name in self._names)  # the Parameters packed
@@ -525,7 +538,7 @@ class _PackedModule(_SpecAttributes, nn.Module):
         """
         tensors = self._current()
         if self._aliased(tensors):
-            flat = self._flat
+            flat = self._flat if self._shown is None else self._shown
         else:
             self._note_unpacked(tensors)
             flat = self._placed_copy([t.detach() for t in tensors])
@@ -542,7 +555,7 @@ class _PackedModule(_SpecAttributes, nn.Module):
 
     def _placed_copy(self, tensors, total: Optional[int] = None) -> torch.Tensor:
         """``tensors`` (in the layout's order) copied into one new buffer placed as `flat_offsets` say."""
-        total = total or (self._flat.numel() if self._flat is not None else sum(n for _, n, _ in self._packing))
+        total = total or self.layout.numel
         out = tensors[0].new_empty(total) if _dense(self._packing, total) else tensors[0].new_zeros(total)
         for t, (offset, numel, _) in zip(tensors, self._packing):
             out[offset:offset + numel].copy_(t.reshape(-1))
@@ -593,6 +606,11 @@ class _PackedModule(_SpecAttributes, nn.Module):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        if "_shown" not in self.__dict__:  # pickled before buffers had a placement: the spec's layout
+            self.__dict__["_cudnn_placed"] = False
+            flat = self.__dict__.get("_flat")
+            self.__dict__["_shown"] = None if flat is None or flat.numel() == self.layout.numel else \
+                flat[:self.layout.numel]
         # deepcopy clones each parameter on its own: pack them again (a pickle keeps the aliasing)
         if self._flat is not None and not self._aliased(self._current()):
             self.flatten_parameters()
@@ -816,7 +834,8 @@ class _Recurrent(_StackAttributes, _PackedModule):
         tensors = self._current()
         W = tensors[0]
         if type(data) is not torch.Tensor or data.dtype != W.dtype or data.device != W.device or not _plain_eager() \
-                or torch.is_autocast_enabled(W.device.type) or not self._aliased(tensors):
+                or torch.is_autocast_enabled(W.device.type) or not self._aliased(tensors) \
+                or data.shape[-1] != spec.input_size:  # the general path's check and message
             return None
         if self.training and spec.dropout and spec.num_layers > 1 and W.device.type != "cuda":
             return None
@@ -849,8 +868,9 @@ class _Recurrent(_StackAttributes, _PackedModule):
             return None
         # One packed gradient, of which each .grad is a view, as `_pass_weights` gives: cuDNN's backward
         # writes its weight gradient as one buffer placed as the weights are (which `flat_weights.grad`
-        # finds), oneDNN's one tensor per weight, so on the CPU the pieces go through `_Pack`
-        if grad and W.device.type != "cuda" and any(t.requires_grad for t in tensors):
+        # finds) when it reads the buffer in place; oneDNN's is one tensor per weight: through `_Pack`
+        cudnn = W.is_cuda and self._cudnn_placed and torch.backends.cudnn.enabled and torch.cudnn_is_acceptable(W)
+        if grad and not cudnn and any(t.requires_grad for t in tensors):
             views = _Pack.apply(self._flat, self._packing, *tensors)
             tensors = [v if t.requires_grad else t for v, t in zip(views, tensors)]
         if not packed:
