@@ -1007,6 +1007,73 @@ def test_a_buffer_placed_as_cudnn_places_it_computes_as_the_spec_layout_does(cas
     assert all(bool((p.abs() <= 0.5).all()) and bool((p != 0.5).any()) for p in placed.parameters())
 
 
+def test_the_functional_calls_refuse_a_placed_buffer_however_it_reaches_them(monkeypatch, tmp_path):
+    """The functional calls read the spec's layout, so a buffer in cuDNN's placement would be read
+    wrong: refused after torch.save / torch.load, as the copy flat_weights makes when the aliasing
+    is broken, as flat_weights.grad, under torch.compile and torch.func, and as backward_weights'
+    dweights; a buffer in the spec's layout still runs."""
+    import rnnkit.nn as rnn_nn
+
+    monkeypatch.setattr(rnn_nn, "cudnn_placement", _scattered_placement)
+    spec = rnnkit.RNNSpec("lstm", 5, 4, num_layers=2)
+    x = torch.randn(3, 2, 5)
+    module = rnnkit.LSTM(5, 4, num_layers=2)
+    module(x)[0].sum().backward()
+    torch.save(module, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert loaded.flat_offsets == module.flat_offsets
+    given = {"flat_weights": module.flat_weights, "loaded": loaded.flat_weights, "grad": module.flat_weights.grad,
+             "a slice": module.flat_weights[:10]}
+    unpacked = rnnkit.LSTM(5, 4, num_layers=2)
+    unpacked.weight_hh_l0.data = unpacked.weight_hh_l0.data.clone()
+    with pytest.warns(UserWarning, match="not views of one packed buffer"):
+        given["the copy of unpacked weights"] = unpacked.flat_weights
+    for what, weights in given.items():
+        with pytest.raises(ValueError, match="placed as cuDNN places"):
+            rnnkit.forward_inference(spec, weights, x)
+    compiled = torch.compile(lambda w: rnnkit.forward_inference(spec, w, x)[0], backend="eager")
+    with pytest.raises(ValueError, match="placed as cuDNN places"):
+        compiled(module.flat_weights)
+    with pytest.raises(ValueError, match="placed as cuDNN places"):
+        torch.func.grad(lambda w: rnnkit.forward_inference(spec, w, x)[0].sum())(module.flat_weights)
+    mine = rnnkit.Layout(spec).new_buffer()
+    _, _, reserve = rnnkit.forward_training(spec, mine, x)
+    rnnkit.backward_data(reserve, torch.randn(3, 2, 4), None, None)
+    with pytest.raises(ValueError, match="dweights"):
+        rnnkit.backward_weights(reserve, module.flat_weights.grad)
+    assert compiled(mine).shape == (3, 2, 4)
+    whole = torch.compile(lambda w: rnnkit.forward_inference(spec, w, x)[0], backend="eager", fullgraph=True)
+    assert torch.equal(whole(mine), rnnkit.forward_inference(spec, mine, x)[0])  # no graph break for the check
+
+
+def test_a_module_loaded_where_the_placement_differs_is_placed_again(monkeypatch, tmp_path):
+    """A buffer is placed as its device's kernels read it: a module saved where cuDNN placed it and
+    loaded where the spec's layout holds (a GPU module loaded on the CPU), or the reverse, is packed
+    again by name, with the same weights and outputs."""
+    import rnnkit.nn as rnn_nn
+
+    x = torch.randn(3, 2, 5)
+    with monkeypatch.context() as patch:
+        patch.setattr(rnn_nn, "cudnn_placement", _scattered_placement)
+        placed = rnnkit.LSTM(5, 4, num_layers=2)
+        torch.save(placed, tmp_path / "placed.pt")
+        canonical_offsets = [e.offset for e in placed.layout.entries]
+        assert list(placed.flat_offsets.values()) != canonical_offsets
+    plain = torch.load(tmp_path / "placed.pt", weights_only=False)  # no placement here
+    assert list(plain.flat_offsets.values()) == canonical_offsets and plain.flat_weights.numel() == plain.layout.numel
+    for name, p in plain.named_parameters():
+        assert torch.equal(p, getattr(placed, name)), name
+        assert p.data_ptr() == plain.flat_weights.data_ptr() + plain.flat_offsets[name] * 4, name
+    assert torch.equal(plain(x)[0], placed(x)[0])
+    torch.save(plain, tmp_path / "plain.pt")
+    monkeypatch.setattr(rnn_nn, "cudnn_placement", _scattered_placement)
+    again = torch.load(tmp_path / "plain.pt", weights_only=False)
+    assert again.flat_offsets == placed.flat_offsets and again._cudnn_placed
+    assert torch.equal(again(x)[0], placed(x)[0])
+    with pytest.raises(ValueError, match="placed as cuDNN places"):
+        rnnkit.forward_inference(again.spec, again.flat_weights, x)
+
+
 def test_a_cudnn_placement_with_room_between_pieces_is_not_taken(monkeypatch):
     """Room between pieces could not be kept out of flat_weights' reach (cuDNN reads a bias-less
     stack's room as biases): such a placement gives way to the spec's layout; and cells, which

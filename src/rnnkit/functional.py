@@ -684,6 +684,9 @@ def backward_weights(reserve: Reserve, dweights: Optional[torch.Tensor] = None, 
             raise ValueError("accumulate: True adds the gradient into dweights, got dweights=None; pass the buffer "
                              "to add into, or accumulate=False for a new one")
         return grad.clone()
+    if is_placed(dweights):
+        raise ValueError("dweights: expected a buffer in the spec's layout (rnnkit.Layout(spec)), got a module's "
+                         "flat_weights (or its gradient) placed as cuDNN places its weight space (module.flat_offsets)")
     check_tensor("dweights", dweights, _shape(grad), grad)
     with torch.no_grad():
         return dweights.add_(grad) if accumulate else dweights.copy_(grad)

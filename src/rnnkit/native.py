@@ -31,20 +31,42 @@ _PLACED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDic
 
 def register_placed(flat: torch.Tensor) -> None:
     """Remember ``flat`` as a module's buffer in cuDNN's placement (not the spec's layout)."""
-    _PLACED[flat.untyped_storage().data_ptr()] = flat
+    address = _address(flat)
+    if address:
+        _PLACED[address] = flat
+
+
+def _address(tensor: torch.Tensor) -> int:
+    """The address of ``tensor``'s storage (inside torch.func's wrappers), or 0 where it has none
+    (fake and meta tensors)."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(tensor) or functorch.is_legacy_batchedtensor(tensor):
+        tensor = functorch.get_unwrapped(tensor)
+    if isinstance(tensor, torch._subclasses.FakeTensor) or tensor.device.type == "meta":
+        return 0
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 def is_placed(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` lies in a module's buffer placed as cuDNN places its weight space (itself,
-    ``flat_weights``, a view or ``.detach()`` of it; a copy is not recognized)."""
-    if torch.compiler.is_compiling() or not _PLACED:  # first: Dynamo folds it (a traced call has no addresses)
+    """Whether ``tensor`` is a module's buffer placed as cuDNN places its weight space, or lies in
+    one: itself, ``flat_weights`` or its gradient (tagged, which torch.compile sees too), and, in
+    eager calls, a view or ``.detach()`` of one (by its storage). A copy of one's own is not
+    recognized, nor a view under torch.compile."""
+    if getattr(tensor, "_rnnkit_placed", False):
+        return True
+    return not torch.compiler.is_compiling() and _stored_is_placed(tensor)
+
+
+@torch.compiler.disable  # addresses are not traceable: should Dynamo get here, a graph break
+def _stored_is_placed(tensor: torch.Tensor) -> bool:
+    if not _PLACED:
         return False
-    try:
-        address = tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # fake / functional tensors under tracing
-        return False
+    address = _address(tensor)
     owner = _PLACED.get(address) if address else None
-    return owner is not None and owner.untyped_storage().data_ptr() == address
+    return owner is not None and _address(owner) == address
 
 
 def cudnn_placement(spec: RNNSpec, layout, device, dtype) -> Optional[Tuple[Tuple[int, ...], int]]:
@@ -62,6 +84,8 @@ def cudnn_placement(spec: RNNSpec, layout, device, dtype) -> Optional[Tuple[Tupl
     device = torch.device(device)
     if device.type != "cuda" or not torch.backends.cudnn.enabled or options_in_use(spec, native=False):
         return None
+    if _fake_mode():  # no cuDNN to ask under a fake mode (and its answer must not be kept for real tensors)
+        return None
     if spec.bias_mode not in ("double", "none") or len(set(spec.hidden_sizes)) != 1 or len(set(spec.proj_sizes)) != 1:
         return None
     if device.index is None:
@@ -70,6 +94,13 @@ def cudnn_placement(spec: RNNSpec, layout, device, dtype) -> Optional[Tuple[Tupl
     if key not in _CUDNN_PLACEMENTS:
         _CUDNN_PLACEMENTS[key] = _ask_cudnn(spec, layout, device, dtype)
     return _CUDNN_PLACEMENTS[key]
+
+
+def _fake_mode() -> bool:
+    try:
+        return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _ask_cudnn(spec: RNNSpec, layout, device, dtype) -> Optional[Tuple[Tuple[int, ...], int]]:

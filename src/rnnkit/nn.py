@@ -348,24 +348,34 @@ class _PackedModule(_SpecAttributes, nn.Module):
         the buffer reaches it; a placement with room between pieces is not taken (the spec's
         layout then, and cuDNN copies the weights at each call)."""
         flat = torch.empty(0, device=device, dtype=dtype)
-        entries = self.layout.entries
-        placed = None
-        if flat.is_floating_point() and self.layout.suffixes:  # a stack: cells never run cuDNN's RNN op
-            placed = cudnn_placement(self.spec, self.layout, flat.device, flat.dtype)
-        if placed is not None:
-            offsets, numel = placed
-            packing = tuple((offset, e.numel, e.shape) for offset, e in zip(offsets, entries))
-            if max(o + n for o, n, _ in packing) != self.layout.numel:  # room between pieces
-                placed = None
-        self._cudnn_placed = placed is not None
-        if placed is None:
-            self._packing = tuple((e.offset, e.numel, e.shape) for e in entries)
-            return flat.new_empty(self.layout.numel)
-        self._packing = packing
+        self._packing, numel, self._cudnn_placed = self._placement(flat)
+        if not self._cudnn_placed:
+            return flat.new_empty(numel)
         flat = flat.new_zeros(numel)
-        if packing != tuple((e.offset, e.numel, e.shape) for e in entries):
-            register_placed(flat)  # the functional calls read the spec's layout: they refuse it
+        self._mark_placed(flat)
         return flat
+
+    def _placement(self, like: torch.Tensor):
+        """(packing, the buffer's numel, whether cuDNN reads it in place) for a buffer like ``like``."""
+        entries = self.layout.entries
+        canonical = tuple((e.offset, e.numel, e.shape) for e in entries)
+        placed = None
+        if like.is_floating_point() and self.layout.suffixes:  # a stack: cells never run cuDNN's RNN op
+            placed = cudnn_placement(self.spec, self.layout, like.device, like.dtype)
+        if placed is None:
+            return canonical, self.layout.numel, False
+        offsets, numel = placed
+        packing = tuple((offset, e.numel, e.shape) for offset, e in zip(offsets, entries))
+        if max(o + n for o, n, _ in packing) != self.layout.numel:  # room between pieces
+            return canonical, self.layout.numel, False
+        return packing, numel, True
+
+    def _mark_placed(self, flat: torch.Tensor) -> None:
+        """Tell the functional calls, which read the spec's layout, to refuse ``flat`` (and its views) when
+        it is placed otherwise: by a tag Dynamo sees, and by its storage (`native.register_placed`)."""
+        if self._packing != tuple((e.offset, e.numel, e.shape) for e in self.layout.entries):
+            flat._rnnkit_placed = True
+            register_placed(flat)
 
     @property
     def flat_offsets(self) -> dict:
@@ -386,6 +396,8 @@ class _PackedModule(_SpecAttributes, nn.Module):
         self._flat = flat
         # what flat_weights shows: the pieces, without the room cuDNN keeps past them (see `_new_flat`)
         self._shown = None if flat is None or flat.numel() == self.layout.numel else flat[:self.layout.numel]
+        if self._shown is not None and getattr(flat, "_rnnkit_placed", False):
+            self._shown._rnnkit_placed = True
         self._warned_unpacked = False
         self._rebound = False  # a weight was assigned (module.weight_ih_l0 = ..., load_state_dict(assign=True))
         self._packed = tuple(self._parameters.get(name) for name in self._names)  # the Parameters packed
@@ -550,6 +562,8 @@ class _PackedModule(_SpecAttributes, nn.Module):
             if packed is None:
                 packed = self._placed_copy([(g if g is not None else torch.zeros_like(t)).detach()
                                             for g, t in zip(grads, tensors)], flat.numel())
+            else:
+                self._mark_placed(packed)
             flat.grad = packed
         return flat
 
@@ -559,6 +573,7 @@ class _PackedModule(_SpecAttributes, nn.Module):
         out = tensors[0].new_empty(total) if _dense(self._packing, total) else tensors[0].new_zeros(total)
         for t, (offset, numel, _) in zip(tensors, self._packing):
             out[offset:offset + numel].copy_(t.reshape(-1))
+        self._mark_placed(out)
         return out
 
     def flatten_parameters(self) -> None:
@@ -600,7 +615,7 @@ class _PackedModule(_SpecAttributes, nn.Module):
         # own; pack them into one buffer of the new dtype / device again (as torch.nn's RNNs do).
         out = super()._apply(fn, recurse)
         if self._flat is not None and not self._aliased(self._current()):
-            self._flat = None  # the old buffer: nothing aliases it any more after a conversion
+            self._flat = self._shown = None  # the old buffer: nothing aliases it any more after a conversion
             self.flatten_parameters()
         return out
 
@@ -611,9 +626,21 @@ class _PackedModule(_SpecAttributes, nn.Module):
             flat = self.__dict__.get("_flat")
             self.__dict__["_shown"] = None if flat is None or flat.numel() == self.layout.numel else \
                 flat[:self.layout.numel]
-        # deepcopy clones each parameter on its own: pack them again (a pickle keeps the aliasing)
-        if self._flat is not None and not self._aliased(self._current()):
+        flat = self._flat
+        if flat is None:
+            return
+        # deepcopy clones each parameter on its own: pack them again (a pickle keeps the aliasing). A
+        # buffer placed on another device or by another cuDNN than this one's (a module saved on a GPU
+        # and loaded on the CPU, or the reverse) is placed again as this device's kernels read it.
+        packing, numel, cudnn = self._placement(flat)
+        if packing != self._packing or numel != flat.numel():
+            self._flat = self._shown = None
             self.flatten_parameters()
+        elif not self._aliased(self._current()):
+            self.flatten_parameters()
+        else:
+            self._cudnn_placed = cudnn
+            self._mark_placed(flat)
 
     def reset_parameters(self, forget_bias: Optional[float] = None) -> None:
         """Re-draw the weights as torch.nn does (uniform ±1/sqrt(H)); LN gains 1, shifts 0.
@@ -835,7 +862,7 @@ class _Recurrent(_StackAttributes, _PackedModule):
         W = tensors[0]
         if type(data) is not torch.Tensor or data.dtype != W.dtype or data.device != W.device or not _plain_eager() \
                 or torch.is_autocast_enabled(W.device.type) or not self._aliased(tensors) \
-                or data.shape[-1] != spec.input_size:  # the general path's check and message
+                or data.dim() == 0 or data.shape[-1] != spec.input_size:  # the general path's checks and messages
             return None
         if self.training and spec.dropout and spec.num_layers > 1 and W.device.type != "cuda":
             return None
