@@ -300,71 +300,64 @@ def test_native_gradients_are_views_of_one_packed_gradient(config):
         assert view.data_ptr() == getattr(module, name).grad.data_ptr(), name
 
 
+@pytest.fixture
+def float32_throughout():
+    """float32 GEMMs in cuBLAS and cuDNN without TF32, as the reference comparisons assume."""
+    flags = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = flags
+
+
+def assert_native_is_the_reference(module, x, hx=None) -> None:
+    """Outputs and the gradients of x and every weight: native against the reference backend."""
+    results = []
+    for backend in ("native", "reference"):
+        module.backend = backend
+        y, _ = module(x, hx)
+        grads = torch.autograd.grad(y.square().sum(), [x] + list(module.parameters()))
+        assert module.last_backend == backend
+        results.append((y, grads))
+    (y, grads), (y_ref, grads_ref) = results
+    assert_close(y, y_ref)
+    for g, g_ref in zip(grads, grads_ref):
+        assert_close(g, g_ref)
+    module.backend = "native"
+
+
 @needs_cuda
 @pytest.mark.parametrize("config", ["lstm-bias_none", "lstm-2layers-bidirectional", "gru-2layers"])
-def test_native_after_writes_to_the_whole_buffer_and_strided_states(config):
+def test_native_after_writes_to_the_whole_buffer_and_strided_states(config, float32_throughout):
     """cuDNN runs a stack without biases with both, reading them from room in its weight space
     that must stay zero: flat_weights leaves that room out, so whole-buffer writes (noise, an
     update from flat_weights.grad) never reach it, and native's numbers stay the reference's. States
     that are views (an expanded h0, a transposed batch-major c0) are taken as the general path takes
     them (cuDNN refuses a strided state)."""
-    torch.backends.cudnn.allow_tf32, allow = False, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32, matmul = False, torch.backends.cuda.matmul.allow_tf32
-    try:
-        module = native_module(config)
-        room = module._flat[module.layout.numel:]
-        assert module.flat_weights.numel() == module.layout.numel and not room.any()
-        x = _input().requires_grad_()
-        call_native(module, x, True)
-        with torch.no_grad():
-            module.flat_weights.add_(0.1 * torch.randn_like(module.flat_weights))
-            module.flat_weights.sub_(0.01 * module.flat_weights.grad)
-        assert not room.any(), "a whole-buffer write reached cuDNN's bias room"
-        D = module.spec.num_directions * module.spec.num_layers
-        h0 = torch.randn(D, 1, module.spec.proj_sizes[0] or H, device="cuda").expand(-1, B, -1)
-        c0 = torch.randn(B, D, H, device="cuda").transpose(0, 1)
-        hx = (h0, c0) if module.spec.mode == "lstm" else c0
-        results = []
-        for backend in ("native", "reference"):
-            module.backend = backend
-            y, hy = module(x, hx)
-            grads = torch.autograd.grad(y.square().sum(), [x] + list(module.parameters()))
-            assert module.last_backend == backend
-            results.append((y, grads))
-        (y, grads), (y_ref, grads_ref) = results
-        assert_close(y, y_ref)
-        for g, g_ref in zip(grads, grads_ref):
-            assert_close(g, g_ref)
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = allow, matmul
+    module = native_module(config)
+    room = module._flat[module.layout.numel:]
+    assert module.flat_weights.numel() == module.layout.numel and not room.any()
+    x = _input().requires_grad_()
+    call_native(module, x, True)
+    with torch.no_grad():
+        module.flat_weights.add_(0.1 * torch.randn_like(module.flat_weights))
+        module.flat_weights.sub_(0.01 * module.flat_weights.grad)
+    assert not room.any(), "a whole-buffer write reached cuDNN's bias room"
+    D = module.spec.num_directions * module.spec.num_layers
+    h0 = torch.randn(D, 1, module.spec.proj_sizes[0] or H, device="cuda").expand(-1, B, -1)
+    c0 = torch.randn(B, D, H, device="cuda").transpose(0, 1)
+    assert_native_is_the_reference(module, x, (h0, c0) if module.spec.mode == "lstm" else c0)
 
 
 @needs_cuda
 @pytest.mark.parametrize("config", ["lstm-2layers-bidirectional", "gru-2layers"])
-def test_native_gradient_in_eval_mode(config):
+def test_native_gradient_in_eval_mode(config, float32_throughout):
     """cuDNN keeps what its backward needs only in its training mode, which torch.nn enters by the
     train() flag (its RNNs in eval() fail on backward); rnnkit's enters it when a gradient is
     wanted: outputs and gradients against the reference backend, on the packed buffer, in eval()."""
-    torch.backends.cudnn.allow_tf32, allow = False, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32, matmul = False, torch.backends.cuda.matmul.allow_tf32
-    try:
-        module = native_module(config).eval()
-        x = _input().requires_grad_()
-        results = []
-        for backend in ("native", "reference"):
-            module.backend = backend
-            y, _ = module(x)
-            grads = torch.autograd.grad(y.square().sum(), [x] + list(module.parameters()))
-            assert module.last_backend == backend
-            results.append((y, grads))
-        (y, grads), (y_ref, grads_ref) = results
-        assert_close(y, y_ref)
-        for g, g_ref in zip(grads, grads_ref):
-            assert_close(g, g_ref)
-        module.backend = "native"
-        assert_reads_packed_buffer(module, lambda: module(x)[0].sum().backward())
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = allow, matmul
+    module = native_module(config).eval()
+    x = _input().requires_grad_()
+    assert_native_is_the_reference(module, x)
+    assert_reads_packed_buffer(module, lambda: module(x)[0].sum().backward())
 
 
 @needs_cuda

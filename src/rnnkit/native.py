@@ -57,13 +57,18 @@ def is_placed(tensor: torch.Tensor) -> bool:
     recognized, nor a view under torch.compile."""
     if getattr(tensor, "_rnnkit_placed", False):
         return True
-    return not torch.compiler.is_compiling() and _stored_is_placed(tensor)
-
-
-@torch.compiler.disable  # addresses are not traceable: should Dynamo get here, a graph break
-def _stored_is_placed(tensor: torch.Tensor) -> bool:
-    if not _PLACED:
+    if torch.compiler.is_compiling() or not _PLACED:
         return False
+    global _stored_is_placed
+    if _stored_is_placed is None:  # made here, not at import: torch.compiler.disable imports Dynamo (and Triton)
+        _stored_is_placed = torch.compiler.disable(_stored_is_placed_eagerly)  # should Dynamo get here: a break
+    return _stored_is_placed(tensor)
+
+
+_stored_is_placed = None
+
+
+def _stored_is_placed_eagerly(tensor: torch.Tensor) -> bool:
     address = _address(tensor)
     owner = _PLACED.get(address) if address else None
     return owner is not None and _address(owner) == address
