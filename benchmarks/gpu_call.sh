@@ -5,7 +5,8 @@
 # mostly Triton's CPU-bound compiles and small GPU launches; test_triton.py in PYTEST_WORKERS
 # processes, default 4); then `profile` (benchmarks/gpu_profile.py) and `bench-fp32` on the PARTs
 # (default: DeepBench H 512 and 2048, small, the long shape, then more) alone on the GPU for what is
-# left of GPU_CALL_LIMIT_S (default 540 s; GPU_CALL_PROFILE=0 skips the profile).
+# left of GPU_CALL_LIMIT_S (default 540 s; GPU_CALL_PROFILE=0 skips the profile, GPU_CALL_TRAIN=1 adds
+# `train`, the char LM on CUDA, before the bench).
 # First run 2026-11-28 on an H200 (README, "GPU"): ~35 s to start and copy, 510 s of command.
 # Every log goes into $OUT/logs.tar.gz (one folder per stage), the bench table into
 # $OUT/bench-float32.md, the stages' summaries into $OUT/summary.txt, printed last.
@@ -29,6 +30,8 @@ wait
 mkdir -p "$W/4-profile"
 [[ ${GPU_CALL_PROFILE:-1} == 1 ]] &&
     OUT=$W/4-profile GPU_SESSION_LIMIT_S=160 bash benchmarks/gpu_session.sh profile >"$W/4-profile/stdout.txt" 2>&1
+[[ ${GPU_CALL_TRAIN:-0} == 1 ]] && mkdir -p "$W/4-train" &&
+    OUT=$W/4-train GPU_SESSION_LIMIT_S=150 bash benchmarks/gpu_session.sh train >"$W/4-train/stdout.txt" 2>&1
 left=$((LIMIT - (SECONDS - START) - 20))
 OUT=$W/5-bench GPU_SESSION_LIMIT_S=$left bash benchmarks/gpu_session.sh bench-fp32 "${parts[@]}" >"$W/5-bench/stdout.txt" 2>&1
 

@@ -31,6 +31,8 @@
 #   profile     benchmarks/gpu_profile.py: per call, torch.nn / native / triton with and without graph
 #               replay, and one profiled triton call (GPU kernel time against wall time, kernel and
 #               graph launches): why triton's steps cost 20-60 us at small shapes.            ~1-2 min
+#   train       rnnkit train --device cuda (2000 steps, the default config) on native, and with
+#               --layer-norm on triton: validation bits/char and char/s (issue 16, step 6).   ~1-3 min
 #
 # Device time is now 15 minutes a session, all calls and starts together: benchmarks/gpu_call.sh
 # runs env, tests and correct side by side, profile, then bench-fp32 parts in ONE call of ~9 min.
@@ -307,6 +309,17 @@ stage_profile() {
     while IFS= read -r line; do note "  ${line:0:240}"; done < <(grep -E '^(gpu_profile|shape|small|deepbench)' "$OUT/profile.txt" | head -n 14)
 }
 
+stage_train() {
+    # issue 16, step 6: the char LM on CUDA, default config on cuDNN (native) and with layer norm on triton
+    local run
+    for run in "native" "triton --layer-norm"; do
+        # shellcheck disable=SC2086  # the flags are words
+        step "rnnkit train --device cuda --backend $run" train.txt 120 "$PY" -m rnnkit train --device cuda \
+            --backend $run --out "$SCRATCH/train-${run%% *}"
+        note "  $run: $(grep -E '^rnnkit: step [0-9]+: validation' "$OUT/train.txt" | tail -n 1)"
+    done
+}
+
 stage_suite() {
     local workers=()
     "$PY" -c "import xdist" 2>/dev/null && workers=(-n 8)
@@ -315,7 +328,7 @@ stage_suite() {
 }
 
 (($#)) || {
-    echo "usage: bash benchmarks/gpu_session.sh STAGE [ARG ...] [STAGE ...]; stages: env tests correct profile bench-fp32 [PART ...] bench-bf16 [PART ...] suite" >&2
+    echo "usage: bash benchmarks/gpu_session.sh STAGE [ARG ...] [STAGE ...]; stages: env tests correct profile train bench-fp32 [PART ...] bench-bf16 [PART ...] suite" >&2
     exit 2
 }
 while (($#)); do
@@ -341,7 +354,8 @@ while (($#)); do
     bench-bf16) stage_bench bfloat16 "${args[@]}" ;;
     suite) stage_suite ;;
     profile) stage_profile ;;
-    *) note "  unknown stage '$stage' (env tests correct profile bench-fp32 bench-bf16 suite)" ;;
+    train) stage_train ;;
+    *) note "  unknown stage '$stage' (env tests correct profile train bench-fp32 bench-bf16 suite)" ;;
     esac
 done
 

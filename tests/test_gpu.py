@@ -85,6 +85,19 @@ def test_profile_script_runs_under_the_interpreter():
     assert all(float(row[5]) > 0 and float(row[6]) > 0 for row in rows), rows
 
 
+def test_the_one_call_gpu_session_plan_runs_dry(tmp_path):
+    """benchmarks/gpu_call.sh, the next device session's one call, in its dry run: every stage is
+    reached in order and the files that come back are written (the env stage runs for real)."""
+    env = {**os.environ, "GPU_SESSION_DRY_RUN": "1", "GPU_CALL_TRAIN": "1", "OUT": str(tmp_path),
+           "TMPDIR": str(tmp_path)}
+    out = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_call.sh")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    stages = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("[")]
+    assert stages == ["[env]", "[tests]", "[correct]", "[profile]", "[train]", "[bench-fp32"], out.stdout
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["logs.tar.gz", "summary.txt"]
+
+
 def test_correctness_sweep_flags_a_wrong_or_nan_result():
     sweep = _sweep_module()
     expected = sweep.Result(["y", "dx"], [torch.ones(3, 2), torch.ones(4)])
