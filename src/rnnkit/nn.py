@@ -52,8 +52,8 @@ class _Pack(torch.autograd.Function):
 
     ``apply(flat, packing, *params)`` -> one view of ``flat`` per parameter. Backward writes the
     pieces' gradients into one buffer laid out like ``flat`` (no copy when a single pass already
-    returned them so: a one-layer, one-direction module; zeros where cuDNN's placement leaves
-    room between pieces) and hands each parameter a view of it,
+    returned them so: a one-layer, one-direction module; zeros in the room cuDNN's placement keeps
+    past the pieces) and hands each parameter a view of it,
     which autograd keeps as the parameter's ``.grad``: so ``module.flat_weights.grad`` is the
     packed gradient, and each ``weight_ih_l0.grad`` its slice.
     """
@@ -304,8 +304,8 @@ class _PackedModule(_SpecAttributes, nn.Module):
     ``weight_peephole_l0``, ``layer_norm_ih_weight_l0``, ...), so optimizers, param groups,
     init-by-name loops, hooks, ``requires_grad_``, parametrizations, ``functional_call`` and
     state_dicts work as with torch.nn. The parameters are views of one contiguous buffer in the
-    spec's order (on CUDA, a plain stack's in cuDNN's placement), which the kernels take with no copy; backward writes one packed gradient and
-    each parameter's ``.grad`` is a view of it. Anything that breaks the aliasing (a
+    spec's order (on CUDA, a plain stack's in cuDNN's placement), which the kernels take with no
+    copy; backward writes one packed gradient and each parameter's ``.grad`` is a view of it. Anything that breaks the aliasing (a
     parametrization, ``p.data = ...``, ``load_state_dict(assign=True)``, ``set_``) still computes
     correctly, the parameters then being passed to the kernels one by one, and warns once;
     `flatten_parameters` re-establishes it.
@@ -355,10 +355,14 @@ class _PackedModule(_SpecAttributes, nn.Module):
         self._mark_placed(flat)
         return flat
 
+    def _canonical_packing(self) -> tuple:
+        """The spec's layout as a packing: (offset, numel, shape) per entry."""
+        return tuple((e.offset, e.numel, e.shape) for e in self.layout.entries)
+
     def _placement(self, like: torch.Tensor):
         """(packing, the buffer's numel, whether cuDNN reads it in place) for a buffer like ``like``."""
         entries = self.layout.entries
-        canonical = tuple((e.offset, e.numel, e.shape) for e in entries)
+        canonical = self._canonical_packing()
         placed = None
         if like.is_floating_point() and self.layout.suffixes:  # a stack: cells never run cuDNN's RNN op
             placed = cudnn_placement(self.spec, self.layout, like.device, like.dtype)
@@ -373,7 +377,7 @@ class _PackedModule(_SpecAttributes, nn.Module):
     def _mark_placed(self, flat: torch.Tensor) -> None:
         """Tell the functional calls, which read the spec's layout, to refuse ``flat`` (and its views) when
         it is placed otherwise: by a tag Dynamo sees, and by its storage (`native.register_placed`)."""
-        if self._packing != tuple((e.offset, e.numel, e.shape) for e in self.layout.entries):
+        if self._packing != self._canonical_packing():
             flat._rnnkit_placed = True
             register_placed(flat)
 
@@ -542,8 +546,9 @@ class _PackedModule(_SpecAttributes, nn.Module):
     @property
     def flat_weights(self) -> torch.Tensor:
         """The packed buffer the parameters alias (at `flat_offsets`: the spec's layout, or cuDNN's
-        placement for a plain stack on CUDA; `weight_views` cuts it), for cuDNN-style code. Its ``.grad`` is the packed gradient: a view that the
-        parameters' ``.grad`` are slices of, after a backward (a copy when they are not).
+        placement for a plain stack on CUDA; `weight_views` cuts it), for cuDNN-style code. Its
+        ``.grad`` is the packed gradient: a view that the parameters' ``.grad`` are slices of, after
+        a backward (a copy when they are not).
 
         It is not itself a parameter and does not require grad: optimize ``module.parameters()``.
         When the aliasing is broken (see the class docstring) this is a copy of the weights.
