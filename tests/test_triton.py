@@ -691,6 +691,32 @@ def test_cuda_kernels_compile_and_launch():
 
 
 @needs_cuda
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_cuda_graphs_are_captured_and_replayed(training, monkeypatch):
+    """On a GPU, a shape's second call captures each pass's loop and the later calls replay it (the
+    first GPU run's short-shape times looked like eager launches: this says whether they were)."""
+    from rnnkit.triton import graphs, release_graphs
+
+    monkeypatch.setenv("RNNKIT_TRITON_CUDA_GRAPHS", "1")
+    release_graphs()
+    replays = []
+    replay = graphs._Graphed.__call__
+    monkeypatch.setattr(graphs._Graphed, "__call__", lambda self, *a, **k: replays.append(1) or replay(self, *a, **k))
+    module = make("lstm", 8, 16, torch.float32, num_layers=2).train(training)
+    module.backend = "triton"
+    for _ in range(4):
+        x = torch.randn(6, 3, 8, device=DEVICE, requires_grad=training)
+        with torch.set_grad_enabled(training):
+            y, _ = module(x)
+        if training:
+            y.sum().backward()
+    assert module.last_backend == "triton"
+    kept = [g for g in graphs._cache.values() if isinstance(g, graphs._Graphed)]
+    assert kept and not [g for g in graphs._cache.values() if g is graphs._EAGER], graphs._cache
+    assert len(replays) >= 2 * len(kept), (len(replays), len(kept))
+
+
+@needs_cuda
 def test_cuda_real_graphs_first_captured_under_inference_mode():
     module = make("lstm", 8, 16, torch.float64, peephole=True).eval()
     x = torch.randn(5, 3, 8, dtype=torch.float64, device=DEVICE)

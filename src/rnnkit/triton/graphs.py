@@ -14,9 +14,11 @@ outside inference mode, in ``capture_error_mode="thread_local"`` (other threads'
 DataLoader's pin-memory thread, do not invalidate it); a capture that fails anyway is said once
 (a RuntimeWarning) and its passes run eagerly. Inside a caller's own capture nothing is captured.
 
-UNTESTED ON HARDWARE: this module was written without a GPU (issue 6); the test suite runs its
-logic on CPU with CUDA's graph and stream calls emulated (tests/test_triton.py), and the loops
-eagerly under Triton's interpreter. ``RNNKIT_TRITON_CUDA_GRAPHS=0`` turns capture off (eager
+Written without a GPU (issue 6); the test suite runs its logic on CPU with CUDA's graph and stream
+calls emulated (tests/test_triton.py), and the loops eagerly under Triton's interpreter. On an H200
+(2026-11-28) tests/test_triton.py passed compiled, with capture and without; whether the graphs
+replay inside `rnnkit bench` (its per-step times at short shapes look like eager launches) is
+benchmarks/gpu_profile.py's question. ``RNNKIT_TRITON_CUDA_GRAPHS=0`` turns capture off (eager
 per-step launches).
 """
 from __future__ import annotations
