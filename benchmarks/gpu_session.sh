@@ -154,6 +154,8 @@ print("rnnkit", rnnkit.__version__, "from", os.path.dirname(rnnkit.__file__))
 for name, report in rnnkit.backends().items():
     print(f"  backend {name}: {report}")
 if torch.cuda.is_available():
+    from rnnkit.native import cudnn_report
+    print("cudnn:", cudnn_report())
     from rnnkit.testing import rel_rms
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -177,7 +179,7 @@ if torch.cuda.is_available():
             traceback.print_exc()
 PYTHON
     step "pip install -e, dry run, offline" "$log" 90 "$PY" -m pip install --no-deps --no-build-isolation --no-index --dry-run -e .
-    while IFS= read -r line; do note "  $line"; done < <(grep -E '^(torch |triton |GPU |no CUDA|rnnkit |smoke |TF32 |setuptools)' "$OUT/$log")
+    while IFS= read -r line; do note "  $line"; done < <(grep -E '^(torch |triton |GPU |no CUDA|rnnkit |smoke |TF32 |setuptools|cudnn:)' "$OUT/$log")
     note "  driver: $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)"
 }
 

@@ -642,6 +642,29 @@ def test_doctor(capsys):
         assert word in out
 
 
+@pytest.mark.parametrize("placement, says", [
+    (None, "declined"), ("canonical", "as the spec's layout"), ("own", "its own way"), ("off", "disabled"),
+    ("no cudnn", "not available"),
+])
+def test_doctor_says_how_cudnn_places_a_plain_stack(placement, says, monkeypatch):
+    """rnnkit doctor's cudnn line, on a GPU machine: cuDNN's version and whether it reads rnnkit's
+    buffers in place, in its own placement or the spec's layout (cuDNN asked through stand-ins here)."""
+    import rnnkit.native as native
+
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: None if placement == "no cudnn" else 91900)
+    monkeypatch.setattr(torch.backends.cudnn, "enabled", placement != "off")
+
+    def ask(spec, layout, device, dtype):
+        if placement is None:
+            return None
+        offsets = [e.offset for e in layout.entries]
+        return (tuple(offsets if placement == "canonical" else reversed(offsets)), layout.numel)
+
+    monkeypatch.setattr(native, "cudnn_placement", ask)
+    line = native.cudnn_report()
+    assert says in line and (placement == "no cudnn" or line.startswith("9.19.0")), line
+
+
 def test_doctor_reports_the_fused_backend_as_it_found_it():
     """In a fresh process (the kernels built, not loaded) the backend's line says so: it said
     "loaded", having loaded them itself to name their GEMM kernels."""

@@ -101,6 +101,31 @@ def cudnn_placement(spec: RNNSpec, layout, device, dtype) -> Optional[Tuple[Tupl
     return _CUDNN_PLACEMENTS[key]
 
 
+def cudnn_report(device="cuda") -> str:
+    """One line for ``rnnkit doctor``: cuDNN's version, and how it places a plain stack's weights
+    (a two-layer float32 LSTM asked for) -- whether rnnkit's CUDA buffers follow a placement of
+    cuDNN's own, the spec's layout, or cuDNN will not read them in place."""
+    from .params import Layout
+
+    version = torch.backends.cudnn.version()
+    if version is None:
+        return "not available (the native backend runs torch's CUDA kernels without cuDNN)"
+    name = f"{version // 10000}.{version % 10000 // 100}.{version % 100}"
+    if not torch.backends.cudnn.enabled:
+        return f"{name}, disabled (torch.backends.cudnn.enabled is False)"
+    spec = RNNSpec("lstm", 8, 8, 2)
+    layout = Layout(spec)
+    placed = cudnn_placement(spec, layout, device, torch.float32)
+    if placed is None:
+        how = "cuDNN declined to place a plain LSTM's weights: the native backend's calls copy them"
+    elif placed == (tuple(e.offset for e in layout.entries), layout.numel):
+        how = "it places a plain stack's weights as the spec's layout: cuDNN reads rnnkit's buffers in place"
+    else:
+        how = ("it places a plain stack's weights its own way, and rnnkit's CUDA buffers follow it "
+               "(module.flat_offsets): cuDNN reads them in place")
+    return f"{name}; {how}"
+
+
 def _fake_mode() -> bool:
     try:
         return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None

@@ -595,6 +595,10 @@ def _doctor(args) -> int:
     print(f"threads  torch {torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op; "
           f"{cores} usable CPU cores")
     print(f"cuda     {torch.cuda.is_available()}" + (f" ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else ""))
+    if torch.cuda.is_available():
+        from rnnkit.native import cudnn_report
+
+        print(f"cudnn    {cudnn_report()}")
     print(f"cpu      {machine.cpu_model()} ({', '.join(machine.cpu_flags() or []) or 'no AVX2'}); torch dispatches to {torch.backends.cpu.get_cpu_capability()}; "
           f"oneDNN bf16 {'yes' if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 'no'}")
     print(f"int8     rnnkit.quantize: {_int8_kernel_line()}")
