@@ -70,13 +70,20 @@ def check_cell_states(spec, hx, input: torch.Tensor, like: torch.Tensor) -> tupl
     return parts
 
 
+def _refuse_placed(name: str, tensor: torch.Tensor) -> None:
+    """A ValueError naming ``name`` when ``tensor`` is (in) a module's buffer placed as cuDNN places its
+    weight space: the functional calls read the spec's layout, and would read it wrong."""
+    if is_placed(tensor):
+        raise ValueError(f"{name}: expected a buffer in the spec's layout (rnnkit.Layout(spec)), got a module's "
+                         "flat_weights (or its gradient) placed as cuDNN places its weight space (a plain stack on "
+                         "CUDA; module.flat_offsets): pass torch.cat([w.reshape(-1) for w in "
+                         "module.named_weights().values()])")
+
+
 def check_weights(spec: RNNSpec, weights, layout: Layout) -> torch.Tensor:
     if not isinstance(weights, torch.Tensor):
         raise TypeError(f"weights: expected the packed 1-D parameter tensor, got {type(weights).__name__}")
-    if is_placed(weights):
-        raise ValueError("weights: expected a buffer in the spec's layout (rnnkit.Layout(spec)), got a module's "
-                         "flat_weights placed as cuDNN places its weight space (a plain stack on CUDA; "
-                         "module.flat_offsets): pass torch.cat([w.reshape(-1) for w in module.named_weights().values()])")
+    _refuse_placed("weights", weights)
     if weights.dim() != 1 or weights.numel() != layout.numel:
         raise MismatchError(f"weights: expected a 1-D tensor of {layout.numel} values for this spec, got shape {_shape(weights)}")
     if not weights.is_floating_point():
@@ -684,9 +691,7 @@ def backward_weights(reserve: Reserve, dweights: Optional[torch.Tensor] = None, 
             raise ValueError("accumulate: True adds the gradient into dweights, got dweights=None; pass the buffer "
                              "to add into, or accumulate=False for a new one")
         return grad.clone()
-    if is_placed(dweights):
-        raise ValueError("dweights: expected a buffer in the spec's layout (rnnkit.Layout(spec)), got a module's "
-                         "flat_weights (or its gradient) placed as cuDNN places its weight space (module.flat_offsets)")
+    _refuse_placed("dweights", dweights)
     check_tensor("dweights", dweights, _shape(grad), grad)
     with torch.no_grad():
         return dweights.add_(grad) if accumulate else dweights.copy_(grad)

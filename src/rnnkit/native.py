@@ -153,6 +153,16 @@ def _ask_cudnn(spec: RNNSpec, layout, device, dtype) -> Optional[Tuple[Tuple[int
     return tuple(t.storage_offset() for t in placeholders), flat.numel()
 
 
+def _train_flag(x: torch.Tensor, dropout: float, tensors) -> bool:
+    """The ``train`` argument of torch's RNN ops: on with dropout, and on CUDA whenever a gradient
+    is to be computed of ``x`` or ``tensors`` (cuDNN keeps what its backward needs only then),
+    whatever the module's train() flag says; off on the CPU otherwise, as rnnkit has always run oneDNN."""
+    if dropout:
+        return True
+    return x.device.type == "cuda" and torch.is_grad_enabled() and (
+        x.requires_grad or any(t.requires_grad for t in tensors))
+
+
 class NativeBackend:
     """torch.nn's own kernels (oneDNN / cuDNN) for the configurations they compute."""
 
@@ -235,10 +245,7 @@ class NativeBackend:
         else:  # as the general path stacks them (cuDNN refuses a strided state; oneDNN's result may differ)
             hx = tuple(t.contiguous() for t in hx) if lstm else hx.contiguous()
         dropout = spec.dropout if training and L > 1 and x.device.type == "cuda" else 0.0
-        train = bool(dropout)
-        if x.device.type == "cuda" and not train and torch.is_grad_enabled():
-            states = hx if lstm else (hx,)
-            train = x.requires_grad or any(t.requires_grad for t in weights) or any(t.requires_grad for t in states)
+        train = _train_flag(x, dropout, [*weights, *(hx if lstm else (hx,))])
         op = getattr(torch._VF, _OPS[spec.mode])
         if batch_sizes is not None:
             out = op(x, batch_sizes, hx, weights, spec.bias_mode == "double", L, float(dropout), train, spec.bidirectional)
@@ -258,10 +265,7 @@ class NativeBackend:
         hx = torch.stack(h0s)
         state = (hx, torch.stack(c0s)) if spec.mode == "lstm" else hx
         op = getattr(torch._VF, _OPS[spec.mode])
-        train = bool(dropout)
-        if x.device.type == "cuda" and not train and torch.is_grad_enabled():
-            train = x.requires_grad or any(t.requires_grad for t in flat_weights) or any(
-                t.requires_grad for t in h0s) or any(t.requires_grad for t in (c0s or ()))
+        train = _train_flag(x, dropout, [*flat_weights, *h0s, *(c0s or ())])
         args = (flat_weights, spec.bias_mode == "double", num_layers, float(dropout), train, spec.bidirectional)
         if lengths is None or x.shape[1] == 0:  # an empty batch has nothing to pack
             out = op(x, state, *args, False)
