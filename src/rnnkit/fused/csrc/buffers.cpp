@@ -110,8 +110,15 @@ class BufferCache final : public c10::Allocator {
     return block;
   }
 
-  // The most the cache may keep now: what was in use at once in this window and the last.
-  size_t limit() const { return std::min(cap_, std::max(peak_, last_peak_)); }
+  // The most the cache may keep now: what was in use at once in this window and the last, and a
+  // quarter more. A call's blocks can add up to more than its peak in use: a block freed early is
+  // kept for a later request of its size, while a request it is too small or large for maps another.
+  // Without the quarter a 2-layer LSTM's training call (T 100, B 16 / 32, H 128 / 256) unmapped one
+  // [T, B, 4H] block a call and mapped it again in the next: 3.2 / 13 MB of page faults a call.
+  size_t limit() const {
+    const size_t peak = std::max(peak_, last_peak_);
+    return std::min(cap_, peak + peak / 4);
+  }
 
   void next_window() {  // mutex_ held
     last_peak_ = peak_, peak_ = in_use_;
