@@ -43,8 +43,9 @@ def cached_buffer_bytes() -> int:
 
     Buffers of 256 KB and more come from blocks that earlier calls freed: fresh memory costs a
     page fault per 4 KB page on first touch. The cache keeps no more than recent calls use: at
-    most the most bytes of such buffers that were in use at once during the last few hundred
-    requests (about ten calls), so a loop over one shape keeps exactly its working set and a
+    most a quarter more than the most bytes of such buffers that were in use at once during the
+    last few hundred requests (about ten calls; a call's blocks of several sizes can add up to
+    more than its peak in use), so a loop over one shape keeps exactly its working set and a
     stream of new shapes about one call's worth, and never more than ``RNNKIT_CPU_CACHE_MB``
     megabytes (default 256; ``0`` turns the cache off). When a freed block does not fit, the
     longest-kept blocks go first; what a burst of large calls left behind is given back to the

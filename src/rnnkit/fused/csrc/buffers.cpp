@@ -30,7 +30,8 @@ bool& poison_flag() {
 // (resizable; back into this cache when the tensor dies).
 //
 // What is kept follows what recent calls use: at most the most bytes that were in use at once
-// (handed out, not yet freed) during this window of kWindow requests and the last, and never more
+// (handed out, not yet freed) during this window of kWindow requests and the last, and a quarter
+// more (limit() says why), and never more
 // than RNNKIT_CPU_CACHE_MB (default 256; 0 turns the cache off). A loop over one shape keeps its
 // working set, so every call after the first finds all its blocks here; a stream of new shapes
 // keeps about one call's worth; what a burst of large calls left is given back a window or two
