@@ -181,6 +181,10 @@ def run(args: argparse.Namespace) -> int:
     load_samples = [(report.load_average(), 0)]  # (1-minute load average, our threads running meanwhile)
     try:
         gemm_grid = [shape for shape, _, _ in plan.cases]
+        # Before any case, and not only for the limit: its freed 2048 x 2048 matrices lift glibc's
+        # adaptive mmap threshold, so torch.nn's multi-megabyte per-call buffers come from the heap
+        # instead of fresh pages at every call (a small LSTM's training, AMD EPYC: 30 ms rather than
+        # 40). A loop in a fresh process times torch.nn with those page faults (docs/speed.md).
         sgemm, by_library = sgemm_gflops(plan.device, plan.sgemm_n, gemm_grid)
         env = report.environment(plan.device, plan.dtype, plan.threads, plan.repeats, plan.warmup, sgemm, plan.sgemm_n)
         env["sgemm_by_library"] = by_library
