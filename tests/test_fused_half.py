@@ -581,6 +581,40 @@ def test_bf16_module_is_the_reference_on_rounded_products(mode, options, trainin
             assert_close(a.float(), e.float(), f"{kernel}: {name}", tol=tolerance)
 
 
+@pytest.mark.parametrize("kernel", BF16_KERNELS)
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_a_bfloat16_call_without_a_gradient_takes_the_quick_activations(mode, dtype, kernel):
+    """csrc/pass.h, PassArgs::quick_activations: a bfloat16 pass without a gradient on the bfloat16
+    kernels takes σ and tanh in their quick forms (simd.h: within 2.5 float32 ulp, not 1.5), as int8
+    inference does; a pass that will be differentiated, a float16 one and one on widened matrices
+    (kernels "none") keep float32's. One step from the same state, the pass's float32 results:
+    the two calls differ by those few ulp (and do differ: the quick forms ran), or not at all."""
+    module, _ = rounded_module(mode, {}, dtype, 1, 16)
+    spec, cell = module.spec, module.spec.cell(0)
+    torch.manual_seed(5)
+    x = 2 * torch.randn(1, 16, spec.input_size)  # gates over σ's and tanh's whole curve
+    h0, c0 = torch.randn(16, cell.output_size), (torch.randn(16, cell.hidden_size) if mode == "lstm" else None)
+    masks = draw_pass(spec, cell, 1, 16, x, False).masks
+    with torch.no_grad():
+        w = module._pass_weights()[0]
+    half = w._replace(**{k: getattr(w, k).to(dtype) for k in ("W", "R", "W_hr") if getattr(w, k) is not None})
+    with bf16_kernel(kernel):
+        with torch.no_grad():
+            quick = FusedCPUBackend().run_pass(cell, x, h0, c0, half, None, False, masks)
+        leaf = x.clone().requires_grad_()
+        full = FusedCPUBackend().run_pass(cell, leaf, h0, c0, half, None, False, masks)
+    quick, full = [t for t in quick if t is not None], [t.detach() for t in full if t is not None]
+    if dtype == torch.bfloat16 and kernel != "none":
+        for name, a, e in zip(["y", "h_n", "c_n"], quick, full):
+            bound = 8 * torch.finfo(torch.float32).eps * max(1.0, e.abs().max().item())
+            assert (a - e).abs().max().item() <= bound, f"{name}: beyond the quick forms' few ulp"
+        assert not torch.equal(quick[0], full[0]), "the call without a gradient took float32's forms"
+    else:
+        for a, e in zip(quick, full):
+            assert torch.equal(a, e)
+
+
 def test_rounded_products_round_both_operands_and_the_gradient_entering_them():
     """`RoundedProducts`: a @ b on a and b rounded to bfloat16; in backward the gradient entering the
     product rounded too, then passed straight through the roundings; everything else untouched."""

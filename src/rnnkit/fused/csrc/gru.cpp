@@ -16,7 +16,7 @@ struct Gru {
   const scalar_t *rm, *b_Rn, *ln_h_gain, *ln_h_shift;
   const bool* mask;
   Zoneout<scalar_t> zh;
-  bool quick;  // int8 inference: the quick σ and tanh (simd.h)
+  bool quick;  // the quick σ and tanh (simd.h): PassArgs::quick_activations, set by forward()
   // Saved gate row: r z n, and with reset_after the recurrent n term hn = LN_h(R h)_n + b_Rn.
   int64_t GS;
 
@@ -55,6 +55,7 @@ struct Gru {
   Tensor folded_bias() const { return sum_biases(a.b_W, a.b_R, after ? 2 * H : -1); }
 
   ForwardResult forward(bool training) {
+    quick = a.quick_activations(training);
     std::vector<Tensor> saved = saved_slots();
     const Tensor& like = a.x;
     // W x + folded biases, [B, 3H] a step; under layer norm W x as it is, which the loop

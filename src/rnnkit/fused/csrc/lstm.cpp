@@ -22,7 +22,7 @@ struct Lstm {
   const scalar_t *ln_h_gain, *ln_h_shift, *ln_c_gain, *ln_c_shift;
   const bool* mask;
   Zoneout<scalar_t> zh, zc;
-  bool quick;  // int8 inference: the quick σ and tanh (simd.h)
+  bool quick;  // the quick σ and tanh (simd.h): PassArgs::quick_activations, set by forward()
 
   explicit Lstm(const PassArgs& args) : a(args) {
     T = a.T, B = a.B, H = a.H, Hr = a.Hr, GH = a.GH, P = a.Hr;
@@ -82,6 +82,7 @@ struct Lstm {
   }
 
   ForwardResult forward(bool training) {
+    quick = a.quick_activations(training);
     std::vector<Tensor> saved = saved_slots();
     const Tensor& like = a.x;
     // LN_x(W x) [T·B, G·H]; the biases are added in the pointwise pass (an addmm would first

@@ -87,6 +87,15 @@ struct PassArgs {
   // A bfloat16 / float16 module: W, R (and W_hr) in that dtype, read by the GEMMs as they are
   // (gemm.h, bgemm.h); x, the states, every other weight and the gradients float32.
   bool half_weights() const { return W.scalar_type() == at::kBFloat16 || W.scalar_type() == at::kHalf; }
+  // σ and tanh in their quick forms (simd.h: within 2.5 float32 ulp, not 1.5) in a forward pass:
+  // int8 inference, and a bfloat16 module's call without a gradient on the bfloat16 kernels, whose
+  // products round h to bfloat16 at every step (2⁻⁹ relative, ~10⁴ times the quick forms' error).
+  // A pass that will be differentiated keeps float32's forms, so its results and gradients are the
+  // float32 reference's on the same roundings (tests/test_fused_half.py); a bfloat16 module whose
+  // matrices are widened instead (kernels "none") computes float32's pass exactly.
+  bool quick_activations(bool training) const {
+    return quantized() || (!training && W.scalar_type() == at::kBFloat16 && bf16_products());
+  }
   // Rows [first_row, ...) of a half-precision weight (W, R or W_hr).
   HalfRows half_rows(WeightSlot slot, int64_t first_row) const;
   // Rows [first_row, ...) of an int8 weight (W, R or W_hr) and their scales.

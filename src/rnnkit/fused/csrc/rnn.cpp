@@ -13,7 +13,7 @@ struct Rnn {
   const scalar_t *rm, *ln_h_gain, *ln_h_shift;
   const bool* mask;
   Zoneout<scalar_t> zh;
-  bool quick;  // int8 inference: the quick σ and tanh (simd.h)
+  bool quick;  // the quick σ and tanh (simd.h): PassArgs::quick_activations, set by forward()
 
   explicit Rnn(const PassArgs& args) : a(args) {
     T = a.T, B = a.B, H = a.H;
@@ -30,6 +30,7 @@ struct Rnn {
   bool valid(int64_t t, int64_t b) const { return mask == nullptr || mask[t * B + b]; }
 
   ForwardResult forward(bool training) {
+    quick = a.quick_activations(training);
     std::vector<Tensor> saved = saved_slots();
     const Tensor& like = a.x;
     // W x + biases, [B, H] a step; under layer norm W x as it is, which the loop normalizes
