@@ -180,23 +180,26 @@ struct Lstm {
               if (bias_p) v = vload(bias_p + q, n) + v;
               vstore(row.input(q, n) + v, gate + q, n);
             });
-          } else if (bias_p) {
-            vec_loop<scalar_t>(GH, [&](int64_t q, int64_t n) { vstore(vload(gate + q, n) + vload(bias_p + q, n), gate + q, n); });
           }
+          // Without layer norm the bias is added in each gate's first pass over its row: the
+          // peephole's, else the activation's (the same sums as a pass of its own before them)
+          const scalar_t* add = ln ? nullptr : bias_p;
+          const auto plus = [&](int64_t q) { return add ? gate[q] + add[q] : gate[q]; };
           if (peep) {  // i and f peek at c_{t-1}
-            for (int64_t j = 0; j < H; ++j) gate[gi + j] += p_i[j] * cb[j];
+            for (int64_t j = 0; j < H; ++j) gate[gi + j] = plus(gi + j) + p_i[j] * cb[j];
             if (gf >= 0)
-              for (int64_t j = 0; j < H; ++j) gate[gf + j] += p_f[j] * cb[j];
+              for (int64_t j = 0; j < H; ++j) gate[gf + j] = plus(gf + j) + p_f[j] * cb[j];
           }
-          sigmoid_inplace(gate + gi, gf < 0 ? H : 2 * H, quick);  // i (and f, stored next to it)
-          tanh_inplace(gate + gg, H, quick);
+          const scalar_t* add_if = peep || !add ? nullptr : add + gi;
+          sigmoid_inplace(gate + gi, gf < 0 ? H : 2 * H, quick, add_if);  // i (and f, stored next to it)
+          tanh_inplace(gate + gg, H, quick, add ? add + gg : nullptr);
           // clipped c̃: straight into c without zoneout (each value read as c_{t-1} before it is written)
           scalar_t* cc = zc.on() ? tmp_p + b * H : cb;
           cell_candidate(gate, cb, nullptr, cc);
           if (zc.on()) zone_into(cb, cc, zc.row(t, b), zc.p, H);
           if (peep)  // o peeks at the new c
-            for (int64_t j = 0; j < H; ++j) gate[go + j] += p_o[j] * cc[j];
-          sigmoid_inplace(gate + go, H, quick);
+            for (int64_t j = 0; j < H; ++j) gate[go + j] = plus(go + j) + p_o[j] * cc[j];
+          sigmoid_inplace(gate + go, H, quick, peep || !add ? nullptr : add + go);
           scalar_t mc = 0, rc = 1;
           if (ln) {
             row_stats(cc, H, mc, rc);

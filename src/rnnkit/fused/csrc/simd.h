@@ -280,6 +280,47 @@ inline void tanh_inplace(scalar_t* v, int64_t n, bool quick) {
   tanh_inplace(v, n);
 }
 
+// σ(v + add) and tanh(v + add) in place, the quick forms where `quick`: a bias added in the
+// activation's own pass over the row rather than in one of its own (the same sum, rounded once,
+// then the same activation). add null: the functions above.
+template <typename scalar_t>
+inline void sigmoid_inplace(scalar_t* v, int64_t n, bool quick, const scalar_t* add) {
+  if (add == nullptr) return sigmoid_inplace(v, n, quick);
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (quick) {
+      vec_loop<float>(n, [&](int64_t j, int64_t count) {
+        vstore(quick_sigmoid(vload(v + j, count) + vload(add + j, count)), v + j, count);
+      });
+    } else {
+      vec_loop<float>(n, [&](int64_t j, int64_t count) {
+        vstore(fast_sigmoid(vload(v + j, count) + vload(add + j, count)), v + j, count);
+      });
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) v[j] += add[j];
+    sigmoid_inplace(v, n);
+  }
+}
+
+template <typename scalar_t>
+inline void tanh_inplace(scalar_t* v, int64_t n, bool quick, const scalar_t* add) {
+  if (add == nullptr) return tanh_inplace(v, n, quick);
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (quick) {
+      vec_loop<float>(n, [&](int64_t j, int64_t count) {
+        vstore(quick_tanh(vload(v + j, count) + vload(add + j, count)), v + j, count);
+      });
+    } else {
+      vec_loop<float>(n, [&](int64_t j, int64_t count) {
+        vstore(fast_tanh(vload(v + j, count) + vload(add + j, count)), v + j, count);
+      });
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) v[j] += add[j];
+    tanh_inplace(v, n);
+  }
+}
+
 // tanh of one SIMD vector as tanh_inplace computes it (float: fast_tanh, or quick_tanh; double:
 // Sleef), for loops that fuse it with other pointwise work.
 inline at::vec::Vectorized<float> vtanh(const at::vec::Vectorized<float>& x, bool quick = false) {
