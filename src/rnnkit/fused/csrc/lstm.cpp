@@ -55,11 +55,14 @@ struct Lstm {
 
   // c̃ = f ∘ c_prev + i ∘ g (f = 1 − i with coupled gates) of one row -> raw (optional) and its
   // clip; the forward and the backward (which recomputes it) share this one expression.
-  void cell_candidate(const scalar_t* gate, const scalar_t* cprev, scalar_t* raw, scalar_t* clipped) const {
+  // `keep` (training's forward): c_{t-1} copied there as it is read, for the backward.
+  void cell_candidate(const scalar_t* gate, const scalar_t* cprev, scalar_t* raw, scalar_t* clipped,
+                      scalar_t* keep = nullptr) const {
     using Vec = at::vec::Vectorized<scalar_t>;
     const Vec one(1), hi(cell_clip), lo(-cell_clip);
     vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) {
       const Vec i = vload(gate + gi + j, n), g = vload(gate + gg + j, n), c = vload(cprev + j, n);
+      if (keep) vstore(c, keep + j, n);
       const Vec f = gf < 0 ? one - i : vload(gate + gf + j, n);
       const Vec v = f * c + i * g;
       if (raw) vstore(v, raw + j, n);
@@ -161,9 +164,10 @@ struct Lstm {
         using Vec = at::vec::Vectorized<scalar_t>;
         for (int64_t b = b0; b < b1; ++b) {
           scalar_t* cb = c_p + b * H;
-          if (training) std::copy(cb, cb + H, cp_p + (t * B + b) * H);
+          scalar_t* c_saved = training ? cp_p + (t * B + b) * H : nullptr;  // c_{t-1}, for the backward
           scalar_t* gate = gx_t + b * GH;  // W x (+ R h) -> the gates, in place
           if (!valid(t, b)) {
+            if (c_saved) std::copy(cb, cb + H, c_saved);
             if (ln && training) {  // the backward reads LN_x's statistics of every row; the saved gates
               steps.skipped_row<scalar_t>(t, b);  // of a step that did not run: zeros, not what
               std::fill(gate, gate + GH, scalar_t(0));  // the buffer held
@@ -195,7 +199,7 @@ struct Lstm {
           tanh_inplace(gate + gg, H, quick, add ? add + gg : nullptr);
           // clipped c̃: straight into c without zoneout (each value read as c_{t-1} before it is written)
           scalar_t* cc = zc.on() ? tmp_p + b * H : cb;
-          cell_candidate(gate, cb, nullptr, cc);
+          cell_candidate(gate, cb, nullptr, cc, c_saved);
           if (zc.on()) zone_into(cb, cc, zc.row(t, b), zc.p, H);
           if (peep)  // o peeks at the new c
             for (int64_t j = 0; j < H; ++j) gate[go + j] = plus(go + j) + p_o[j] * cc[j];
