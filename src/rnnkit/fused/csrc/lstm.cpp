@@ -195,15 +195,15 @@ struct Lstm {
               for (int64_t j = 0; j < H; ++j) gate[gf + j] = plus(gf + j) + p_f[j] * cb[j];
           }
           const scalar_t* add_if = peep || !add ? nullptr : add + gi;
-          sigmoid_inplace(gate + gi, gf < 0 ? H : 2 * H, quick, add_if);  // i (and f, stored next to it)
-          tanh_inplace(gate + gg, H, quick, add ? add + gg : nullptr);
+          activate_inplace<Activation::kSigmoid>(gate + gi, gf < 0 ? H : 2 * H, quick, add_if);  // i (and f, stored next to it)
+          activate_inplace<Activation::kTanh>(gate + gg, H, quick, add ? add + gg : nullptr);
           // clipped c̃: straight into c without zoneout (each value read as c_{t-1} before it is written)
           scalar_t* cc = zc.on() ? tmp_p + b * H : cb;
           cell_candidate(gate, cb, nullptr, cc, c_saved);
           if (zc.on()) zone_into(cb, cc, zc.row(t, b), zc.p, H);
           if (peep)  // o peeks at the new c
             for (int64_t j = 0; j < H; ++j) gate[go + j] = plus(go + j) + p_o[j] * cc[j];
-          sigmoid_inplace(gate + go, H, quick, peep || !add ? nullptr : add + go);
+          activate_inplace<Activation::kSigmoid>(gate + go, H, quick, peep || !add ? nullptr : add + go);
           scalar_t mc = 0, rc = 1;
           if (ln) {
             row_stats(cc, H, mc, rc);

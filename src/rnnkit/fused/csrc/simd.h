@@ -280,44 +280,31 @@ inline void tanh_inplace(scalar_t* v, int64_t n, bool quick) {
   tanh_inplace(v, n);
 }
 
-// σ(v + add) and tanh(v + add) in place, the quick forms where `quick`: a bias added in the
+// σ(v + add) or tanh(v + add) in place, the quick forms where `quick`: a bias added in the
 // activation's own pass over the row rather than in one of its own (the same sum, rounded once,
-// then the same activation). add null: the functions above.
-template <typename scalar_t>
-inline void sigmoid_inplace(scalar_t* v, int64_t n, bool quick, const scalar_t* add) {
-  if (add == nullptr) return sigmoid_inplace(v, n, quick);
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (quick) {
-      vec_loop<float>(n, [&](int64_t j, int64_t count) {
-        vstore(quick_sigmoid(vload(v + j, count) + vload(add + j, count)), v + j, count);
-      });
-    } else {
-      vec_loop<float>(n, [&](int64_t j, int64_t count) {
-        vstore(fast_sigmoid(vload(v + j, count) + vload(add + j, count)), v + j, count);
-      });
-    }
-  } else {
-    for (int64_t j = 0; j < n; ++j) v[j] += add[j];
-    sigmoid_inplace(v, n);
-  }
-}
+// then the same activation). add null: sigmoid_inplace / tanh_inplace above.
+enum class Activation { kSigmoid, kTanh };
 
-template <typename scalar_t>
-inline void tanh_inplace(scalar_t* v, int64_t n, bool quick, const scalar_t* add) {
-  if (add == nullptr) return tanh_inplace(v, n, quick);
+template <Activation kind, typename scalar_t>
+inline void activate_inplace(scalar_t* v, int64_t n, bool quick, const scalar_t* add) {
+  constexpr bool sigmoid = kind == Activation::kSigmoid;
+  if (add == nullptr) return sigmoid ? sigmoid_inplace(v, n, quick) : tanh_inplace(v, n, quick);
   if constexpr (std::is_same_v<scalar_t, float>) {
+    const auto pass = [&](const auto& f) {
+      vec_loop<float>(n, [&](int64_t j, int64_t count) { vstore(f(vload(v + j, count) + vload(add + j, count)), v + j, count); });
+    };
     if (quick) {
-      vec_loop<float>(n, [&](int64_t j, int64_t count) {
-        vstore(quick_tanh(vload(v + j, count) + vload(add + j, count)), v + j, count);
+      pass([](const VecF& x) {
+        if constexpr (sigmoid) return quick_sigmoid(x); else return quick_tanh(x);
       });
     } else {
-      vec_loop<float>(n, [&](int64_t j, int64_t count) {
-        vstore(fast_tanh(vload(v + j, count) + vload(add + j, count)), v + j, count);
+      pass([](const VecF& x) {
+        if constexpr (sigmoid) return fast_sigmoid(x); else return fast_tanh(x);
       });
     }
   } else {
     for (int64_t j = 0; j < n; ++j) v[j] += add[j];
-    tanh_inplace(v, n);
+    activate_inplace<kind, scalar_t>(v, n, quick, nullptr);
   }
 }
 
