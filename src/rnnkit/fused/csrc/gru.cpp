@@ -204,6 +204,17 @@ struct Gru {
     Tensor dgh = (after && ln) ? new_buffer({T, B, GH}, like) : dAh;  // dL/d(R h)
     Tensor drh = after ? Tensor() : new_buffer({B, H}, like);
     Tensor acc_ln_h = ln ? zero_buffer({2, B, GH}, like) : Tensor();
+    // The biases' gradients Σ dA (b_W; b_R too with the reset before) and Σ dAh (b_R with the reset
+    // after, unless layer norm's β accumulator has it), summed per batch row as each row is written
+    // (in L1), not by at::sum over [T·B, G·H] afterwards, which read them from memory again.
+    const bool sum_dA = a.b_W.defined() || (!after && a.b_R.defined());
+    const bool sum_dAh = after && !ln && a.b_R.defined();
+    Tensor acc_bias = zero_buffer({int64_t(sum_dA) + int64_t(sum_dAh), B, GH}, like);
+    scalar_t* acc_dA_p = sum_dA ? acc_bias.data_ptr<scalar_t>() : nullptr;
+    scalar_t* acc_dAh_p = sum_dAh ? acc_bias.data_ptr<scalar_t>() + int64_t(sum_dA) * B * GH : nullptr;
+    const auto accumulate = [&](scalar_t* acc, const scalar_t* row) {
+      vec_loop<scalar_t>(GH, [&](int64_t q, int64_t n) { vstore(vload(acc + q, n) + vload(row + q, n), acc + q, n); });
+    };
 
     const Tensor gates = saved[kGates], hidden_prev = hidden_entering<scalar_t>(a, y);
     const scalar_t *dy_p = dy.data_ptr<scalar_t>(), *gates_p = gates.data_ptr<scalar_t>();
@@ -268,6 +279,8 @@ struct Gru {
               dAb[j] = dan * hn * r * (scalar_t(1) - r);
               dAhb[j] = dAb[j], dAhb[H + j] = dAb[H + j], dAhb[2 * H + j] = dan * r;
             }
+            if (acc_dA_p) accumulate(acc_dA_p + b * GH, dAb);
+            if (acc_dAh_p) accumulate(acc_dAh_p + b * GH, dAhb);
             if (ln) {
               row_layer_norm_backward(dAhb, gh_p + row * GH, GH, mh_p[row], rh_p[row], ln_h_gain,
                                       dgh_p + row * GH, alh_p + b * GH, alh_p + (B + b) * GH);
@@ -297,6 +310,7 @@ struct Gru {
               dAb[j] = drhb[j] * h_in * r * (scalar_t(1) - r);
               dhr[j] = drhb[j] * r;
             }
+            if (acc_dA_p) accumulate(acc_dA_p + b * GH, dAb);
           }
         });
         R_right.multiply(dA_t, GH, 1, dhr_p, H);  // += dA_rz R_rz
@@ -309,8 +323,8 @@ struct Gru {
     Tensor h_in = (rm ? hidden_prev * a.recurrent_mask : hidden_prev).view({TB, H});
     Tensor dA2 = dA.view({TB, GH});
     // before dA2 turns into dL/d(W x): b_W's gradient (and b_R's, reset before)
-    if (a.b_W.defined() || (!after && a.b_R.defined())) {
-      const Tensor dA_sum = at::sum(dA2, 0);
+    if (sum_dA) {
+      const Tensor dA_sum = at::sum(acc_bias[0], 0);
       grads.put(kBiasW, dA_sum);
       if (!after) grads.put(kBiasR, dA_sum);
     }
@@ -318,8 +332,8 @@ struct Gru {
       const Tensor d_ln_h = acc_ln_h.sum(1);
       grads.put(kLnHGain, d_ln_h[0]), grads.put(kLnHShift, d_ln_h[1]);
       if (after) grads.put(kBiasR, d_ln_h[1]);  // b_R sits beside LN_h's β: summed already
-    } else if (after && a.b_R.defined()) {
-      at::sum_out(grads.slot[kBiasR], dAh.view({TB, GH}), 0);
+    } else if (sum_dAh) {
+      at::sum_out(grads.slot[kBiasR], acc_bias[int64_t(sum_dA)], 0);
     }
     Tensor& dR = grads.slot[kR];
     if (!needs.dR) {

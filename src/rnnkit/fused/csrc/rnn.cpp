@@ -125,6 +125,11 @@ struct Rnn {
     Tensor dA = new_buffer({T, B, H}, like);
     Tensor dgh = ln ? new_buffer({T, B, H}, like) : dA;
     Tensor acc_ln_h = ln ? zero_buffer({2, B, H}, like) : Tensor();
+    // The bias gradient Σ dA summed per batch row as each row is written (lstm.cpp); under layer
+    // norm LN_h's β accumulator has it
+    const bool bias_grad = !ln && (a.b_W.defined() || a.b_R.defined());
+    Tensor acc_bias = bias_grad ? zero_buffer({B, H}, like) : Tensor();
+    scalar_t* ab_p = bias_grad ? acc_bias.data_ptr<scalar_t>() : nullptr;
 
     const Tensor h_tilde = saved[kGates], hidden_prev = hidden_entering<scalar_t>(a, y);
     const scalar_t *dy_p = dy.data_ptr<scalar_t>(), *ht_p = h_tilde.data_ptr<scalar_t>();
@@ -162,6 +167,10 @@ struct Rnn {
             const scalar_t ht = htb[j];
             dAb[j] = relu ? (ht > 0 ? dht : scalar_t(0)) : dht * (scalar_t(1) - ht * ht);
           }
+          if (ab_p && ok) {
+            scalar_t* acc = ab_p + b * H;
+            vec_loop<scalar_t>(H, [&](int64_t q, int64_t n) { vstore(vload(acc + q, n) + vload(dAb + q, n), acc + q, n); });
+          }
           if (ln) {
             if (ok) {
               row_layer_norm_backward(dAb, gh_p + row * H, H, mh_p[row], rh_p[row], ln_h_gain, dgh_p + row * H,
@@ -191,8 +200,8 @@ struct Rnn {
       const Tensor d_ln_h = acc_ln_h.sum(1);
       grads.put(kLnHGain, d_ln_h[0]), grads.put(kLnHShift, d_ln_h[1]);
       grads.put(kBiasW, d_ln_h[1]), grads.put(kBiasR, d_ln_h[1]);  // the bias sits beside LN_h's β: summed already
-    } else if (a.b_W.defined() || a.b_R.defined()) {
-      const Tensor db = at::sum(dA2, 0);
+    } else if (bias_grad) {
+      const Tensor db = at::sum(acc_bias, 0);
       grads.put(kBiasW, db), grads.put(kBiasR, db);
     }
     Tensor dx = input_projection_backward(a, dA2, saved[kInputRaw], saved[kInputMean], saved[kInputRstd], needs,
