@@ -212,9 +212,6 @@ struct Gru {
     Tensor acc_bias = zero_buffer({int64_t(sum_dA) + int64_t(sum_dAh), B, GH}, like);
     scalar_t* acc_dA_p = sum_dA ? acc_bias.data_ptr<scalar_t>() : nullptr;
     scalar_t* acc_dAh_p = sum_dAh ? acc_bias.data_ptr<scalar_t>() + int64_t(sum_dA) * B * GH : nullptr;
-    const auto accumulate = [&](scalar_t* acc, const scalar_t* row) {
-      vec_loop<scalar_t>(GH, [&](int64_t q, int64_t n) { vstore(vload(acc + q, n) + vload(row + q, n), acc + q, n); });
-    };
 
     const Tensor gates = saved[kGates], hidden_prev = hidden_entering<scalar_t>(a, y);
     const scalar_t *dy_p = dy.data_ptr<scalar_t>(), *gates_p = gates.data_ptr<scalar_t>();
@@ -279,8 +276,8 @@ struct Gru {
               dAb[j] = dan * hn * r * (scalar_t(1) - r);
               dAhb[j] = dAb[j], dAhb[H + j] = dAb[H + j], dAhb[2 * H + j] = dan * r;
             }
-            if (acc_dA_p) accumulate(acc_dA_p + b * GH, dAb);
-            if (acc_dAh_p) accumulate(acc_dAh_p + b * GH, dAhb);
+            if (acc_dA_p) add_into(acc_dA_p + b * GH, dAb, GH);
+            if (acc_dAh_p) add_into(acc_dAh_p + b * GH, dAhb, GH);
             if (ln) {
               row_layer_norm_backward(dAhb, gh_p + row * GH, GH, mh_p[row], rh_p[row], ln_h_gain,
                                       dgh_p + row * GH, alh_p + b * GH, alh_p + (B + b) * GH);
@@ -310,7 +307,7 @@ struct Gru {
               dAb[j] = drhb[j] * h_in * r * (scalar_t(1) - r);
               dhr[j] = drhb[j] * r;
             }
-            if (acc_dA_p) accumulate(acc_dA_p + b * GH, dAb);
+            if (acc_dA_p) add_into(acc_dA_p + b * GH, dAb, GH);
           }
         });
         R_right.multiply(dA_t, GH, 1, dhr_p, H);  // += dA_rz R_rz

@@ -194,8 +194,8 @@ struct Lstm {
             if (gf >= 0)
               for (int64_t j = 0; j < H; ++j) gate[gf + j] = plus(gf + j) + p_f[j] * cb[j];
           }
-          const scalar_t* add_if = peep || !add ? nullptr : add + gi;
-          activate_inplace<Activation::kSigmoid>(gate + gi, gf < 0 ? H : 2 * H, quick, add_if);  // i (and f, stored next to it)
+          const auto folded = [&](int64_t q) { return peep || !add ? nullptr : add + q; };  // not added above
+          activate_inplace<Activation::kSigmoid>(gate + gi, gf < 0 ? H : 2 * H, quick, folded(gi));  // i (and f, next to it)
           activate_inplace<Activation::kTanh>(gate + gg, H, quick, add ? add + gg : nullptr);
           // clipped c̃: straight into c without zoneout (each value read as c_{t-1} before it is written)
           scalar_t* cc = zc.on() ? tmp_p + b * H : cb;
@@ -203,7 +203,7 @@ struct Lstm {
           if (zc.on()) zone_into(cb, cc, zc.row(t, b), zc.p, H);
           if (peep)  // o peeks at the new c
             for (int64_t j = 0; j < H; ++j) gate[go + j] = plus(go + j) + p_o[j] * cc[j];
-          activate_inplace<Activation::kSigmoid>(gate + go, H, quick, peep || !add ? nullptr : add + go);
+          activate_inplace<Activation::kSigmoid>(gate + go, H, quick, folded(go));
           scalar_t mc = 0, rc = 1;
           if (ln) {
             row_stats(cc, H, mc, rc);
@@ -387,10 +387,7 @@ struct Lstm {
           row_layer_norm_backward(dAb, gh_p + row * GH, GH, mh_p[row], rh_p[row], ln_h_gain, dgh_p + row * GH,
                                   alh_p + b * GH, alh_p + (B + b) * GH);
         }
-        if (ab_p) {
-          scalar_t* acc = ab_p + b * GH;
-          vec_loop<scalar_t>(GH, [&](int64_t q, int64_t n) { vstore(vload(acc + q, n) + vload(dAb + q, n), acc + q, n); });
-        }
+        if (ab_p) add_into(ab_p + b * GH, dAb, GH);
       }
     };
 

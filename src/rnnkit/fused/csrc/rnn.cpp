@@ -167,10 +167,7 @@ struct Rnn {
             const scalar_t ht = htb[j];
             dAb[j] = relu ? (ht > 0 ? dht : scalar_t(0)) : dht * (scalar_t(1) - ht * ht);
           }
-          if (ab_p && ok) {
-            scalar_t* acc = ab_p + b * H;
-            vec_loop<scalar_t>(H, [&](int64_t q, int64_t n) { vstore(vload(acc + q, n) + vload(dAb + q, n), acc + q, n); });
-          }
+          if (ab_p && ok) add_into(ab_p + b * H, dAb, H);
           if (ln) {
             if (ok) {
               row_layer_norm_backward(dAb, gh_p + row * H, H, mh_p[row], rh_p[row], ln_h_gain, dgh_p + row * H,

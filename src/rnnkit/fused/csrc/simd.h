@@ -280,6 +280,12 @@ inline void tanh_inplace(scalar_t* v, int64_t n, bool quick) {
   tanh_inplace(v, n);
 }
 
+// acc[j] += v[j] for j < n: a gradient summed into a row's accumulator as the row is written.
+template <typename scalar_t>
+inline void add_into(scalar_t* acc, const scalar_t* v, int64_t n) {
+  vec_loop<scalar_t>(n, [&](int64_t j, int64_t count) { vstore(vload(acc + j, count) + vload(v + j, count), acc + j, count); });
+}
+
 // σ(v + add) or tanh(v + add) in place, the quick forms where `quick`: a bias added in the
 // activation's own pass over the row rather than in one of its own (the same sum, rounded once,
 // then the same activation). add null: sigmoid_inplace / tanh_inplace above.
