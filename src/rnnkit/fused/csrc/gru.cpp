@@ -16,7 +16,7 @@ struct Gru {
   const scalar_t *rm, *b_Rn, *ln_h_gain, *ln_h_shift;
   const bool* mask;
   Zoneout<scalar_t> zh;
-  bool quick;  // the quick σ and tanh (simd.h): PassArgs::quick_activations, set by forward()
+  bool quick;  // the quick σ and tanh (simd.h): PassArgs::quick_activations, set again by forward()
   // Saved gate row: r z n, and with reset_after the recurrent n term hn = LN_h(R h)_n + b_Rn.
   int64_t GS;
 
@@ -29,7 +29,7 @@ struct Gru {
     ln_h_shift = ln ? a.ln_h_shift.data_ptr<scalar_t>() : nullptr;
     mask = a.mask_ptr();
     zh = a.zone_h<scalar_t>();
-    quick = a.quantized();
+    quick = a.quick_activations(true);  // a backward recomputes a training forward's values
     GS = after ? 4 * H : 3 * H;
   }
 

@@ -22,7 +22,7 @@ struct Lstm {
   const scalar_t *ln_h_gain, *ln_h_shift, *ln_c_gain, *ln_c_shift;
   const bool* mask;
   Zoneout<scalar_t> zh, zc;
-  bool quick;  // the quick σ and tanh (simd.h): PassArgs::quick_activations, set by forward()
+  bool quick;  // the quick σ and tanh (simd.h): PassArgs::quick_activations, set again by forward()
 
   explicit Lstm(const PassArgs& args) : a(args) {
     T = a.T, B = a.B, H = a.H, Hr = a.Hr, GH = a.GH, P = a.Hr;
@@ -39,7 +39,7 @@ struct Lstm {
     ln_c_shift = ln ? a.ln_c_shift.data_ptr<scalar_t>() : nullptr;
     mask = a.mask_ptr();
     zh = a.zone_h<scalar_t>(), zc = a.zone_c<scalar_t>();
-    quick = a.quantized();
+    quick = a.quick_activations(true);  // a backward recomputes a training forward's values
   }
 
   // tanh(LN_c(c̃)) of the n values at j of a clipped-c̃ row (LN_c with mean / rstd only under

@@ -13,7 +13,7 @@ struct Rnn {
   const scalar_t *rm, *ln_h_gain, *ln_h_shift;
   const bool* mask;
   Zoneout<scalar_t> zh;
-  bool quick;  // the quick σ and tanh (simd.h): PassArgs::quick_activations, set by forward()
+  bool quick;  // the quick σ and tanh (simd.h): PassArgs::quick_activations, set again by forward()
 
   explicit Rnn(const PassArgs& args) : a(args) {
     T = a.T, B = a.B, H = a.H;
@@ -23,7 +23,7 @@ struct Rnn {
     ln_h_shift = ln ? a.ln_h_shift.data_ptr<scalar_t>() : nullptr;
     mask = a.mask_ptr();
     zh = a.zone_h<scalar_t>();
-    quick = a.quantized();
+    quick = a.quick_activations(true);  // a backward recomputes a training forward's values
   }
 
   int64_t step_time(int64_t s) const { return a.reverse ? T - 1 - s : s; }
