@@ -5,6 +5,7 @@ No timing assertions here (BENCH.md); these are smoke tests of the harness on a 
 """
 import importlib.util
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from helpers import require_fused_kernels
 RECORD_FIELDS = {"runner", "runner_title", "shape", "variant", "timed_variant", "mode", "status"}
 TIMED_FIELDS = {
     "median_ms", "times_ms", "repeat_spread", "speedup_vs_torch_nn", "gflop", "gflops_per_s", "fraction_of_sgemm",
-    "peak_memory_bytes", "saved_activation_bytes", "max_rel_rms_error", "tolerance",
+    "peak_memory_bytes", "saved_activation_bytes", "max_rel_rms_error", "tolerance", "page_faults_per_call",
 }
 ENVIRONMENT_FIELDS = {"torch", "rnnkit", "threads", "cpu", "device", "dtype", "repeats", "sgemm_gflops", "rnnkit_backends",
                       "warnings", "load_average_samples"}
@@ -143,6 +144,56 @@ def test_a_wrong_runner_is_reported_failed_and_not_timed(tmp_path):
         assert "relative RMS error" in record["reason"]
         assert not TIMED_FIELDS & set(record)
     assert "FAILED" in (out / "bench.md").read_text()
+
+
+class FreshMemory(Runner):
+    """The reference backend, whose every call also writes to 256 pages of memory newly mapped
+    from the OS (an allocator that hands its memory back between calls): faults the bench must count."""
+
+    name = "fresh"
+    title = "fresh memory each call"
+    pages = 256
+
+    def build(self, case):
+        module = rnnkit_module(case.variant, case.shape, "reference", case.device, case.dtype)
+        module.load_state_dict(case.reference(case.variant.name).state_dict())
+        pages = self.pages
+
+        class Faulting(Model):
+            def forward(self, x, lengths=None):
+                memory = mmap.mmap(-1, pages * mmap.PAGESIZE)
+                for page in range(pages):
+                    memory[page * mmap.PAGESIZE] = 1
+                memory.close()
+                return super().forward(x, lengths)
+
+        return Faulting(case.variant.name, [module])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("resource") is None, reason="the OS counts no page faults for Python (Windows)")
+def test_page_faults_inside_timed_calls_are_counted_and_named(tmp_path):
+    status, report_, out = _run_with_runner(tmp_path, FreshMemory, "--variants", "lstm", "--runners", "reference", "fresh",
+                                            "--modes", "inference")
+    assert status == 0
+    by_runner = {r["runner"]: r for r in report_["records"]}
+    assert by_runner["fresh"]["page_faults_per_call"] >= FreshMemory.pages
+    assert by_runner["reference"]["page_faults_per_call"] < report.FAULT_LIMIT  # its memory stays with the process
+    notes = (out / "bench.md").read_text().split("Page faults inside the timed calls")[1]
+    assert "- fresh / tiny / lstm / inference: " in notes and "reference /" not in notes
+
+
+def test_page_fault_notes_name_runners_over_the_limit():
+    records = [
+        {"runner": "torch.nn", "shape": "medium", "variant": "lstm", "mode": "training", "status": "ok",
+         "page_faults_per_call": 14824},
+        {"runner": "fused", "shape": "medium", "variant": "lstm", "mode": "training", "status": "ok", "page_faults_per_call": 1},
+        {"runner": "gone", "shape": "medium", "variant": "lstm", "mode": "training", "status": "ok", "page_faults_per_call": None},
+        {"runner": "wrong", "shape": "medium", "variant": "lstm", "mode": "training", "status": "failed"},
+    ]
+    (note,) = report.page_fault_notes(records)
+    megabytes = 14824 * mmap.PAGESIZE / 1e6
+    assert note == (f"torch.nn / medium / lstm / training: 14,824 page faults a call ({megabytes:.1f} MB of memory "
+                    "fresh from the OS at every call)")
 
 
 def test_unavailable_runner_is_reported_with_its_reason(tmp_path):

@@ -240,12 +240,26 @@ def check(case: Case, model: Model, mode: str, tolerance: Optional[float] = None
     return worst
 
 
-def time_call(case: Case, model: Model, mode: str, upstream) -> float:
+def minor_faults() -> Optional[int]:
+    """Page faults this process has taken that the OS served without I/O (each maps a fresh page of
+    memory: what an allocator that hands memory back to the OS pays again at its next call); None
+    where the OS does not count them."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def time_call(case: Case, model: Model, mode: str, upstream) -> Tuple[float, Optional[int]]:
+    """-> (seconds, minor page faults during the call, or None where the OS does not count them)."""
     synchronize(case.device)
+    faults = minor_faults()
     start = time.perf_counter()
     case.run(model, mode, upstream)
     synchronize(case.device)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return seconds, None if faults is None else minor_faults() - faults
 
 
 def saved_activation_bytes(case: Case, model: Model) -> int:
@@ -396,9 +410,12 @@ def measure_case(case: Case, mode: str, runners: List[Runner], repeats: int, war
         for _, model, upstream in timed:
             case.run(model, mode, upstream)
     times: Dict[int, List[float]] = {id(r): [] for r, _, _ in timed}
+    faults: Dict[int, List[Optional[int]]] = {id(r): [] for r, _, _ in timed}
     for _ in range(repeats):
         for record, model, upstream in timed:  # interleaved: A, B, A, B, ...
-            times[id(record)].append(time_call(case, model, mode, upstream))
+            seconds, call_faults = time_call(case, model, mode, upstream)
+            times[id(record)].append(seconds)
+            faults[id(record)].append(call_faults)
 
     baseline = next((statistics.median(times[id(r)]) for r, _, _ in timed if r["runner"] == "torch.nn"), None)
     for record, model, upstream in timed:
@@ -414,6 +431,7 @@ def measure_case(case: Case, mode: str, runners: List[Runner], repeats: int, war
             gflop=work / 1e9,
             gflops_per_s=work / seconds / 1e9,
             fraction_of_sgemm=work / seconds / 1e9 / sgemm,
+            page_faults_per_call=None if None in faults[id(record)] else statistics.median(faults[id(record)]),
             peak_memory_bytes=peak_bytes(case, model, mode, upstream),
             saved_activation_bytes=saved_activation_bytes(case, model) if mode == "training" else 0,
         )

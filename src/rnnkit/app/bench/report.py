@@ -40,6 +40,8 @@ def environment(device: str, dtype: torch.dtype, threads: int, repeats: int, war
         "speedup": "torch.nn median time / runner median time (> 1: faster than torch.nn)",
         "peak_memory": "torch.cuda.max_memory_allocated above the start, per call (CUDA); not measured on CPU",
         "saved_activation_bytes": "bytes autograd saves in one training forward (saved_tensors_hooks), weights and input excluded",
+        "page_faults_per_call": "minor page faults inside a timed call (getrusage), median over the repeats; None where "
+                                "the OS does not count them",
     }
 
 
@@ -68,6 +70,28 @@ def spread_warnings(records: List[dict], limit: float = SPREAD_LIMIT) -> List[st
         f"{100 * r['repeat_spread']:.0f}% of their median (> {100 * limit:.0f}%); its ratio is uncertain"
         for r in records
         if r["status"] == "ok" and r.get("repeat_spread", 0.0) > limit
+    ]
+
+
+# page faults a call from which the markdown names a runner: ~0.4 MB of fresh memory at 4 KB pages,
+# where the runners that keep their memory between calls take 0-2
+FAULT_LIMIT = 100
+
+
+def page_size() -> int:
+    import mmap
+
+    return mmap.PAGESIZE
+
+
+def page_fault_notes(records: List[dict], limit: int = FAULT_LIMIT) -> List[str]:
+    """One line per timed record whose calls took ``limit`` or more page faults (median a call):
+    memory its allocator got fresh from the OS at every call, which its time includes."""
+    return [
+        f"{r['runner']} / {r['shape']} / {r['variant']} / {r['mode']}: {r['page_faults_per_call']:,.0f} page faults a "
+        f"call ({r['page_faults_per_call'] * page_size() / 1e6:.1f} MB of memory fresh from the OS at every call)"
+        for r in records
+        if r["status"] == "ok" and (r.get("page_faults_per_call") or 0) >= limit
     ]
 
 
@@ -168,6 +192,12 @@ def markdown(env: dict, records: List[dict], runners: List[str]) -> str:
         fraction = f"{100 * base['fraction_of_sgemm']:.1f}%" if base and base["status"] == "ok" else ""
         lines.append(f"| {shape} | {variant} | {mode} | " + " | ".join(cells) + f" | {fraction} |")
     lines += _plain_table(records, runners)
+    faulting = page_fault_notes(records)
+    if faulting:
+        lines += ["", "Page faults inside the timed calls (median a call; the time of each includes them, and "
+                  "how many a runner takes depends on what the process allocated before, so a ratio to such a "
+                  "runner may differ in another process):"]
+        lines += [f"- {note}" for note in faulting]
     failed = [r for r in records if r["status"] == "failed"]
     if failed:
         lines += ["", "Failed checks (not timed):"]
