@@ -42,7 +42,9 @@ def idle_machine(monkeypatch):
 
 def _run(tmp_path, *flags):
     out = tmp_path / "results"
-    status = bench.main(["--quick", "--threads", "1", "--out", str(out), *flags])
+    # --default-malloc: the bench's own setting (malloc keeps what it frees) would stay with this
+    # process, the whole suite's, for good; a subprocess tests it below
+    status = bench.main(["--quick", "--threads", "1", "--default-malloc", "--out", str(out), *flags])
     return status, json.loads((out / "bench.json").read_text()), out
 
 
@@ -180,6 +182,59 @@ def test_page_faults_inside_timed_calls_are_counted_and_named(tmp_path):
     assert by_runner["reference"]["page_faults_per_call"] < report.FAULT_LIMIT  # its memory stays with the process
     notes = (out / "bench.md").read_text().split("Page faults inside the timed calls")[1]
     assert "- fresh / tiny / lstm / inference: " in notes and "reference /" not in notes
+
+
+LARGE_BLOCK_SCRIPT = """
+import sys, torch
+from rnnkit.app import bench
+from rnnkit.app.bench.runners import Model, Runner, rnnkit_module
+
+class LargeBlocks(Runner):
+    # the reference backend, whose every call also allocates and writes 40 MB through torch: a
+    # block above glibc's largest adaptive mmap threshold (32 MB), which its defaults map and
+    # unmap at every call
+    name, title = "large", "a 40 MB tensor each call"
+
+    def build(self, case):
+        module = rnnkit_module(case.variant, case.shape, "reference", case.device, case.dtype)
+        module.load_state_dict(case.reference(case.variant.name).state_dict())
+
+        class Allocating(Model):
+            def forward(self, x, lengths=None):
+                torch.empty(10_000_000).fill_(1.0)
+                return super().forward(x, lengths)
+
+        return Allocating(case.variant.name, [module])
+
+bench.register("large", LargeBlocks)
+sys.exit(bench.main(["--quick", "--threads", "1", "--variants", "lstm", "--modes", "inference", "--runners",
+                     "large", *sys.argv[2:], "--out", sys.argv[1]]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.parametrize("flags, kept", [((), True), (("--default-malloc",), False)], ids=["default", "default-malloc"])
+def test_the_bench_keeps_freed_memory_in_the_process_unless_told_not_to(tmp_path, flags, kept):
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc")
+    script = tmp_path / "large_blocks.py"
+    script.write_text(LARGE_BLOCK_SCRIPT)
+    out = tmp_path / "results"
+    done = subprocess.run([sys.executable, str(script), str(out), *flags], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report_ = json.loads((out / "bench.json").read_text())
+    (large,) = [r for r in report_["records"] if r["runner"] == "large"]
+    if kept:
+        assert report_["environment"]["malloc"].startswith("kept: ")
+        assert "; malloc kept" in (out / "bench.md").read_text().splitlines()[0]
+        assert large["page_faults_per_call"] < report.FAULT_LIMIT  # the 40 MB came back from the heap
+    else:
+        assert report_["environment"]["malloc"] == "default: --default-malloc"
+        # mapped afresh and written at every call: ~9,800 faults of 4 KB pages, or ~20 where
+        # transparent huge pages back it with 2 MB ones
+        assert large["page_faults_per_call"] >= 10
 
 
 def test_page_fault_notes_name_runners_over_the_limit():

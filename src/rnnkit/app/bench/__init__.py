@@ -27,7 +27,7 @@ import torch
 
 from .. import errors
 from . import report
-from .measure import Case, measure_case, sgemm_gflops
+from .measure import Case, keep_freed_memory, measure_case, sgemm_gflops
 from .registry import (CPU_GRID, DEFAULT_VARIANTS, GPU_GRID, QUICK_GRID, QUICK_STEP_GRID, SHAPES, STEP_GRID,
                        STEP_VARIANTS, VARIANTS, lookup)
 from .runners import DEFAULT_EXCLUDED, MODES, RUNNERS, available_names, make, register, unregister
@@ -72,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--out", default="bench-results", metavar="DIR", help="where bench.json, bench.md, bench.png go")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 1 repeat: a smoke test, not a measurement")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's malloc as a fresh process has it, which hands large freed blocks back "
+                             "to the OS: runners whose allocator does then pay page faults at every call, as many "
+                             "as what ran before in the process leaves them (default: the process keeps the memory "
+                             "it frees, so that runners are timed on their kernels)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--list", action="store_true", help="print the shapes, variants and runners, and exit")
 
@@ -105,6 +110,7 @@ class Plan(NamedTuple):
     sgemm_n: int
     seed: int
     out: str
+    keep_memory: bool = True
 
 
 def _plan(args: argparse.Namespace, notes: List[str]) -> Plan:
@@ -155,6 +161,7 @@ def _plan(args: argparse.Namespace, notes: List[str]) -> Plan:
         sgemm_n=256 if args.quick else (8192 if args.device == "cuda" else 2048),
         seed=args.seed,
         out=args.out,
+        keep_memory=not args.default_malloc,
     )
 
 
@@ -180,14 +187,16 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(plan.threads)  # the same for every runner
     load_samples = [(report.load_average(), 0)]  # (1-minute load average, our threads running meanwhile)
     try:
+        # Before anything is allocated: with glibc's defaults torch.nn's per-call buffers of several
+        # megabytes come as fresh pages at every call or from the heap, by what ran before in the
+        # process (its medium LSTM training 243 or 215 ms in two rows of one run, 14,824 page faults
+        # a call or none; docs/speed.md), which times its allocator, not its kernels.
+        malloc = keep_freed_memory() if plan.keep_memory else "default: --default-malloc"
         gemm_grid = [shape for shape, _, _ in plan.cases]
-        # Before any case, and not only for the limit: its freed 2048 x 2048 matrices lift glibc's
-        # adaptive mmap threshold, so torch.nn's multi-megabyte per-call buffers come from the heap
-        # instead of fresh pages at every call (a small LSTM's training, AMD EPYC: 30 ms rather than
-        # 40). A loop in a fresh process times torch.nn with those page faults (docs/speed.md).
         sgemm, by_library = sgemm_gflops(plan.device, plan.sgemm_n, gemm_grid)
         env = report.environment(plan.device, plan.dtype, plan.threads, plan.repeats, plan.warmup, sgemm, plan.sgemm_n)
         env["sgemm_by_library"] = by_library
+        env["malloc"] = malloc
         records = []
         for shape, variant, modes in plan.cases:
             case = Case(shape, variant, plan.device, plan.dtype, plan.seed)

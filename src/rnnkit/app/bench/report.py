@@ -40,6 +40,8 @@ def environment(device: str, dtype: torch.dtype, threads: int, repeats: int, war
         "speedup": "torch.nn median time / runner median time (> 1: faster than torch.nn)",
         "peak_memory": "torch.cuda.max_memory_allocated above the start, per call (CUDA); not measured on CPU",
         "saved_activation_bytes": "bytes autograd saves in one training forward (saved_tensors_hooks), weights and input excluded",
+        "malloc": "kept: the process's malloc keeps the memory it frees (glibc mallopt), so no runner pays page "
+                  "faults again at every call; default: glibc's own (rnnkit bench --default-malloc, or no glibc)",
         "page_faults_per_call": "minor page faults inside a timed call (getrusage), median over the repeats; None where "
                                 "the OS does not count them",
     }
@@ -169,6 +171,7 @@ def markdown(env: dict, records: List[dict], runners: List[str]) -> str:
         f"rnnkit bench: {env['device_name']}{flags}, {env['threads']} threads, torch {env['torch']}, {env['dtype']}, "
         f"median of {env['repeats']}; sgemm {env['sgemm_gflops']:.0f} GFLOP/s{by_library}"
         + (f"; fused float32 GEMM: {env['fp32_gemm']}" if env.get("fp32_gemm") else "")
+        + (f"; malloc {env['malloc'].split(':')[0]}" if env.get("malloc") else "")
         + ("" if env["load_average_1min"] is None else f"; load average {env['load_average_1min']:.2f}"),
         "",
         *(["**Warnings** (the numbers below may not hold on a re-run):", ""] if env.get("warnings") else []),
