@@ -47,7 +47,7 @@ def cached_buffer_bytes() -> int:
     last few hundred requests (about ten calls; a call's blocks of several sizes can add up to
     more than its peak in use), so a loop over one shape keeps exactly its working set and a
     stream of new shapes about one call's worth, and never more than ``RNNKIT_CPU_CACHE_MB``
-    megabytes (default 256; ``0`` turns the cache off). When a freed block does not fit, the
+    megabytes (default: an eighth of the machine's memory, at least 256; ``0`` turns the cache off). When a freed block does not fit, the
     longest-kept blocks go first; what a burst of large calls left behind is given back to the
     system a window or two after it ends.
 

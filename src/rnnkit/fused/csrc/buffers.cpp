@@ -16,6 +16,7 @@
 
 #include <pthread.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 namespace rnnkit {
 
@@ -32,7 +33,8 @@ bool& poison_flag() {
 // What is kept follows what recent calls use: at most the most bytes that were in use at once
 // (handed out, not yet freed) during this window of kWindow requests and the last, and a quarter
 // more (limit() says why), and never more
-// than RNNKIT_CPU_CACHE_MB (default 256; 0 turns the cache off). A loop over one shape keeps its
+// than RNNKIT_CPU_CACHE_MB (default: an eighth of the machine's memory, at least 256 MB; 0 turns
+// the cache off). A loop over one shape keeps its
 // working set, so every call after the first finds all its blocks here; a stream of new shapes
 // keeps about one call's worth; what a burst of large calls left is given back a window or two
 // after it ends. When a freed block does not fit, the longest-kept blocks go first. Blocks are
@@ -87,10 +89,21 @@ class BufferCache final : public c10::Allocator {
  private:
   static constexpr size_t kGranule = 64 << 10;
   static constexpr uint64_t kWindow = 256;  // requests: about ten calls (a training call makes 10-40)
-  static constexpr long kDefaultCapMB = 256;
+  static constexpr long kMinDefaultCapMB = 256;
+
+  // An eighth of the machine's memory, at least kMinDefaultCapMB: the cap bounds what the cache may
+  // keep; what it keeps follows recent calls (limit()). A fixed 256 MB made a layer-norm LSTM's
+  // training at T 100, B 64, H 512 (a working set of 320 MB) unmap ~60 MB of blocks a call and
+  // map them again in the next: 15,296 page faults a call and 971 ms against 893 without.
+  static long default_cap_mb() {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || page <= 0) return kMinDefaultCapMB;
+    return std::max<long>(kMinDefaultCapMB, long(double(pages) * double(page) / 8 / (1 << 20)));
+  }
 
   BufferCache() {
-    cap_ = size_t(kDefaultCapMB) << 20;
+    const long default_mb = default_cap_mb();
+    cap_ = size_t(default_mb) << 20;
     if (const char* text = std::getenv("RNNKIT_CPU_CACHE_MB")) {
       char* end = nullptr;
       const long mb = std::strtol(text, &end, 10);
@@ -98,7 +111,8 @@ class BufferCache final : public c10::Allocator {
         cap_ = size_t(mb) << 20;
       } else {
         TORCH_WARN("rnnkit: RNNKIT_CPU_CACHE_MB must be a whole number of MB (0 turns the cache off), got '",
-                   text, "'; using ", kDefaultCapMB);
+                   text, "'; using the default, ", default_mb,
+                   " MB (an eighth of this machine's memory, at least ", kMinDefaultCapMB, " MB)");
       }
     }
     // A child forked while another thread held the lock would wait on it forever.
