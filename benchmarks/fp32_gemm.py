@@ -12,9 +12,10 @@ N = 4H) and a projection chunk W·x (128 rows, K = I, N = 4H). Best of ``--repea
 
 With ``--weight-gradients``: each grid shape's two LSTM weight gradients Aᵀ · B over all T·B rows
 (dW: A the gates' gradient [T·B, 4H], B the input [T·B, I]; dR: B the hidden state [T·B, H]):
-MKL (``torch.mm(A.t(), B)``) against the own kernels reading both in place (``f32_gemm_at_b``),
-and which of the two a pass takes (``f32_at_b_in_place``: the own kernel while A is at most 2²¹
-floats).
+MKL (``torch.mm(A.t(), B)``) against the own kernels reading both in place (``f32_gemm_at_b``)
+and as (Bᵀ · A)ᵀ on A packed into panels (``f32_gemm_at_b_packed``: the packing and both
+transposes timed), and which a pass takes (``f32_at_b_in_place``: in place while A is at most 2²¹
+floats, packed beyond; MKL where the own kernels are not in use).
 """
 from __future__ import annotations
 
@@ -80,8 +81,9 @@ def write(lines: list[str], args: argparse.Namespace) -> None:
 def weight_gradients(args: argparse.Namespace, extension, own: list[str]) -> list[str]:
     """The table of each grid shape's dW and dR, Aᵀ · B: MKL against the own kernels in place."""
     header = f"float32 weight gradients Aᵀ · B, GFLOP/s (best of {args.repeats}), {machine(args)}"
-    lines = [header, "", "| gradient | A rows × N, B's K | MKL | " + " | ".join(f"rnnkit {k} in place" for k in own)
-             + " | a pass takes |", "|---|---|---|" + "---|" * len(own) + "---|"]
+    lines = [header, "", "| gradient | A rows × N, B's K | MKL | "
+             + " | ".join(f"rnnkit {k} {how}" for k in own for how in ("in place", "packed"))
+             + " | a pass takes |", "|---|---|---|" + "---|" * (2 * len(own)) + "---|"]
     generator = torch.Generator().manual_seed(0)
     for name in ("stream", "small", "medium", "fastrnns", "wide"):
         s = SHAPES[name]
@@ -94,7 +96,8 @@ def weight_gradients(args: argparse.Namespace, extension, own: list[str]) -> lis
             for kernel in own:
                 with use_fp32_gemm(kernel):
                     rates.append(flop / best_seconds(lambda: extension.f32_gemm_at_b(A, B), args.repeats))
-            taken = "rnnkit" if extension.f32_at_b_in_place(rows, N) else "MKL"
+                    rates.append(flop / best_seconds(lambda: extension.f32_gemm_at_b_packed(A, B), args.repeats))
+            taken = "in place" if extension.f32_at_b_in_place(rows, N) else "packed"
             lines.append(f"| {name} {label} | {rows} × {N}, {K} | " + " | ".join(f"{r:.1f}" for r in rates)
                          + f" | {taken} |")
     return lines

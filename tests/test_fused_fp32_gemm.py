@@ -17,7 +17,7 @@ import torch
 
 from rnnkit import fused
 from rnnkit.fused import build
-from helpers import assert_close, make_module, random_states
+from helpers import MODULES, assert_close, make_module, random_states
 from test_fused import CASES
 from test_fused_accuracy import assert_fused_error_within_twice_the_references, errors_against_float64
 
@@ -76,6 +76,53 @@ def test_own_weight_gradient_matches_float64(kernel, rows):
         assert torch.equal(A, before[0]) and torch.equal(B, before[1])
     with fused.use_fp32_gemm("mkl"), pytest.raises(RuntimeError, match="MKL's"):
         extension.f32_gemm_at_b(torch.randn(3, 2), torch.randn(3, 4))
+
+
+@pytest.mark.skipif(not OWN, reason="no own float32 GEMM kernels on this CPU (AVX2 + FMA or AVX-512 needed)")
+@pytest.mark.parametrize("kernel", OWN or ["none"])
+@pytest.mark.parametrize("mode, H, T, options", [
+    ("lstm", 256, 33, {}),                     # dR and dW share dG: packed once for both
+    ("lstm", 256, 33, {"layer_norm": True}),   # LN_x rewrites dA between them: each packs its own
+    ("lstm", 256, 33, {"proj_size": 200}),     # dR's B is the projection's 200 columns (a panel tail)
+    ("gru", 256, 44, {}),                      # A a slice of the gates' columns (the reset's and the candidate's)
+    ("rnn_tanh", 512, 65, {}),
+], ids=["lstm", "lstm-ln", "lstm-proj", "gru", "rnn"])
+def test_weight_gradients_past_the_in_place_size_run_on_the_own_packed_kernel(kernel, mode, H, T, options):
+    """A weight gradient Aᵀ · B whose A (the gates' gradient, T·B × G·H) is past 2²¹ floats, where
+    reading A in place lost to MKL, runs as (Bᵀ · A)ᵀ on the own packed kernel (A packed once, B
+    transposed: f32_weight_gradient_packed): every gradient against float64, relative ≤ 1e-4 (float32
+    sums over 2,000-4,000 rows read 1e-7 to 1e-5, the layer-norm LSTM's bias gradient the most; a
+    misplaced panel or a NaN-poisoned tail is off by far more), with NaN-poisoned buffers, and its
+    products counted on the own kernels (MKL's are not)."""
+    B, I = 64, 40
+    torch.manual_seed(0)
+    # torch.nn's init (no nudge, as make_module gives): a tanh RNN of H 512 nudged by 0.1 is chaotic
+    # over 65 steps, where float32 and float64 part by 6% on any backend
+    module32 = MODULES[mode](I, H, dtype=torch.float32, **options).train()
+    module32.backend = "fused"
+    module64 = copy.deepcopy(module32).double()
+    gates = {"lstm": 4, "gru": 3, "rnn_tanh": 1}[mode] * H
+    assert T * B * gates > 2 ** 21  # past the in-place size
+    x = torch.randn(T, B, I)
+    dy = torch.randn(T, B, module32.spec.output_size(0))
+    count = build.extension().f32_gemm_count
+    grads = {}
+    for module, dtype in ((module32, torch.float32), (module64, torch.float64)):
+        module.zero_grad()
+        xi = x.to(dtype, copy=True).requires_grad_()
+        with fused.use_fp32_gemm(kernel):
+            y, _ = module(xi)
+            start = count()
+            y.backward(dy.to(dtype))
+            products = count() - start
+        grads[dtype] = {"x": xi.grad, **{name: p.grad for name, p in module.named_parameters()}}
+        if dtype == torch.float32:
+            # T steps' products with R (and W_hr), dx, and the two weight gradients at least
+            assert products >= T + 3, products
+    for name, truth in grads[torch.float64].items():
+        got = grads[torch.float32][name].double()
+        error = ((got - truth).norm() / truth.norm()).item()
+        assert error <= 1e-4, f"{name}: relative error {error:.2e}"
 
 
 DRAWS = 16  # draws pooled per case (test_training_pass_on_every_fp32_gemm_matches_reference)

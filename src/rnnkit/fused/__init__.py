@@ -9,8 +9,9 @@ use by build.py).
 
 float32 and float64 compute natively. float32's products with a weight matrix run on the kernels'
 own GEMM where the CPU has AVX-512 (the weights packed once per pass; `fp32_gemm`, `use_fp32_gemm`),
-on MKL's elsewhere. There the weight gradients run on it too while the gates' gradient is at most
-2²¹ floats (both operands read in place), and on MKL, measured faster, beyond. bfloat16 and
+on MKL's elsewhere. There the weight gradients run on it too: while the gates' gradient is at most
+2²¹ floats reading both operands in place, beyond as (Bᵀ · A)ᵀ on the gates' gradient packed once
+(for dR and dW where they share it). bfloat16 and
 float16 tensors are computed in float32 (the weights and inputs as given, accumulation, pointwise
 math and the carried state in float32) and the outputs rounded back. The kernels read a half-precision module's matrices (W, R, W_hr) as
 they are: one step of a few rows widens each value as it is loaded, reading half of float32's
@@ -89,7 +90,7 @@ def bf16_kernel() -> str:
 FP32_GEMMS = {
     "avx512": "the kernels' own float32 GEMM on AVX-512 (weights packed once per pass into panels of 16 columns, "
               "4 panels x 6 rows of sums in zmm registers) for the per-step products, the input projection and dx; "
-              "and the weight gradients up to 2²¹ floats of the gates' gradient (read in place); MKL for larger ones",
+              "and the weight gradients (read in place up to 2²¹ floats of the gates' gradient, packed beyond)",
     "avx2": "the kernels' own float32 GEMM on AVX2 + FMA (1 panel x 6 rows of sums in ymm registers): for testing "
             "the own kernels on CPUs without AVX-512, never chosen by auto (about half MKL's rate on a Zen 4)",
     "mkl": "MKL's packed sgemm (as torch links it) for the per-step products, MKL for the rest",

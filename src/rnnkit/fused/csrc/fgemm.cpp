@@ -77,11 +77,20 @@ void f32_pack(const float* M, int64_t ld, int64_t N, int64_t K, float* dest) {
 }
 
 void f32_pack_transposed(const float* M, int64_t ld, int64_t N, int64_t K, float* dest) {
-  pack_panels(N, K, dest, [&](float* panel, int64_t n0, int64_t width) {
-    for (int64_t k = 0; k < K; ++k) {  // 16 consecutive floats of row k of M
-      float* out = panel + k * kPanel;
-      std::memcpy(out, M + k * ld + n0, width * sizeof(float));
-      if (width < kPanel) std::memset(out + width, 0, (kPanel - width) * sizeof(float));
+  // Row by row of M, each read once in order, its 16-float pieces to row k of every panel: panel
+  // by panel instead (64 bytes a row at M's row stride) packed a weight gradient's dG [3200, 1024]
+  // at half the speed, a page of M a piece (Zen 4)
+  const int64_t panels = panels_of(N), whole = N / kPanel, tail = N - whole * kPanel;
+  at::parallel_for(0, K, std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(N, 1)), [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const float* m = M + k * ld;
+      float* out = dest + k * kPanel;
+      for (int64_t p = 0; p < whole; ++p) std::memcpy(out + p * K * kPanel, m + p * kPanel, kPanel * sizeof(float));
+      if (tail > 0) {
+        float* last = out + (panels - 1) * K * kPanel;
+        std::memcpy(last, m + whole * kPanel, tail * sizeof(float));
+        std::memset(last + tail, 0, (kPanel - tail) * sizeof(float));
+      }
     }
   });
 }

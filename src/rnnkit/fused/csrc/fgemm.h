@@ -1,11 +1,12 @@
 // float32 GEMMs on the kernels' own packed panels, for the passes' products with a weight matrix
 // (per step R·h, the input projection W·x, the backward's products with R and W), and for the
-// weight gradients up to 2²¹ floats of A (f32_gemm_at_b: both operands read in place, no panels).
+// weight gradients (up to 2²¹ floats of A f32_gemm_at_b, both operands read in place, no panels;
+// beyond, pass.cpp's f32_weight_gradient_packed: (Bᵀ · A)ᵀ with A packed as the right operand).
 // The right operand is packed once per pass into panels of 16 output columns, and a block of
 // panels times a few rows of X keeps its sums in registers (AVX-512: 4 panels x 6 rows, 24 zmm; AVX2: 1 panel x 6 rows, 12 ymm). Chosen over MKL by measurement (benchmarks/fp32_gemm.py):
 // on an AVX-512 EPYC (Zen 4) MKL's sgemm reached 72-96 GFLOP/s on the per-step shapes, oneDNN's
 // 53-105, these kernels 106-116; the AVX2 kernel, 45 there, is for CPUs without AVX-512 to test
-// with ("auto" takes MKL on them). Larger weight gradients stay on MKL, faster there.
+// with ("auto" takes MKL on them).
 #pragma once
 
 #include <cstdint>
@@ -46,7 +47,7 @@ void f32_gemm_packed(const float* X, int64_t rows, int64_t ldx, const float* pac
                      float beta, float* C, int64_t ldc);
 
 // Whether a weight gradient Aᵀ · B with A [rows, N] goes to f32_gemm_at_b (the own kernels are in
-// use and A is at most 2²¹ floats: measured faster there than MKL), or to MKL.
+// use and A is at most 2²¹ floats: measured faster there than MKL and than packing A), or not.
 bool f32_at_b_in_place(int64_t rows, int64_t N);
 
 // C[n, k] = Σ_r A[r, n] · B[r, k] (C [N, K] = Aᵀ · B, the weight gradients) on the own kernel in use,

@@ -413,9 +413,10 @@ struct Lstm {
     WeightGrads grads(a);
     Tensor dh0 = dh_dir + (rm ? dh_rec * a.recurrent_mask : dh_rec);
     // Without layer norm R's and W's gradients both take dG (dgh is dA): a bfloat16 module rounds
-    // its transpose once for the two (13 MB of floats a layer at T 100, B 32, H 256)
-    Bf16RoundedX dG_rounded;
-    Bf16RoundedX* shared_dG = ln ? nullptr : &dG_rounded;
+    // its transpose once for the two (13 MB of floats a layer at T 100, B 32, H 256), a float32 one
+    // packs it once into the own kernels' panels where it is too large to read in place
+    SharedA dG_prepared;
+    SharedA* shared_dG = ln ? nullptr : &dG_prepared;
     if (needs.dR) {
       Tensor hidden_prev = hidden_entering<scalar_t>(a, y);
       Tensor h_in = rm ? hidden_prev.mul_(a.recurrent_mask) : hidden_prev;

@@ -455,6 +455,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("A"), py::arg("B"), "Aᵀ · B (a weight gradient) on the own float32 kernels, both read in place");
   m.def(
+      "f32_gemm_at_b_packed",
+      [check_at_b](const at::Tensor& A, const at::Tensor& B) {
+        check_at_b("f32_gemm_at_b_packed", A, B);
+        TORCH_CHECK(rnnkit::f32_own_products(), "f32_gemm_at_b_packed: the float32 GEMM in use is MKL's");
+        at::Tensor C = rnnkit::cached_empty({A.size(1), B.size(1)}, A);  // NaN under set_poison
+        rnnkit::f32_weight_gradient_packed(C, A, B);
+        return C;
+      },
+      py::arg("A"), py::arg("B"),
+      "Aᵀ · B (a weight gradient) as (Bᵀ · A)ᵀ on the own float32 kernels, A packed: a pass's larger ones");
+  m.def(
       "bf16_gemm_at_b",
       [check_at_b](const at::Tensor& A, const at::Tensor& B) {
         check_at_b("bf16_gemm_at_b", A, B);
@@ -465,7 +476,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("A"), py::arg("B"), "Aᵀ · B as a bfloat16 module's weight gradient: operands rounded to bfloat16");
   m.def("f32_at_b_in_place", &rnnkit::f32_at_b_in_place, py::arg("rows"), py::arg("N"),
-        "whether a pass's weight gradient Aᵀ · B with A [rows, N] runs on f32_gemm_at_b (else MKL)");
+        "whether a pass's weight gradient Aᵀ · B with A [rows, N] runs on f32_gemm_at_b (else f32_gemm_at_b_packed)");
   m.def("f32_gemm_count", &rnnkit::f32_gemm_count, "products the own float32 kernels have taken (tests)");
   m.def("fp32_gemm", [] { return std::string(rnnkit::f32_kernel()); },
         "the float32 GEMM kernels in use: avx512, avx2 (the kernels' own) or mkl");

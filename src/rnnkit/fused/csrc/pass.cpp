@@ -287,25 +287,47 @@ void bf16_weight_gradient(const Tensor& out, const Tensor& A, const Tensor& B, B
   bf16_gemm_rounded(x, panels, K, 0, out.data_ptr<float>(), out.stride(0));
 }
 
-void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B, Bf16RoundedX* rounded_A) {
-  // Aᵀ · B on the own kernels, both operands read in place, where fgemm measured that faster
+void f32_weight_gradient_packed(const Tensor& out, const Tensor& A, const Tensor& B, Tensor* panels) {
+  TORCH_CHECK(out.stride(1) == 1 && A.stride(1) == 1 && B.stride(1) == 1,
+              "rnnkit fused: f32_weight_gradient_packed: rows with unit stride");
+  const int64_t rows = A.size(0), N = A.size(1), K = B.size(1);
+  Tensor local;
+  Tensor& packed = panels ? *panels : local;
+  if (!packed.defined()) {
+    packed = cached_empty({f32_packed_floats(N, rows)}, A);
+    f32_pack_transposed(A.data_ptr<float>(), A.stride(0), N, rows, packed.data_ptr<float>());
+  }
+  TORCH_CHECK(packed.numel() == f32_packed_floats(N, rows), "rnnkit fused: f32_weight_gradient_packed: a shared A of ",
+              packed.numel(), " floats of panels for A [", rows, ", ", N, "]");
+  Tensor Bt = cached_empty({K, rows}, A);
+  Bt.copy_(B.t());
+  Tensor Ct = cached_empty({K, N}, A);  // (Aᵀ · B)ᵀ
+  f32_gemm_packed(Bt.data_ptr<float>(), K, rows, packed.data_ptr<float>(), N, rows, 0, Ct.data_ptr<float>(), N);
+  const_cast<Tensor&>(out).copy_(Ct.t());
+}
+
+void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B, SharedA* shared_A) {
   if (a.W.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && A.scalar_type() == at::kFloat &&
-      B.scalar_type() == at::kFloat && f32_at_b_in_place(A.size(0), A.size(1)) && out.stride(1) == 1 &&
-      A.stride(1) == 1 && B.stride(1) == 1) {
-    f32_gemm_at_b(A.data_ptr<float>(), A.stride(0), B.data_ptr<float>(), B.stride(0), A.size(0), A.size(1),
-                  B.size(1), out.data_ptr<float>(), out.stride(0));
+      B.scalar_type() == at::kFloat && f32_own_products() && out.stride(1) == 1 && A.stride(1) == 1 &&
+      B.stride(1) == 1 && A.size(0) > 0) {
+    if (f32_at_b_in_place(A.size(0), A.size(1))) {  // both operands read in place, where fgemm measured that faster
+      f32_gemm_at_b(A.data_ptr<float>(), A.stride(0), B.data_ptr<float>(), B.stride(0), A.size(0), A.size(1),
+                    B.size(1), out.data_ptr<float>(), out.stride(0));
+    } else {
+      f32_weight_gradient_packed(out, A, B, shared_A ? &shared_A->f32_panels : nullptr);
+    }
     return;
   }
   if (a.W.scalar_type() != at::kBFloat16 || !bf16_products() || A.size(0) == 0) {
     at::mm_out(const_cast<Tensor&>(out), A.t(), B);
     return;
   }
-  bf16_weight_gradient(out, A, B, rounded_A);
+  bf16_weight_gradient(out, A, B, shared_A ? &shared_A->bf16 : nullptr);
 }
 
 Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tensor& raw, const Tensor& mean,
                                  const Tensor& rstd, const GradNeeds& needs, WeightGrads& grads,
-                                 Bf16RoundedX* rounded_dA) {
+                                 SharedA* shared_dA) {
   if (a.ln_x_gain.defined()) {
     // LN_x's backward row by row; each thread accumulates dγ, dβ in its own row of `acc`.
     const int64_t rows = dA.size(0), n = a.GH;
@@ -328,7 +350,7 @@ Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tens
   const Tensor x2 = a.x.view({a.T * a.B, a.I});
   if (needs.dW) {
     // [G·H, I]; with layer norm dA was rewritten above: a rounding taken before it is not dA's
-    weight_gradient(a, grads.slot[kW], dA, x2, a.ln_x_gain.defined() ? nullptr : rounded_dA);
+    weight_gradient(a, grads.slot[kW], dA, x2, a.ln_x_gain.defined() ? nullptr : shared_dA);
   } else {
     grads.slot[kW].zero_();
   }

@@ -156,15 +156,30 @@ PackedRight<scalar_t> backward_operand(const PassArgs& a, WeightSlot slot, int64
   return PackedRight<scalar_t>(M.data_ptr<scalar_t>() + first_row * ld, ld, false, rows, N, K, like, a.T > 1);
 }
 
+// Where two weight gradients take the same A (an LSTM's or RNN's dR and dW without layer norm: dG
+// both), A as their products read it, prepared by the first of them and read by the second: rounded
+// to bfloat16 and transposed (the bfloat16 products), or packed in the own float32 kernels' panels
+// (a float32 gradient too large to read A in place, f32_weight_gradient_packed).
+struct SharedA {
+  Bf16RoundedX bf16;
+  Tensor f32_panels;
+};
+
 // A weight's gradient out[N, K] = Aᵀ · B over the T·B rows of A [T·B, N] and B [T·B, K] (float32 or
 // float64; out row-major with unit stride). A half-precision module's on the CPU's bfloat16
 // products (both operands rounded to bfloat16, sums float32) where it has them (bgemm.h), else
-// the float GEMM.
-// `rounded_A`: where two gradients take the same A (an LSTM's dR and dW without layer norm: dG both),
-// the caller's slot for A rounded to bfloat16, filled by the first of them and read by the second
-// (the bfloat16 products only; ignored elsewhere).
+// the float GEMM: float32 on the own kernels where they are in use (f32_gemm_at_b reading both in
+// place up to 2²¹ floats of A, f32_weight_gradient_packed above), else MKL's.
+// `shared_A`: the caller's slot for an A that two gradients take (SharedA), or null.
 void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B,
-                     Bf16RoundedX* rounded_A = nullptr);
+                     SharedA* shared_A = nullptr);
+
+// out = Aᵀ · B in float32 as (Bᵀ · A)ᵀ on the own packed kernels: A [rows, N] packed once as the
+// right operand (f32_pack_transposed: panels of 16 of its columns, kept in *panels when given and
+// empty, or taken from it when filled), B [rows, K] transposed into the left, the [K, N] product
+// transposed into out [N, K]. MKL's sgemm of Aᵀ · B measured 80-91 GFLOP/s on the LSTM grid's
+// medium to wide gradients, this 105-110 (AMD EPYC Zen 4, 1 thread).
+void f32_weight_gradient_packed(const Tensor& out, const Tensor& A, const Tensor& B, Tensor* panels = nullptr);
 
 // out = Aᵀ · B on the bfloat16 kernels (bf16_products()): both float32 operands read in place and
 // rounded to bfloat16 (A transposed as it is rounded, B packed), sums in float32. A [rows, N], B
@@ -304,10 +319,10 @@ class InputSteps {
 // Backward of the input projection from dA [T·B, G·H] (the gradient of its output): writes W's
 // gradient and LN_x's gain / shift gradients into `grads` and returns dx (undefined unless
 // needs.dx). With layer norm, dA is overwritten with the gradient of W x (callers read dA before).
-// `rounded_dA`: weight_gradient's shared rounding of dA (for W's gradient), where the caller's dR took it.
+// `shared_dA`: weight_gradient's shared preparation of dA (for W's gradient), where the caller's dR took it.
 Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tensor& raw, const Tensor& mean,
                                  const Tensor& rstd, const GradNeeds& needs, WeightGrads& grads,
-                                 Bf16RoundedX* rounded_dA = nullptr);
+                                 SharedA* shared_dA = nullptr);
 
 // The sum of optional bias pieces (undefined when none): folded into the input projection.
 // first + second[:second_count] (second's other entries taken as 0; second_count < 0: all of

@@ -184,8 +184,8 @@ struct Rnn {
     const int64_t TB = T * B;
     WeightGrads grads(a);
     Tensor dh0 = dh_dir + (rm ? dh_rec * a.recurrent_mask : dh_rec);
-    Bf16RoundedX dG_rounded;  // without layer norm dgh is dA: R's and W's gradients share its rounding (lstm.cpp)
-    Bf16RoundedX* shared_dG = ln ? nullptr : &dG_rounded;
+    SharedA dG_prepared;  // without layer norm dgh is dA: R's and W's gradients share its preparation (lstm.cpp)
+    SharedA* shared_dG = ln ? nullptr : &dG_prepared;
     if (needs.dR) {
       Tensor h_in = rm ? hidden_prev * a.recurrent_mask : hidden_prev;
       weight_gradient(a, grads.slot[kR], dgh.view({TB, H}), h_in.view({TB, H}), shared_dG);
