@@ -436,45 +436,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return C;
       },
       py::arg("X"), py::arg("packed"), py::arg("N"), "X · Mᵀ on M packed by f32_pack, through the own float32 kernels");
-  // The weight-gradient bindings' operands: float32 A [rows, N] and B [rows, K], unit-stride rows.
-  const auto check_at_b = [](const char* name, const at::Tensor& A, const at::Tensor& B) {
-    TORCH_CHECK(A.dim() == 2 && B.dim() == 2 && A.scalar_type() == at::kFloat && B.scalar_type() == at::kFloat &&
-                    A.stride(1) == 1 && B.stride(1) == 1 && A.size(0) == B.size(0),
-                name, ": expected float32 A [rows, N] and B [rows, K] with unit-stride rows, got ", A.scalar_type(),
-                " ", A.sizes(), " and ", B.scalar_type(), " ", B.sizes());
+  // The weight-gradient bindings: Aᵀ · B for float32 A [rows, N] and B [rows, K] with unit-stride
+  // rows, into a new [N, K] (NaN under set_poison before the product writes it), where `usable`
+  // says the kernels are in use (else `unusable`, the error's text).
+  const auto at_b = [](const char* name, bool (*usable)(), const char* unusable,
+                       void (*product)(const at::Tensor& C, const at::Tensor& A, const at::Tensor& B)) {
+    return [=](const at::Tensor& A, const at::Tensor& B) {
+      TORCH_CHECK(A.dim() == 2 && B.dim() == 2 && A.scalar_type() == at::kFloat && B.scalar_type() == at::kFloat &&
+                      A.stride(1) == 1 && B.stride(1) == 1 && A.size(0) == B.size(0),
+                  name, ": expected float32 A [rows, N] and B [rows, K] with unit-stride rows, got ", A.scalar_type(),
+                  " ", A.sizes(), " and ", B.scalar_type(), " ", B.sizes());
+      TORCH_CHECK(usable(), name, ": ", unusable);
+      at::Tensor C = rnnkit::cached_empty({A.size(1), B.size(1)}, A);
+      product(C, A, B);
+      return C;
+    };
   };
-  m.def(
-      "f32_gemm_at_b",
-      [check_at_b](const at::Tensor& A, const at::Tensor& B) {
-        check_at_b("f32_gemm_at_b", A, B);
-        TORCH_CHECK(rnnkit::f32_own_products(), "f32_gemm_at_b: the float32 GEMM in use is MKL's");
-        at::Tensor C = rnnkit::cached_empty({A.size(1), B.size(1)}, A);  // NaN under set_poison
-        rnnkit::f32_gemm_at_b(A.data_ptr<float>(), A.stride(0), B.data_ptr<float>(), B.stride(0), A.size(0),
-                              A.size(1), B.size(1), C.data_ptr<float>(), C.stride(0));
-        return C;
-      },
-      py::arg("A"), py::arg("B"), "Aᵀ · B (a weight gradient) on the own float32 kernels, both read in place");
-  m.def(
-      "f32_gemm_at_b_packed",
-      [check_at_b](const at::Tensor& A, const at::Tensor& B) {
-        check_at_b("f32_gemm_at_b_packed", A, B);
-        TORCH_CHECK(rnnkit::f32_own_products(), "f32_gemm_at_b_packed: the float32 GEMM in use is MKL's");
-        at::Tensor C = rnnkit::cached_empty({A.size(1), B.size(1)}, A);  // NaN under set_poison
-        rnnkit::f32_weight_gradient_packed(C, A, B);
-        return C;
-      },
-      py::arg("A"), py::arg("B"),
-      "Aᵀ · B (a weight gradient) as (Bᵀ · A)ᵀ on the own float32 kernels, A packed: a pass's larger ones");
-  m.def(
-      "bf16_gemm_at_b",
-      [check_at_b](const at::Tensor& A, const at::Tensor& B) {
-        check_at_b("bf16_gemm_at_b", A, B);
-        TORCH_CHECK(rnnkit::bf16_products(), "bf16_gemm_at_b: no bfloat16 GEMM kernels in use ('none')");
-        at::Tensor C = rnnkit::cached_empty({A.size(1), B.size(1)}, A);  // NaN under set_poison
-        rnnkit::bf16_weight_gradient(C, A, B);
-        return C;
-      },
-      py::arg("A"), py::arg("B"), "Aᵀ · B as a bfloat16 module's weight gradient: operands rounded to bfloat16");
+  m.def("f32_gemm_at_b",
+        at_b("f32_gemm_at_b", &rnnkit::f32_own_products, "the float32 GEMM in use is MKL's",
+             [](const at::Tensor& C, const at::Tensor& A, const at::Tensor& B) {
+               rnnkit::f32_gemm_at_b(A.data_ptr<float>(), A.stride(0), B.data_ptr<float>(), B.stride(0), A.size(0),
+                                     A.size(1), B.size(1), C.data_ptr<float>(), C.stride(0));
+             }),
+        py::arg("A"), py::arg("B"), "Aᵀ · B (a weight gradient) on the own float32 kernels, both read in place");
+  m.def("f32_gemm_at_b_packed",
+        at_b("f32_gemm_at_b_packed", &rnnkit::f32_own_products, "the float32 GEMM in use is MKL's",
+             [](const at::Tensor& C, const at::Tensor& A, const at::Tensor& B) {
+               rnnkit::f32_weight_gradient_packed(C, A, B);
+             }),
+        py::arg("A"), py::arg("B"),
+        "Aᵀ · B (a weight gradient) as (Bᵀ · A)ᵀ on the own float32 kernels, A packed: a pass's larger ones");
+  m.def("bf16_gemm_at_b",
+        at_b("bf16_gemm_at_b", &rnnkit::bf16_products, "no bfloat16 GEMM kernels in use ('none')",
+             [](const at::Tensor& C, const at::Tensor& A, const at::Tensor& B) { rnnkit::bf16_weight_gradient(C, A, B); }),
+        py::arg("A"), py::arg("B"), "Aᵀ · B as a bfloat16 module's weight gradient: operands rounded to bfloat16");
   m.def("f32_at_b_in_place", &rnnkit::f32_at_b_in_place, py::arg("rows"), py::arg("N"),
         "whether a pass's weight gradient Aᵀ · B with A [rows, N] runs on f32_gemm_at_b (else f32_gemm_at_b_packed)");
   m.def("f32_gemm_count", &rnnkit::f32_gemm_count, "products the own float32 kernels have taken (tests)");
