@@ -85,7 +85,9 @@ void f32_pack_transposed(const float* M, int64_t ld, int64_t N, int64_t K, float
     for (int64_t k = k0; k < k1; ++k) {
       const float* m = M + k * ld;
       float* out = dest + k * kPanel;
-      for (int64_t p = 0; p < whole; ++p) std::memcpy(out + p * K * kPanel, m + p * kPanel, kPanel * sizeof(float));
+      using Vec = at::vec::Vectorized<float>;  // vector moves: a memcpy (or a copy loop, which the compiler
+      for (int64_t p = 0; p < whole; ++p)       // makes one) is a call a 64-byte piece
+        for (int64_t j = 0; j < kPanel; j += Vec::size()) Vec::loadu(m + p * kPanel + j).store(out + p * K * kPanel + j);
       if (tail > 0) {
         float* last = out + (panels - 1) * K * kPanel;
         std::memcpy(last, m + whole * kPanel, tail * sizeof(float));
