@@ -19,6 +19,11 @@ from rnnkit.testing import TOLERANCE, RoundedProducts, int8_reference, rel_rms
 from .registry import VARIANTS, Shape, Variant
 from .runners import Model, Runner, Unsupported, leaves, rnnkit_module
 
+try:
+    import resource  # page-fault counts (getrusage); not on Windows
+except ImportError:
+    resource = None
+
 
 def synchronize(device) -> None:
     if torch.device(device).type == "cuda":
@@ -270,11 +275,7 @@ def minor_faults() -> Optional[int]:
     """Page faults this process has taken that the OS served without I/O (each maps a fresh page of
     memory: what an allocator that hands memory back to the OS pays again at its next call); None
     where the OS does not count them."""
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    return None if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def time_call(case: Case, model: Model, mode: str, upstream) -> Tuple[float, Optional[int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import mmap
 import os
 import platform
 from typing import Dict, List, Optional, Tuple
@@ -80,18 +81,12 @@ def spread_warnings(records: List[dict], limit: float = SPREAD_LIMIT) -> List[st
 FAULT_LIMIT = 100
 
 
-def page_size() -> int:
-    import mmap
-
-    return mmap.PAGESIZE
-
-
 def page_fault_notes(records: List[dict], limit: int = FAULT_LIMIT) -> List[str]:
     """One line per timed record whose calls took ``limit`` or more page faults (median a call):
     memory its allocator got fresh from the OS at every call, which its time includes."""
     return [
         f"{r['runner']} / {r['shape']} / {r['variant']} / {r['mode']}: {r['page_faults_per_call']:,.0f} page faults a "
-        f"call ({r['page_faults_per_call'] * page_size() / 1e6:.1f} MB of memory fresh from the OS at every call)"
+        f"call ({r['page_faults_per_call'] * mmap.PAGESIZE / 1e6:.1f} MB of memory fresh from the OS at every call)"
         for r in records
         if r["status"] == "ok" and (r.get("page_faults_per_call") or 0) >= limit
     ]
