@@ -80,6 +80,29 @@ def test_own_weight_gradient_matches_float64(kernel, rows):
 
 @pytest.mark.skipif(not OWN, reason="no own float32 GEMM kernels on this CPU (AVX2 + FMA or AVX-512 needed)")
 @pytest.mark.parametrize("kernel", OWN or ["none"])
+@pytest.mark.parametrize("rows", [1, 7, 512, 1100])
+def test_own_packed_weight_gradient_matches_float64(kernel, rows):
+    """Aᵀ · B as (Bᵀ · A)ᵀ (f32_gemm_at_b_packed, the larger weight gradients): A packed into
+    panels, Bᵀ read from B in place as the product's rows, the [K, N] product transposed into the
+    result in 16 x 16 blocks. N and K around whole panels and blocks (1, 15, 16, 17, 37, 100), the
+    sum's depth across the 512 split; A and B slices of wider buffers; NaN-poisoned scratch (conftest)."""
+    torch.manual_seed(rows)
+    extension = build.extension()
+    for N, K in [(1, 1), (5, 15), (13, 16), (37, 17), (16, 100), (100, 37)]:
+        A = torch.randn(rows, N + 9)[:, 4:4 + N]
+        B = torch.randn(rows, K + 3)[:, 1:1 + K]
+        before = (A.clone(), B.clone())
+        with fused.use_fp32_gemm(kernel):
+            start = extension.f32_gemm_count()
+            got = extension.f32_gemm_at_b_packed(A, B)
+            assert extension.f32_gemm_count() == start + 1
+        assert got.shape == (N, K)
+        assert_close(got, (A.double().t() @ B.double()).float(), f"{N}x{K}, {rows} rows")
+        assert torch.equal(A, before[0]) and torch.equal(B, before[1])
+
+
+@pytest.mark.skipif(not OWN, reason="no own float32 GEMM kernels on this CPU (AVX2 + FMA or AVX-512 needed)")
+@pytest.mark.parametrize("kernel", OWN or ["none"])
 @pytest.mark.parametrize("mode, H, T, options", [
     ("lstm", 256, 33, {}),                     # dR and dW share dG: packed once for both
     ("lstm", 256, 33, {"layer_norm": True}),   # LN_x rewrites dA between them: each packs its own
@@ -89,8 +112,8 @@ def test_own_weight_gradient_matches_float64(kernel, rows):
 ], ids=["lstm", "lstm-ln", "lstm-proj", "gru", "rnn"])
 def test_weight_gradients_past_the_in_place_size_run_on_the_own_packed_kernel(kernel, mode, H, T, options):
     """A weight gradient Aᵀ · B whose A (the gates' gradient, T·B × G·H) is past 2²¹ floats, where
-    reading A in place lost to MKL, runs as (Bᵀ · A)ᵀ on the own packed kernel (A packed once, B
-    transposed: f32_weight_gradient_packed): every gradient against float64, relative ≤ 1e-4 (float32
+    reading A in place lost to MKL, runs as (Bᵀ · A)ᵀ on the own packed kernel (A packed once, Bᵀ
+    read from B in place, the product transposed into place: f32_weight_gradient_packed): every gradient against float64, relative ≤ 1e-4 (float32
     sums over 2,000-4,000 rows read 1e-7 to 1e-5, the layer-norm LSTM's bias gradient the most; a
     misplaced panel or a NaN-poisoned tail is off by far more), with NaN-poisoned buffers, and its
     products counted on the own kernels (MKL's are not)."""

@@ -314,6 +314,32 @@ void f32_gemm_packed(const float* X, int64_t rows, int64_t ldx, const float* pac
   products().fetch_add(1, std::memory_order_relaxed);
 }
 
+void f32_gemm_packed_xt(const float* Xt, int64_t ldxt, int64_t rows, const float* packed, int64_t N, int64_t K,
+                        float beta, float* C, int64_t ldc) {
+  if (rows <= 0 || N <= 0) return;
+  const F32Kernels* k = &current();
+  for (const F32Kernels& other : kKernels)
+    if (k->strided == nullptr && other.strided != nullptr && other.runs_here()) k = &other;
+  TORCH_CHECK(k->strided != nullptr, "rnnkit fused: f32_gemm_packed_xt: no own float32 kernels run on this CPU");
+  if (K <= 0) return empty_sum(rows, N, beta, C, ldc);
+  // X's (r, k) is Xt[k, r]: row stride 1, k stride ldxt; the panels as f32_gemm_packed reads them
+  k->strided(Xt, rows, 1, ldxt, packed, K * kPanel, kPanel, N, K, beta, C, ldc);
+  products().fetch_add(1, std::memory_order_relaxed);
+}
+
+void f32_transpose(const float* src, int64_t ld_src, int64_t rows, int64_t cols, float* dest, int64_t ld_dest) {
+  // strips of 16 rows of src, each into 16 columns of dest in 16 x 16 blocks
+  const int64_t strips = (rows + kPanel - 1) / kPanel;
+  at::parallel_for(0, strips, std::max<int64_t>(1, (int64_t(1) << 16) / (kPanel * std::max<int64_t>(cols, 1))),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t r0 = s * kPanel, height = std::min(kPanel, rows - r0);
+      // in zmm registers under AVX-512 (ATen's), a loop elsewhere
+      at::vec::transpose_mxn<float>(src + r0 * ld_src, ld_src, dest + r0, ld_dest, int(height), int(cols));
+    }
+  });
+}
+
 bool f32_at_b_in_place(int64_t rows, int64_t N) {
   // Measured on Zen 4 (1 thread, GFLOP/s own / MKL, benchmarks/fp32_gemm.py --weight-gradients):
   // the stream and small grid shapes' 102-112 / 83-93, [1600, 1024] by [1600, 256] 100 / 89; from

@@ -46,6 +46,13 @@ void f32_pack_transposed(const float* M, int64_t ld, int64_t N, int64_t K, float
 void f32_gemm_packed(const float* X, int64_t rows, int64_t ldx, const float* packed, int64_t N, int64_t K,
                      float beta, float* C, int64_t ldc);
 
+// f32_gemm_packed with X given as its transpose Xt [K, rows] (ldxt per row of Xt), read in place.
+void f32_gemm_packed_xt(const float* Xt, int64_t ldxt, int64_t rows, const float* packed, int64_t N, int64_t K,
+                        float beta, float* C, int64_t ldc);
+
+// dest[c, r] = src[r, c] for src [rows, cols] (ld_src, ld_dest per row).
+void f32_transpose(const float* src, int64_t ld_src, int64_t rows, int64_t cols, float* dest, int64_t ld_dest);
+
 // Whether a weight gradient Aᵀ · B with A [rows, N] goes to f32_gemm_at_b (the own kernels are in
 // use and A is at most 2²¹ floats: measured faster there than MKL and than packing A), or not.
 bool f32_at_b_in_place(int64_t rows, int64_t N);

@@ -176,9 +176,10 @@ void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, cons
 
 // out = Aᵀ · B in float32 as (Bᵀ · A)ᵀ on the own packed kernels: A [rows, N] packed once as the
 // right operand (f32_pack_transposed: panels of 16 of its columns, kept in *panels when given and
-// empty, or taken from it when filled), B [rows, K] transposed into the left, the [K, N] product
-// transposed into out [N, K]. MKL's sgemm of Aᵀ · B measured 80-91 GFLOP/s on the LSTM grid's
-// medium to wide gradients, this 105-110 (AMD EPYC Zen 4, 1 thread).
+// empty, or taken from it when filled), Bᵀ read from B [rows, K] in place as the left operand
+// (f32_gemm_packed_xt), the [K, N] product transposed into out [N, K] in 16 x 16 blocks. MKL's
+// sgemm of Aᵀ · B measured 86-93 GFLOP/s on the LSTM grid's medium to wide gradients, this 93-100
+// (AMD EPYC Zen 4, 1 thread, benchmarks/results/2026-11-28s-fp32-weight-gradients.md).
 void f32_weight_gradient_packed(const Tensor& out, const Tensor& A, const Tensor& B, Tensor* panels = nullptr);
 
 // out = Aᵀ · B on the bfloat16 kernels (bf16_products()): both float32 operands read in place and
