@@ -58,47 +58,30 @@ def test_own_gemm_reads_strided_rows_and_leaves_the_rest(kernel):
 @pytest.mark.skipif(not OWN, reason="no own float32 GEMM kernels on this CPU (AVX2 + FMA or AVX-512 needed)")
 @pytest.mark.parametrize("kernel", OWN or ["none"])
 @pytest.mark.parametrize("rows", [0, 1, 7, 512, 1100])  # the sum's depth: empty, short, the 512 split and past it
-def test_own_weight_gradient_matches_float64(kernel, rows):
-    """Aᵀ · B with both read in place (the weight gradients): A's columns are the GEMM's rows (1, a
-    block and a tail, several blocks), B's columns whole panels read in place and a tail copied into
-    a padded panel (1, 15, 16, 17, 64, 100); A and B slices of wider buffers, as a GRU's gate columns."""
+@pytest.mark.parametrize("binding", ["f32_gemm_at_b", "f32_gemm_at_b_packed"])
+def test_own_weight_gradient_matches_float64(kernel, rows, binding):
+    """Aᵀ · B (the weight gradients), both ways a pass takes it. In place (f32_gemm_at_b): A's columns
+    are the GEMM's rows (1, a block and a tail, several blocks), B's columns whole panels read in place
+    and a tail copied into a padded panel. As (Bᵀ · A)ᵀ (f32_gemm_at_b_packed, the larger ones): A
+    packed into panels (N a tail of a panel or several), Bᵀ read from B in place as the product's
+    rows, the [K, N] product transposed into the result in 16 x 16 blocks. N, K of 1, 15, 16, 17, 37,
+    64, 100; A and B slices of wider buffers, as a GRU's gate columns; NaN-poisoned scratch."""
     torch.manual_seed(rows)
     extension = build.extension()
-    for N, K in [(1, 1), (5, 15), (13, 16), (37, 17), (6, 64), (64, 100)]:
+    product = getattr(extension, binding)
+    for N, K in [(1, 1), (5, 15), (13, 16), (37, 17), (6, 64), (64, 100), (100, 37)]:
         A = torch.randn(rows, N + 9)[:, 4:4 + N]
         B = torch.randn(rows, K + 3)[:, 1:1 + K]
         before = (A.clone(), B.clone())
         with fused.use_fp32_gemm(kernel):
             start = extension.f32_gemm_count()
-            got = extension.f32_gemm_at_b(A, B)
+            got = product(A, B)
             assert extension.f32_gemm_count() == start + (rows > 0)  # an empty sum writes zeros
-        assert_close(got, (A.double().t() @ B.double()).float(), f"{N}x{K}, {rows} rows")
-        assert torch.equal(A, before[0]) and torch.equal(B, before[1])
-    with fused.use_fp32_gemm("mkl"), pytest.raises(RuntimeError, match="MKL's"):
-        extension.f32_gemm_at_b(torch.randn(3, 2), torch.randn(3, 4))
-
-
-@pytest.mark.skipif(not OWN, reason="no own float32 GEMM kernels on this CPU (AVX2 + FMA or AVX-512 needed)")
-@pytest.mark.parametrize("kernel", OWN or ["none"])
-@pytest.mark.parametrize("rows", [1, 7, 512, 1100])
-def test_own_packed_weight_gradient_matches_float64(kernel, rows):
-    """Aᵀ · B as (Bᵀ · A)ᵀ (f32_gemm_at_b_packed, the larger weight gradients): A packed into
-    panels, Bᵀ read from B in place as the product's rows, the [K, N] product transposed into the
-    result in 16 x 16 blocks. N and K around whole panels and blocks (1, 15, 16, 17, 37, 100), the
-    sum's depth across the 512 split; A and B slices of wider buffers; NaN-poisoned scratch (conftest)."""
-    torch.manual_seed(rows)
-    extension = build.extension()
-    for N, K in [(1, 1), (5, 15), (13, 16), (37, 17), (16, 100), (100, 37)]:
-        A = torch.randn(rows, N + 9)[:, 4:4 + N]
-        B = torch.randn(rows, K + 3)[:, 1:1 + K]
-        before = (A.clone(), B.clone())
-        with fused.use_fp32_gemm(kernel):
-            start = extension.f32_gemm_count()
-            got = extension.f32_gemm_at_b_packed(A, B)
-            assert extension.f32_gemm_count() == start + 1
         assert got.shape == (N, K)
         assert_close(got, (A.double().t() @ B.double()).float(), f"{N}x{K}, {rows} rows")
         assert torch.equal(A, before[0]) and torch.equal(B, before[1])
+    with fused.use_fp32_gemm("mkl"), pytest.raises(RuntimeError, match="MKL's"):
+        product(torch.randn(3, 2), torch.randn(3, 4))
 
 
 @pytest.mark.skipif(not OWN, reason="no own float32 GEMM kernels on this CPU (AVX2 + FMA or AVX-512 needed)")

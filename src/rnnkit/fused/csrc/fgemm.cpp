@@ -285,6 +285,17 @@ auto& choice() { return kernel_choice(kKernels, "RNNKIT_FP32_GEMM", "float32"); 
 
 const F32Kernels& current() { return choice().current(); }
 
+// The kernels that multiply by panels already packed: the choice in use; or, where it changed to
+// "mkl" since they were packed (another thread's use_fp32_gemm), the first own kernel that runs
+// here (every own kernel reads the same panels).
+const F32Kernels& panels_kernel(const char* caller) {
+  const F32Kernels* k = &current();
+  for (const F32Kernels& other : kKernels)
+    if (k->packed == nullptr && other.packed != nullptr && other.runs_here()) k = &other;
+  TORCH_CHECK(k->packed != nullptr, "rnnkit fused: ", caller, ": no own float32 kernels run on this CPU");
+  return *k;
+}
+
 std::atomic<int64_t>& products() {
   static std::atomic<int64_t> count{0};
   return count;
@@ -303,27 +314,19 @@ std::string set_f32_kernel(const std::string& name) { return choice().set(name, 
 void f32_gemm_packed(const float* X, int64_t rows, int64_t ldx, const float* packed, int64_t N, int64_t K, float beta,
                      float* C, int64_t ldc) {
   if (rows <= 0 || N <= 0) return;
-  // The choice in use; or, where it changed to "mkl" since M was packed (another thread's
-  // use_fp32_gemm), the first own kernel that runs here: every own kernel reads the same panels.
-  const F32Kernels* k = &current();
-  for (const F32Kernels& other : kKernels)
-    if (k->packed == nullptr && other.packed != nullptr && other.runs_here()) k = &other;
-  TORCH_CHECK(k->packed != nullptr, "rnnkit fused: f32_gemm_packed: no own float32 kernels run on this CPU");
+  const F32Kernels& k = panels_kernel("f32_gemm_packed");
   if (K <= 0) return empty_sum(rows, N, beta, C, ldc);
-  k->packed(X, rows, ldx, packed, N, K, beta, C, ldc);
+  k.packed(X, rows, ldx, packed, N, K, beta, C, ldc);
   products().fetch_add(1, std::memory_order_relaxed);
 }
 
 void f32_gemm_packed_xt(const float* Xt, int64_t ldxt, int64_t rows, const float* packed, int64_t N, int64_t K,
                         float beta, float* C, int64_t ldc) {
   if (rows <= 0 || N <= 0) return;
-  const F32Kernels* k = &current();
-  for (const F32Kernels& other : kKernels)
-    if (k->strided == nullptr && other.strided != nullptr && other.runs_here()) k = &other;
-  TORCH_CHECK(k->strided != nullptr, "rnnkit fused: f32_gemm_packed_xt: no own float32 kernels run on this CPU");
+  const F32Kernels& k = panels_kernel("f32_gemm_packed_xt");
   if (K <= 0) return empty_sum(rows, N, beta, C, ldc);
   // X's (r, k) is Xt[k, r]: row stride 1, k stride ldxt; the panels as f32_gemm_packed reads them
-  k->strided(Xt, rows, 1, ldxt, packed, K * kPanel, kPanel, N, K, beta, C, ldc);
+  k.strided(Xt, rows, 1, ldxt, packed, K * kPanel, kPanel, N, K, beta, C, ldc);
   products().fetch_add(1, std::memory_order_relaxed);
 }
 
