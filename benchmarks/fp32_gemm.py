@@ -13,8 +13,8 @@ N = 4H) and a projection chunk W·x (128 rows, K = I, N = 4H). Best of ``--repea
 With ``--weight-gradients``: each grid shape's two LSTM weight gradients Aᵀ · B over all T·B rows
 (dW: A the gates' gradient [T·B, 4H], B the input [T·B, I]; dR: B the hidden state [T·B, H]):
 MKL (``torch.mm(A.t(), B)``) against the own kernels reading both in place (``f32_gemm_at_b``)
-and as (Bᵀ · A)ᵀ on A packed into panels (``f32_gemm_at_b_packed``: the packing and both
-transposes timed), and which a pass takes (``f32_at_b_in_place``: in place while A is at most 2²¹
+and as (Bᵀ · A)ᵀ on A packed into panels (``f32_gemm_at_b_packed``: the packing, Bᵀ read in place
+and the result's transpose timed), and which a pass takes (``f32_at_b_in_place``: in place while A is at most 2²¹
 floats, packed beyond; MKL where the own kernels are not in use).
 """
 from __future__ import annotations
