@@ -45,6 +45,10 @@ def environment(device: str, dtype: torch.dtype, threads: int, repeats: int, war
                   "faults again at every call; default: glibc's own (rnnkit bench --default-malloc, or no glibc)",
         "page_faults_per_call": "minor page faults inside a timed call (getrusage), median over the repeats; None where "
                                 "the OS does not count them",
+        "max_rel_rms_error": "the worst relative RMS error of a runner's outputs and gradients against float64, "
+                             "checked before it is timed",
+        "error_bound": "the bound that worst result was held to: the tolerance, or 2-3x the rnnkit reference's own "
+                       "error in the same dtype where that is larger (float32 layer norm over long sequences)",
     }
 
 
