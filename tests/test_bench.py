@@ -28,7 +28,7 @@ from helpers import require_fused_kernels
 RECORD_FIELDS = {"runner", "runner_title", "shape", "variant", "timed_variant", "mode", "status"}
 TIMED_FIELDS = {
     "median_ms", "times_ms", "repeat_spread", "speedup_vs_torch_nn", "gflop", "gflops_per_s", "fraction_of_sgemm",
-    "peak_memory_bytes", "saved_activation_bytes", "max_rel_rms_error", "tolerance", "page_faults_per_call",
+    "peak_memory_bytes", "saved_activation_bytes", "max_rel_rms_error", "tolerance", "error_bound", "page_faults_per_call",
 }
 ENVIRONMENT_FIELDS = {"torch", "rnnkit", "threads", "cpu", "device", "dtype", "repeats", "sgemm_gflops", "rnnkit_backends",
                       "warnings", "load_average_samples"}
@@ -70,7 +70,7 @@ def test_quick_run_writes_json_markdown_and_png(tmp_path, monkeypatch):
         assert RECORD_FIELDS <= set(record), record
         assert record["status"] == "ok", record
         assert TIMED_FIELDS <= set(record), record
-        assert record["max_rel_rms_error"] <= record["tolerance"]
+        assert record["max_rel_rms_error"] <= record["tolerance"] == record["error_bound"]  # tiny: within the dtype's
         assert len(record["times_ms"]) == report_["environment"]["repeats"]
     training = [r for r in records if r["mode"] == "training"]
     assert all(r["saved_activation_bytes"] > 0 for r in training)
