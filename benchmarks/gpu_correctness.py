@@ -12,7 +12,10 @@ y, the final states, dx, the initial states' gradients and each weight's gradien
 - float32 (and float64 with ``--dtypes float64``): relative RMS error ||a - e|| / ||e|| within
   rnnkit.testing.TOLERANCE (1e-5; 1e-10), with TF32 off for cuBLAS and cuDNN. The triton backend's
   GEMMs (W·x, R·h, the weight gradients) are torch.mm, i.e. cuBLAS, so these flags govern them;
-  its Triton kernels are pointwise and use no tl.dot.
+  its Triton kernels are pointwise and use no tl.dot. A tensor over the tolerance is then held
+  to a float64 ground truth (below): within twice the float32 reference's own error there. On
+  the H200 (2026-11-28) three cases' gradients were 1.0-2.7e-5 apart, and against float64 the
+  reference was 1.0e-5 to 1.6e-5 off, triton 0.4-1.3 times that: conditioning, not a kernel.
 - bfloat16 / float16: both against a float64 ground truth (the reference backend on the module's
   rounded weights and the same inputs, upstream gradients and masks, in float64); the triton run
   must be within twice the error of the reference backend run in the same dtype, that error taken
@@ -317,7 +320,7 @@ def check_case(case: Case, dtype, device: str, size: dict) -> Outcome:
     torch.manual_seed(0)
     module = _module(case, size, dtype, device)
     lengths = size["lengths"] if case.lengths else None
-    rows, notes = [], []
+    rows = []
     calls = [("call 1", 10, True), ("call 2", 20, True), ("call 3", 30, True), ("no_grad", 20, False),
              ("no_grad 2", 30, False), ("no_grad 3", 40, False)]
     for label, seed, grad in calls:
@@ -330,13 +333,12 @@ def check_case(case: Case, dtype, device: str, size: dict) -> Outcome:
             triton = run(module, "triton", x, hx, lengths, case.training, grad)
         if not low:
             compared = _compare(label, triton, reference, lambda name: TOLERANCE[dtype])
-            rows += compared
-            if any(not ratio <= 1.0 for ratio, _ in compared):  # which side is off: both against float64
+            if any(not ratio <= 1.0 for ratio, _ in compared):  # where float32 itself is off: both against float64
                 truth = _truth(case, size, module, x, hx, lengths, grad, dtype, device)
-                notes.append(f"{label} vs float64: " + ", ".join(
-                    f"{n} triton {rel_rms(a, t):.1e} reference {rel_rms(r, t):.1e}"
-                    for n, a, r, t, (ratio, _) in zip(truth.names, triton.tensors, reference.tensors, truth.tensors,
-                                                      compared) if not ratio <= 1.0)[:3 * 60])
+                compared = [row if row[0] <= 1.0 else _against_truth(label, n, a, r, t)
+                            for row, n, a, r, t in zip(compared, truth.names, triton.tensors, reference.tensors,
+                                                       truth.tensors)]
+            rows += compared
             continue
         truth = _truth(case, size, module, x, hx, lengths, grad, dtype, device)
         # the reference's error in dtype, never below what storing the exact result in dtype costs
@@ -349,8 +351,21 @@ def check_case(case: Case, dtype, device: str, size: dict) -> Outcome:
     worst = max(rows, key=lambda row: row[0])
     failures = [text for ratio, text in rows if not ratio <= 1.0]
     note = " (ReLU: outputs only)" if low and case.mode == "rnn_relu" else ""
-    note += "".join(f"; {n}" for n in notes[:2])
     return Outcome(not failures, worst[0], ("; ".join(failures[:4]) if failures else worst[1]) + note)
+
+
+def _against_truth(label: str, name: str, actual, reference, truth) -> tuple:
+    """(error / bound, text) of a float32 tensor that missed the tolerance against the float32
+    reference: its error against the float64 ground truth, within twice the reference's own error
+    there (the rule of the low dtypes and of `rnnkit bench`'s check: where the reference itself
+    lands 1e-5 or more off the exact result, another order of the same sums can land as far on the
+    other side). NaN counts as infinite."""
+    error, bound = rel_rms(actual, truth), 2 * rel_rms(reference, truth)
+    ratio = error / bound if bound > 0 else (0.0 if error == 0 else float("inf"))
+    if error != error:
+        ratio = float("inf")
+    return ratio, (f"{label} {name}: {error:.2e} against float64 (bound 2x the float32 reference's "
+                   f"{bound / 2:.1e} there, {truth.numel()} values)")
 
 
 def _truth(case: Case, size: dict, module, x, hx, lengths, grad: bool, dtype, device) -> Result:

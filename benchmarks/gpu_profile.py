@@ -67,8 +67,10 @@ def make_call(module, x, training: bool):
     return call
 
 
-def profile_call(call, device: str) -> dict:
-    """One profiled call: its kernels' GPU time, kernel and graph-launch counts, and wall time."""
+def profile_call(call, device: str, top: int = 0) -> dict:
+    """One profiled call: its kernels' GPU time, kernel and graph-launch counts, and wall time;
+    with ``top``, also its ``top`` kernels by GPU time and host events by their own (self) CPU time,
+    each as (name, count, total us)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -86,7 +88,20 @@ def profile_call(call, device: str) -> dict:
         "kernel_us": sum(e.device_time_total for e in kernels) if kernels else 0.0,
         "graph_launches": sum(1 for e in events if e.name == "cudaGraphLaunch"),
         "kernel_launches": sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")),
+        "top_kernels": _top(kernels, lambda e: e.device_time_total, top),
+        "top_host": _top([e for e in events if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA],
+                         lambda e: e.self_cpu_time_total, top),
     }
+
+
+def _top(events, time_of, n: int) -> list:
+    """The ``n`` names of ``events`` with the most time (``time_of``): [(name, count, total us)]."""
+    totals = {}
+    for e in events:
+        count, total = totals.get(e.name, (0, 0.0))
+        totals[e.name] = (count + 1, total + time_of(e))
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:n]
+    return [(name, count, total) for name, (count, total) in ranked]
 
 
 def main(argv=None) -> int:
@@ -98,6 +113,9 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", default=["inference", "training"], choices=["inference", "training"])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--tiny", action="store_true", help="one tiny shape instead of --shapes (the CPU check)")
+    parser.add_argument("--top", type=int, default=0, metavar="N",
+                        help="after each row, the profiled call's N kernels by GPU time and N host events by "
+                             "self CPU time (name, count, total us)")
     args = parser.parse_args(argv)
     device = args.device
     if device == "cuda":
@@ -139,10 +157,13 @@ def main(argv=None) -> int:
                     call = make_call(triton, x, training)
                     for _ in range(3):  # the second call captures; the profiled one replays
                         call()
-                    p = profile_call(call, device)
+                    p = profile_call(call, device, args.top)
                     row.append(f"{p['kernel_us']:.0f} / {p['wall_us']:.0f}, {p['kernels']}, {p['graph_launches']}, "
                                f"{p['kernel_launches']}")
                     print(" | ".join(row), flush=True)
+                    for kind in ("top_kernels", "top_host"):
+                        for event, count, total in p[kind]:
+                            print(f"    {kind[4:]:7s} {total:9.0f} us {count:5d}x  {event[:110]}")
     finally:
         if graphs_before is None:
             os.environ.pop("RNNKIT_TRITON_CUDA_GRAPHS", None)

@@ -75,9 +75,11 @@ def test_profile_script_runs_under_the_interpreter():
     env.update(TRITON_INTERPRET="1", RNNKIT_TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src")] + [p for p in [env.get("PYTHONPATH")] if p]))
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu_profile.py"), "--device", "cpu", "--tiny",
-               "--variants", "lstm", "lstm_peephole", "--modes", "training", "--repeats", "1"]
+               "--variants", "lstm", "lstm_peephole", "--modes", "training", "--repeats", "1", "--top", "2"]
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
+    host = [line.split() for line in out.stdout.splitlines() if line.startswith("    host ")]
+    assert len(host) == 4 and all(float(line[1]) > 0 and line[2] == "us" for line in host), out.stdout  # --top 2, 2 rows
     rows = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith("tiny | ")]
     assert [row[:3] for row in rows] == [["tiny", "lstm", "training"], ["tiny", "lstm_peephole", "training"]], out.stdout
     assert all(len(row) == 8 for row in rows), rows
@@ -106,6 +108,18 @@ def test_correctness_sweep_flags_a_wrong_or_nan_result():
     assert all(ratio <= 1 for ratio, _ in sweep._compare("call", close, expected, lambda name: 1e-5))
     ratios = [ratio for ratio, _ in sweep._compare("call", off, expected, lambda name: 1e-5)]
     assert ratios[0] > 1 and ratios[1] == float("inf")
+
+
+def test_correctness_sweep_holds_a_float32_miss_to_the_float64_truth():
+    """A float32 tensor over 1e-5 against the float32 reference passes where its error against the
+    float64 ground truth is within twice the reference's own there, and fails otherwise or on NaN."""
+    sweep = _sweep_module()
+    truth = torch.ones(100, dtype=torch.float64)
+    reference = (truth * (1 + 1e-5)).float()
+    near, far = (truth * (1 - 1.5e-5)).float(), (truth * (1 - 3e-5)).float()
+    assert sweep._against_truth("call", "dx", near, reference, truth)[0] <= 1
+    assert sweep._against_truth("call", "dx", far, reference, truth)[0] > 1
+    assert sweep._against_truth("call", "dx", torch.full((100,), float("nan")), reference, truth)[0] == float("inf")
 
 
 def test_correctness_sweep_cases_are_valid_modules():
