@@ -9,6 +9,7 @@ import mmap
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ RECORD_FIELDS = {"runner", "runner_title", "shape", "variant", "timed_variant", 
 TIMED_FIELDS = {
     "median_ms", "times_ms", "repeat_spread", "speedup_vs_torch_nn", "gflop", "gflops_per_s", "fraction_of_sgemm",
     "peak_memory_bytes", "saved_activation_bytes", "max_rel_rms_error", "tolerance", "error_bound", "page_faults_per_call",
+    "calls_per_repeat",
 }
 ENVIRONMENT_FIELDS = {"torch", "rnnkit", "threads", "cpu", "device", "dtype", "repeats", "sgemm_gflops", "rnnkit_backends",
                       "warnings", "load_average_samples"}
@@ -170,6 +172,33 @@ class FreshMemory(Runner):
                 return super().forward(x, lengths)
 
         return Faulting(case.variant.name, [module])
+
+
+def test_a_repeat_is_one_call_on_the_cpu_and_20_ms_of_calls_on_cuda():
+    """On the CPU each timed call is synchronized alone; on CUDA one repeat runs back-to-back calls
+    for 20 ms (one synchronized call of a few ms read 10-60% apart between repeats on an H200)."""
+    from rnnkit.app.bench.measure import CUDA_MAX_CALLS, calls_per_repeat
+
+    assert calls_per_repeat("cpu", 1e-6) == 1 and calls_per_repeat(torch.device("cpu"), 0.0) == 1
+    assert calls_per_repeat("cuda", 0.001) == 20 and calls_per_repeat("cuda:0", 0.0015) == 14
+    assert calls_per_repeat("cuda", 0.05) == 1 and calls_per_repeat("cuda", 1e-7) == CUDA_MAX_CALLS
+    assert calls_per_repeat("cuda", 0.0) == CUDA_MAX_CALLS
+
+
+def test_time_call_divides_back_to_back_calls():
+    from rnnkit.app.bench import measure
+
+    ran = []
+
+    class Counting:
+        device = "cpu"
+
+        def run(self, model, mode, upstream):
+            ran.append(mode)
+            time.sleep(0.002)
+
+    seconds, _ = measure.time_call(Counting(), None, "inference", None, calls=5)
+    assert len(ran) == 5 and 0.002 <= seconds < 0.05
 
 
 @pytest.mark.skipif(importlib.util.find_spec("resource") is None, reason="the OS counts no page faults for Python (Windows)")

@@ -288,15 +288,34 @@ def minor_faults() -> Optional[int]:
     return None if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def time_call(case: Case, model: Model, mode: str, upstream) -> Tuple[float, Optional[int]]:
-    """-> (seconds, minor page faults during the call, or None where the OS does not count them)."""
+def time_call(case: Case, model: Model, mode: str, upstream, calls: int = 1) -> Tuple[float, Optional[int]]:
+    """-> (seconds per call, minor page faults per call, or None where the OS does not count them),
+    over ``calls`` back-to-back calls synchronized before and after."""
     synchronize(case.device)
     faults = minor_faults()
     start = time.perf_counter()
-    case.run(model, mode, upstream)
+    for _ in range(calls):
+        case.run(model, mode, upstream)
     synchronize(case.device)
-    seconds = time.perf_counter() - start
-    return seconds, None if faults is None else minor_faults() - faults
+    seconds = (time.perf_counter() - start) / calls
+    return seconds, None if faults is None else (minor_faults() - faults) / calls if calls > 1 else minor_faults() - faults
+
+
+CUDA_REPEAT_S = 0.02  # on CUDA, one timed repeat runs back-to-back calls for at least this long
+CUDA_MAX_CALLS = 200
+
+
+def calls_per_repeat(device, seconds_per_call: float) -> int:
+    """Calls in one timed repeat: 1 on the CPU (each call synchronized, as before); on CUDA enough
+    back-to-back calls to last `CUDA_REPEAT_S` (at most `CUDA_MAX_CALLS`), as a training loop runs
+    them: the host queues the next call while the GPU runs this one. One synchronized call of a few
+    milliseconds read 10-60% apart between repeats on an H200 (2026-11-28), its launch and
+    synchronization latency included; a loop of them reads what a loop of calls costs."""
+    if torch.device(device).type != "cuda":
+        return 1
+    if not seconds_per_call > 0:
+        return CUDA_MAX_CALLS
+    return max(1, min(CUDA_MAX_CALLS, int(CUDA_REPEAT_S / seconds_per_call + 0.999)))
 
 
 def saved_activation_bytes(case: Case, model: Model) -> int:
@@ -448,11 +467,13 @@ def measure_case(case: Case, mode: str, runners: List[Runner], repeats: int, war
     for _ in range(warmup):
         for _, model, upstream in timed:
             case.run(model, mode, upstream)
+    calls = {id(r): calls_per_repeat(case.device, time_call(case, model, mode, upstream)[0]) if warmup else 1
+             for r, model, upstream in timed}
     times: Dict[int, List[float]] = {id(r): [] for r, _, _ in timed}
     faults: Dict[int, List[Optional[int]]] = {id(r): [] for r, _, _ in timed}
     for _ in range(repeats):
         for record, model, upstream in timed:  # interleaved: A, B, A, B, ...
-            seconds, call_faults = time_call(case, model, mode, upstream)
+            seconds, call_faults = time_call(case, model, mode, upstream, calls[id(record)])
             times[id(record)].append(seconds)
             faults[id(record)].append(call_faults)
 
@@ -463,6 +484,7 @@ def measure_case(case: Case, mode: str, runners: List[Runner], repeats: int, war
         if case.variant.api != "sequence":  # the step API: one call per step, T calls per timed loop
             record["per_step_us"] = seconds / case.shape.T * 1e6
         record.update(
+            calls_per_repeat=calls[id(record)],
             median_ms=seconds * 1e3,
             times_ms=[t * 1e3 for t in times[id(record)]],
             repeat_spread=repeat_spread(times[id(record)]),

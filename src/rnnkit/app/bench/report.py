@@ -45,6 +45,8 @@ def environment(device: str, dtype: torch.dtype, threads: int, repeats: int, war
                   "faults again at every call; default: glibc's own (rnnkit bench --default-malloc, or no glibc)",
         "page_faults_per_call": "minor page faults inside a timed call (getrusage), median over the repeats; None where "
                                 "the OS does not count them",
+        "calls_per_repeat": "calls in one timed repeat, synchronized before and after: 1 on the CPU; on CUDA enough "
+                            "back-to-back calls to last 20 ms (at most 200), the time per call reported",
         "max_rel_rms_error": "the worst relative RMS error of a runner's outputs and gradients against float64, "
                              "checked before it is timed",
         "error_bound": "the bound that worst result was held to: the tolerance, or 2-3x the rnnkit reference's own "
@@ -168,7 +170,7 @@ def markdown(env: dict, records: List[dict], runners: List[str]) -> str:
     by_library = f" (best of {', '.join(f'{name} {rate:.0f}' for name, rate in libraries.items())})" if len(libraries) > 1 else ""
     lines = [
         f"rnnkit bench: {env['device_name']}{flags}, {env['threads']} threads, torch {env['torch']}, {env['dtype']}, "
-        f"median of {env['repeats']}; sgemm {env['sgemm_gflops']:.0f} GFLOP/s{by_library}"
+        f"median of {env['repeats']}{' (each repeat: back-to-back calls for 20 ms)' if env.get('device') == 'cuda' else ''}; sgemm {env['sgemm_gflops']:.0f} GFLOP/s{by_library}"
         + (f"; fused float32 GEMM: {env['fp32_gemm']}" if env.get("fp32_gemm") else "")
         + (f"; malloc {env['malloc'].split(':')[0]}" if env.get("malloc") else "")
         + ("" if env["load_average_1min"] is None else f"; load average {env['load_average_1min']:.2f}"),
