@@ -4,10 +4,12 @@
 # env first; then the `tests` and `correct` stages of gpu_session.sh side by side (their work is
 # mostly Triton's CPU-bound compiles and small GPU launches; test_triton.py in PYTEST_WORKERS
 # processes, default 4); then `profile` (benchmarks/gpu_profile.py) and `bench-fp32` on the PARTs
-# (default: DeepBench H 512 and 2048, small, the long shape, then more) alone on the GPU for what is
+# (default: what the 2026-11-28 runs left: medium, DeepBench H 1024 B 64, stream, fastrnns, wide, the
+# other DeepBench shapes; small and long-h768 are in benchmarks/results/2026-11-28v-*) alone on the GPU for what is
 # left of GPU_CALL_LIMIT_S (default 540 s; GPU_CALL_PROFILE=0 skips the profile, GPU_CALL_TRAIN=1 adds
 # `train`, the char LM on CUDA, before the bench).
-# First run 2026-11-28 on an H200 (README, "GPU"): ~35 s to start and copy, 510 s of command.
+# Run twice on 2026-11-28 on an H200 (README, "GPU"): ~30 s to start and copy, 506-510 s of command
+# (env 12 s; tests and correct side by side 184 s; profile 27 s; the bench the rest).
 # Every log goes into $OUT/logs.tar.gz (one folder per stage), the bench table into
 # $OUT/bench-float32.md, the stages' summaries into $OUT/summary.txt, printed last.
 # Locally: GPU_SESSION_DRY_RUN=1 OUT=/tmp/x bash benchmarks/gpu_call.sh
@@ -21,7 +23,7 @@ W=${TMPDIR:-/tmp}/rnnkit-gpu-call
 rm -rf "$W" && mkdir -p "$W/1-env" "$W/2-tests" "$W/3-correct" "$W/5-bench"
 export PYTEST_WORKERS=${PYTEST_WORKERS:-4}
 parts=("$@")
-((${#parts[@]})) || parts=(deepbench-h512-b32 deepbench-h2048-b32 small long-h768 medium deepbench-h1024-b64 stream)
+((${#parts[@]})) || parts=(medium deepbench-h1024-b64 stream fastrnns wide deepbench-h512-b16 deepbench-h2048-b64)
 
 OUT=$W/1-env GPU_SESSION_LIMIT_S=100 bash benchmarks/gpu_session.sh env >"$W/1-env/stdout.txt" 2>&1
 OUT=$W/2-tests GPU_SESSION_LIMIT_S=$SIDE bash benchmarks/gpu_session.sh tests >"$W/2-tests/stdout.txt" 2>&1 &

@@ -1,19 +1,17 @@
-"""Where one call's time goes on a GPU (issue 16): for the next device session.
+"""Where one call's time goes on a GPU (issue 16).
 
-The 2026-11-28 H200 run (README, "GPU") left two questions this answers in one short call:
+The second H200 session (2026-11-28, README "GPU") answered its first questions: triton's CUDA
+graphs replay (one graph launch a pass), and at `small` over 90% of the GPU's time is cuBLAS's
+float32 per-step GEMMs ([16, 128] x [128, 512] in 22.5 µs on 4 thread blocks; the backward's in
+49 µs), not the host. The question now: does the Triton per-step GEMM (gemm.py,
+``RNNKIT_TRITON_STEP_GEMM=triton``) beat them, and by how much a call?
 
-- the triton backend took 7-20x cuDNN's time at the overhead-bound shape `small` (T 100, B 16,
-  H 128, 2 layers: 32 us a step) but 0.84-1.0x at `long-h768` (21 us a step): is each step host-bound
-  (launches, Python) or device-bound (the GEMM and the pointwise kernel), and do the CUDA graphs
-  replay (one graph launch a pass) as graphs.py intends?
-- the native backend read 0.7-0.93 of torch.nn's speed on the same cuDNN op: how much of a call
-  is Python before the op (the whole-op path of nn.py, `_whole_native_call`, is meant to remove it)?
-
-For each variant and mode: the median wall time of one call (synchronized before and after, as
-`rnnkit bench` times), for torch.nn (its plain cell of the variant's mode where it lacks the
-variant), rnnkit's native backend (plain variants) and its triton backend with CUDA graphs on and
-off; then one profiled triton call (graphs on, after the warm-up that captures): the GPU time of
-its kernels, how many kernels and graph launches ran, and how long the host spent.
+For each variant and mode: the median wall time of one call (synchronized before and after), for
+torch.nn (its plain cell of the variant's mode where it lacks the variant), rnnkit's native backend
+(plain variants) and its triton backend with CUDA graphs on and off, and with graphs and the Triton
+step GEMM; then one profiled triton call with each step GEMM (graphs on, after the warm-up that
+captures): the GPU time of its kernels, how many kernels and graph launches ran, and how long the
+host spent; with ``--top N`` each profiled call's N costliest kernels and host events.
 
     python benchmarks/gpu_profile.py                                    # small and deepbench-h512-b32
     python benchmarks/gpu_profile.py --shapes long-h768 --variants lstm --modes training
@@ -127,9 +125,10 @@ def main(argv=None) -> int:
         print(f"gpu_profile: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN "
               f"{torch.backends.cudnn.version()}")
     shapes = [TINY] if args.tiny else [SHAPES[name] for name in args.shapes]
-    graphs_before = os.environ.get("RNNKIT_TRITON_CUDA_GRAPHS")
+    before = {name: os.environ.get(name) for name in ("RNNKIT_TRITON_CUDA_GRAPHS", "RNNKIT_TRITON_STEP_GEMM")}
     print("shape | variant | mode | torch.nn us | native us | triton us (graphs) | triton us (no graphs) | "
-          "triton profiled: GPU kernel us / wall us, kernels, graph launches, kernel launches")
+          "triton us (graphs, Triton step GEMM) | triton profiled, then with the Triton step GEMM: GPU kernel us / "
+          "wall us, kernels, graph launches, kernel launches")
     try:
         for shape in shapes:
             for name in args.variants:
@@ -150,25 +149,33 @@ def main(argv=None) -> int:
                     except Exception as error:  # noqa: BLE001 - a variant native does not run
                         row.append(f"n/a ({type(error).__name__})")
                     triton = rnnkit_module(variant, shape, "triton", device, torch.float32)
-                    for graphs in ("1", "0"):
-                        os.environ["RNNKIT_TRITON_CUDA_GRAPHS"] = graphs
+                    for graphs, gemm in (("1", "cublas"), ("0", "cublas"), ("1", "triton")):
+                        os.environ["RNNKIT_TRITON_CUDA_GRAPHS"], os.environ["RNNKIT_TRITON_STEP_GEMM"] = graphs, gemm
                         row.append(f"{time_call(make_call(triton, x, training), device, args.repeats):.0f}")
-                    os.environ["RNNKIT_TRITON_CUDA_GRAPHS"] = "1"
-                    call = make_call(triton, x, training)
-                    for _ in range(3):  # the second call captures; the profiled one replays
-                        call()
-                    p = profile_call(call, device, args.top)
-                    row.append(f"{p['kernel_us']:.0f} / {p['wall_us']:.0f}, {p['kernels']}, {p['graph_launches']}, "
-                               f"{p['kernel_launches']}")
+                    for gemm in ("cublas", "triton"):  # a profiled call with each per-step GEMM, graphs on
+                        os.environ["RNNKIT_TRITON_CUDA_GRAPHS"], os.environ["RNNKIT_TRITON_STEP_GEMM"] = "1", gemm
+                        call = make_call(triton, x, training)
+                        for _ in range(3):  # the second call captures; the profiled one replays
+                            call()
+                        p = profile_call(call, device, args.top)
+                        row.append(f"{p['kernel_us']:.0f} / {p['wall_us']:.0f}, {p['kernels']}, {p['graph_launches']}, "
+                                   f"{p['kernel_launches']}")
+                        tops = [(kind, p[kind]) for kind in ("top_kernels", "top_host")]
+                        if gemm == "cublas":
+                            first = tops
                     print(" | ".join(row), flush=True)
-                    for kind in ("top_kernels", "top_host"):
-                        for event, count, total in p[kind]:
-                            print(f"    {kind[4:]:7s} {total:9.0f} us {count:5d}x  {event[:110]}")
+                    for label, found in (("cuBLAS step GEMM", first), ("Triton step GEMM", tops)):
+                        if any(events for _, events in found):
+                            print(f"  {label}:")
+                        for kind, events in found:
+                            for event, count, total in events:
+                                print(f"    {kind[4:]:7s} {total:9.0f} us {count:5d}x  {event[:110]}")
     finally:
-        if graphs_before is None:
-            os.environ.pop("RNNKIT_TRITON_CUDA_GRAPHS", None)
-        else:
-            os.environ["RNNKIT_TRITON_CUDA_GRAPHS"] = graphs_before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return 0
 
 

@@ -17,7 +17,8 @@
 #               (RNNKIT_TRITON_CUDA_GRAPHS=0, src/rnnkit/triton/graphs.py). No other test of the
 #               suite takes a device parameter (the `suite` stage runs the rest).          ~3-5 min
 #   correct     benchmarks/gpu_correctness.py --device cuda (every option, float32 / bfloat16 /
-#               float16, TF32 off), then its training cases in float32 without graph replay.  ~3-5 min
+#               float16, TF32 off), then its training cases in float32 without graph replay, then
+#               the training and wide cases on the Triton per-step GEMM (RNNKIT_TRITON_STEP_GEMM).  ~3-5 min
 #   bench-fp32 [PART ...]   rnnkit bench --device cuda --dtype float32 --runners torch.nn native triton,
 #               training and inference, every variant, with TF32 off for cuBLAS and cuDNN (cuDNN's
 #               default TF32 fails float32's 1e-5 check: torch.nn would have no times). PARTs, in
@@ -209,6 +210,10 @@ stage_correct() {
     step "gpu_correctness.py, training cases, float32, CUDA graphs off" correct-eager.log 90 \
         env RNNKIT_TRITON_CUDA_GRAPHS=0 "$PY" benchmarks/gpu_correctness.py --device cuda --filter train --dtypes float32
     correct_summary correct-eager.log
+    step "gpu_correctness.py, training and wide cases, the Triton per-step GEMM" correct-step-gemm.log 90 \
+        env RNNKIT_TRITON_STEP_GEMM=triton "$PY" benchmarks/gpu_correctness.py --device cuda --filter train \
+        --filter wide --dtypes float32 bfloat16
+    correct_summary correct-step-gemm.log
 }
 
 correct_summary() {
@@ -307,7 +312,7 @@ PYTHON
 stage_profile() {
     export TRITON_INTERPRET=0
     unset RNNKIT_TRITON_INTERPRET
-    step "gpu_profile.py (where a call's time goes)" profile.txt 150 "$PY" benchmarks/gpu_profile.py
+    step "gpu_profile.py (where a call's time goes)" profile.txt 150 "$PY" benchmarks/gpu_profile.py --top 6
     while IFS= read -r line; do note "  ${line:0:240}"; done < <(grep -E '^(gpu_profile|shape|small|deepbench)' "$OUT/profile.txt" | head -n 14)
 }
 

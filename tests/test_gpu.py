@@ -79,12 +79,12 @@ def test_profile_script_runs_under_the_interpreter():
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     host = [line.split() for line in out.stdout.splitlines() if line.startswith("    host ")]
-    assert len(host) == 4 and all(float(line[1]) > 0 and line[2] == "us" for line in host), out.stdout  # --top 2, 2 rows
+    assert len(host) == 8 and all(float(line[1]) > 0 and line[2] == "us" for line in host), out.stdout  # 2 rows x 2 GEMMs
     rows = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith("tiny | ")]
     assert [row[:3] for row in rows] == [["tiny", "lstm", "training"], ["tiny", "lstm_peephole", "training"]], out.stdout
-    assert all(len(row) == 8 for row in rows), rows
+    assert all(len(row) == 10 for row in rows), rows
     assert float(rows[0][4]) > 0 and rows[1][4].startswith("n/a"), rows  # native runs only the plain LSTM
-    assert all(float(row[5]) > 0 and float(row[6]) > 0 for row in rows), rows
+    assert all(float(row[5]) > 0 and float(row[6]) > 0 and float(row[7]) > 0 for row in rows), rows
 
 
 def test_the_one_call_gpu_session_plan_runs_dry(tmp_path):

@@ -45,7 +45,7 @@ import rnnkit  # noqa: E402
 from rnnkit import backend as backends  # noqa: E402
 from rnnkit.triton import TritonBackend  # noqa: E402
 from rnnkit.triton.common import sigmoid, tanh  # noqa: E402
-from helpers import assert_close, flatten, make_module, run_backend  # noqa: E402
+from helpers import assert_close, flatten, make_module, rel_rms, run_backend  # noqa: E402
 
 
 
@@ -306,6 +306,137 @@ def test_activations_are_accurate_relative_to_their_value(dtype):
                                    ("sigmoid", out_sigmoid, torch.sigmoid(exact))):
         relative = ((actual.cpu().double() - expected).abs() / expected.abs()).max().item()
         assert relative <= limit, f"{name}: largest relative error {relative:.2e} > {limit:.0e}"
+
+
+# ---- the per-step GEMM (gemm.py) and its selection (RNNKIT_TRITON_STEP_GEMM) ------------------------
+
+# (M, K, N): M the batch, in one row tile or three (BLOCK_M 64), K with and without a tail of BLOCK_K = 32,
+# N with and without a tail of BLOCK_N (16; 32 from 2048 columns on, 64 from 8192: gemm.step_blocks)
+STEP_MM_SHAPES = [(1, 1, 1), (3, 7, 5), (16, 32, 64), (17, 33, 65), (1, 130, 65), (17, 130, 5), (16, 1, 65),
+                  (3, 33, 1), (17, 7, 64), (130, 33, 40), (2, 7, 2050), (2, 7, 8200)]
+
+
+def _step_mm_case(M, K, N, dtype, strided, accumulate):
+    """Runs step_mm once -> (its relative RMS error against float64, torch.mm's there).
+
+    ``strided``: the operands as the passes give them, a a column slice of a wider buffer (rows strided), b a
+    transposed weight; and out a column slice too, whose neighbours must stay untouched. out holds NaN
+    (or, with ``accumulate``, random values) before the call."""
+    from rnnkit.triton.gemm import step_mm
+
+    new = lambda *shape: torch.randn(*shape, dtype=torch.float64).to(DEVICE, dtype)  # noqa: E731
+    if strided:
+        a, b = new(M, K + 5)[:, 2:K + 2], new(N, K).t()
+        buffer = torch.full((M, N + 3), float("nan"), dtype=dtype, device=DEVICE)
+        out = buffer[:, 1:N + 1]
+    else:
+        a, b = new(M, K), new(K, N)
+        buffer = out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
+    if accumulate:
+        out.copy_(new(M, N))
+    before = [t.clone() for t in (a, b, out)]
+    assert step_mm(a, b, out, accumulate=accumulate) is out
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1]), "step_mm modified its inputs"
+    assert not torch.isnan(out).any(), "step_mm left elements of out unwritten"
+    if strided:
+        assert torch.isnan(buffer[:, 0]).all() and torch.isnan(buffer[:, N + 1:]).all(), "step_mm wrote outside out"
+    start = before[2] if accumulate else torch.zeros_like(out)
+    exact = start.double().cpu() + a.double().cpu() @ b.double().cpu()
+    by_torch = start.clone().addmm_(a, b)
+    return rel_rms(out, exact), rel_rms(by_torch, exact)
+
+
+@needs_kernels
+@pytest.mark.parametrize("M, K, N", STEP_MM_SHAPES, ids=[f"M{m}-K{k}-N{n}" for m, k, n in STEP_MM_SHAPES])
+def test_step_mm_float32_is_exact_to_rounding(M, K, N):
+    """float32: products and sums in float32 (never TF32): within 1e-6 of float64, contiguous and strided, and
+    accumulating into out's values."""
+    for strided, accumulate in ((False, False), (True, False), (True, True)):
+        error, _ = _step_mm_case(M, K, N, torch.float32, strided, accumulate)
+        assert error <= 1e-6, f"strided={strided} accumulate={accumulate}: relative RMS error {error:.2e} > 1e-6"
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_step_mm_half_rounds_once_like_torch(dtype):
+    """bfloat16 / float16: float32 accumulation and one rounding at the end, as torch.mm: within 2x of torch.mm's
+    own error against float64 (a product rounded in the loop, or truncated at the end, is 2x or more)."""
+    for M, K, N in STEP_MM_SHAPES[:-1]:
+        for strided, accumulate in ((True, False), (True, True)):
+            error, by_torch = _step_mm_case(M, K, N, dtype, strided, accumulate)
+            assert error <= 2 * by_torch, (f"{(M, K, N)} accumulate={accumulate}: relative RMS error {error:.2e}, "
+                                           f"torch.mm's {by_torch:.2e}")
+
+
+def test_step_mm_names_bad_arguments():
+    from rnnkit.triton.gemm import step_mm
+
+    a, b = torch.zeros(3, 4), torch.zeros(4, 5)
+    with pytest.raises(ValueError, match=r"b must be \[K=4, N\].*got \(5, 4\)"):
+        step_mm(a, b.t(), torch.zeros(3, 5))
+    with pytest.raises(ValueError, match=r"out must be \[3, 5\].*got \(5, 3\)"):
+        step_mm(a, b, torch.zeros(5, 3))
+    with pytest.raises(ValueError, match="one dtype.*torch.float32, torch.float32, torch.float64"):
+        step_mm(a, b, torch.zeros(3, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"a must be 2-D, got shape \(3, 4, 1\)"):
+        step_mm(a[..., None], b, torch.zeros(3, 5))
+
+
+STEP_GEMM_CASES = {  # (mode, options, per-step products of a forward and a backward step)
+    "lstm-projection_layer_norm": ("lstm", dict(proj_size=3, layer_norm=True), 4),
+    "gru": ("gru", {}, 2),
+    "gru_reset_before": ("gru", dict(reset_after=False), 4),
+    "rnn_tanh": ("rnn_tanh", {}, 2),
+}
+
+
+@pytest.fixture
+def counted_step_mm(monkeypatch):
+    """The calls the passes make to step_mm (a list that grows by one per call)."""
+    from rnnkit.triton import config
+
+    calls, step_mm = [], config.step_mm
+    monkeypatch.setattr(config, "step_mm", lambda *args, **kwargs: calls.append(1) or step_mm(*args, **kwargs))
+    return calls
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", list(STEP_GEMM_CASES))
+def test_step_gemm_triton_matches_the_default(case, monkeypatch, counted_step_mm):
+    """RNNKIT_TRITON_STEP_GEMM=triton: every per-step product of forward and backward on step_mm, and the outputs
+    and every gradient within float32's tolerance of the same module on torch.mm (2 layers, bidirectional)."""
+    mode, options, products = STEP_GEMM_CASES[case]
+    T, B, I, H, L, D = 3, 2, 4, 5, 2, 2
+    module = make(mode, I, H, torch.float32, num_layers=L, bidirectional=True, **options)
+    x, hx = inputs(module, mode, T, B, I, torch.float32)
+    monkeypatch.delenv("RNNKIT_TRITON_STEP_GEMM", raising=False)
+    out_c, grad_c = run_backend(module, "triton", x, hx)
+    assert not counted_step_mm
+    monkeypatch.setenv("RNNKIT_TRITON_STEP_GEMM", "triton")
+    out_t, grad_t = run_backend(module, "triton", x, hx)
+    assert module.last_backend == "triton"
+    assert len(counted_step_mm) == products * T * L * D
+    assert_close(out_t, out_c, "outputs")
+    assert_close(grad_t[:-1], grad_c[:-1], "d input and initial states")
+    for entry in module.layout:
+        assert_close(module.layout.view(grad_t[-1], entry.name), module.layout.view(grad_c[-1], entry.name), entry.name)
+
+
+@needs_kernels
+def test_step_gemm_choice_is_checked_where_a_pass_starts(monkeypatch):
+    from rnnkit.triton.config import step_gemm_choice
+
+    monkeypatch.delenv("RNNKIT_TRITON_STEP_GEMM", raising=False)
+    assert step_gemm_choice() == "cublas"
+    for value in ("cublas", "triton"):
+        monkeypatch.setenv("RNNKIT_TRITON_STEP_GEMM", value)
+        assert step_gemm_choice() == value
+    module = make("gru", 4, 5, torch.float32, backend="triton")
+    for value in ("Triton", "", "cutlass"):
+        monkeypatch.setenv("RNNKIT_TRITON_STEP_GEMM", value)
+        with pytest.raises(ValueError, match=f"RNNKIT_TRITON_STEP_GEMM: expected one of 'cublas', 'triton'.*"
+                                             f"got {value!r}"):
+            module(torch.randn(3, 2, 4, device=DEVICE))
 
 
 # ---- shapes and contexts ----------------------------------------------------------------------------
@@ -676,6 +807,21 @@ def test_lengths_inside_a_callers_cuda_graph_capture_copy_nothing_to_the_device(
     monkeypatch.setattr(torch.Tensor, "cuda", no_cuda)
     assert_triton_matches("lstm", training=training, T=4, B=3, lengths=[4, 1, 2], layer_norm=True)
     assert_triton_matches("gru", training=training, T=4, B=3, lengths=[2, 4, 3], bidirectional=True)
+
+
+@needs_kernels
+def test_cuda_graphs_replay_the_step_gemm_chosen(emulated_graphs, monkeypatch, counted_step_mm):
+    """A graph captured with one choice is not replayed for the other (the choice is in the graph's key)."""
+    module = make("rnn_tanh", 4, 5, torch.float64).eval()
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    with torch.no_grad():
+        expected = _eval_outputs(module, x, "reference")
+        # T = 3 products a pass: an eager call makes them, a capture twice (the warm-up, the recording), a replay none
+        for value, step_mm_calls in (("cublas", 0), ("cublas", 0), ("triton", 3), ("triton", 9), ("cublas", 9)):
+            monkeypatch.setenv("RNNKIT_TRITON_STEP_GEMM", value)
+            assert_close(_eval_outputs(module, x, "triton"), expected, "outputs")
+            assert len(counted_step_mm) == step_mm_calls
+    assert emulated_graphs.captures == 2 and emulated_graphs.replays == 3
 
 
 # ---- on CUDA only: what the CPU emulation cannot show (RNNKIT_TEST_TRITON_DEVICE=cuda) ----------------

@@ -7,8 +7,10 @@ lengths and reverse. Per pass: W·x as one GEMM over all steps; per step one GEM
 (all gates) and one fused Triton kernel for everything pointwise; backward mirrors it, with
 the weight gradients as one GEMM per matrix over all steps. float32, float64, and bfloat16 /
 float16 inputs (state and accumulation in float32). On CUDA the per-step loop is replayed
-from a CUDA graph captured at a shape's second call (graphs.py; untested on hardware so far;
+from a CUDA graph captured at a shape's second call (graphs.py; replayed on an H200, 2026-11-28;
 ``rnnkit.triton.release_graphs()`` drops the kept graphs).
+``RNNKIT_TRITON_STEP_GEMM=triton`` runs the per-step GEMMs on a Triton kernel for a skinny batch
+(gemm.py) instead of cuBLAS (``cublas``, torch.mm: the default); each pass reads it as it starts.
 
     >>> lstm = rnnkit.LSTM(8, 16, peephole=True, layer_norm=True, backend="triton").cuda()
     >>> y, (h_n, c_n) = lstm(torch.randn(5, 3, 8, device="cuda"))

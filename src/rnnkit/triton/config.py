@@ -7,12 +7,14 @@ which is what the weight-gradient GEMM over all steps reads.
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import masks
+from .gemm import step_mm
 
 
 LN_EPS = 1e-5
@@ -47,6 +49,7 @@ class PassConfig(NamedTuple):
     relu: bool
     block: int  # lanes for H
     block_r: int  # lanes for HR
+    step_gemm: str  # the per-step products' GEMM: "cublas" (torch.mm) or "triton" (gemm.step_mm)
 
 
 class PassTensors(NamedTuple):
@@ -91,8 +94,33 @@ def make_config(args: dict, save: bool, block_size) -> PassConfig:
         proj_clip=args["proj_clip"] is not None, rmask=args["recurrent_mask"] is not None,
         zone_h=zone(args["zoneout_h_mask"], args["zoneout_h"]), zone_c=zone(args["zoneout_c_mask"], args["zoneout_c"]),
         coupled=args["coupled_gates"], reset_after=args["reset_after"], relu=args["mode"] == "rnn_relu",
-        block=block_size(H), block_r=block_size(HR),
+        block=block_size(H), block_r=block_size(HR), step_gemm=step_gemm_choice(),
     )
+
+
+STEP_GEMMS = ("cublas", "triton")
+
+
+def step_gemm_choice() -> str:
+    """The per-step products' GEMM: ``$RNNKIT_TRITON_STEP_GEMM``, "cublas" (torch.mm, the default) or
+    "triton" (`gemm.step_mm`). Read as each pass starts, into its PassConfig, so that a CUDA graph
+    captures, and its cache keys on, the choice in force then."""
+    value = os.environ.get("RNNKIT_TRITON_STEP_GEMM", "cublas")
+    if value not in STEP_GEMMS:
+        raise ValueError(f"RNNKIT_TRITON_STEP_GEMM: expected one of {', '.join(map(repr, STEP_GEMMS))} "
+                         f"(unset: 'cublas'), got {value!r}")
+    return value
+
+
+def step_product(cfg: PassConfig, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                 accumulate: bool = False) -> None:
+    """out = a @ b (out += a @ b with ``accumulate``) on the pass's per-step GEMM (`step_gemm_choice`)."""
+    if cfg.step_gemm == "triton":
+        step_mm(a, b, out, accumulate)
+    elif accumulate:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
 
 
 def make_tensors(args: dict) -> PassTensors:
@@ -182,7 +210,7 @@ def recurrent_steps(cfg: PassConfig, buf: dict) -> Iterator[Tuple[int, int, int,
         i, o = io(cfg, t)
         s = slot(cfg, t)
         rh = buf["rh"][s if cfg.layer_norm else 0]
-        torch.mm(buf["hin"][i], R_t, out=rh)
+        step_product(cfg, buf["hin"][i], R_t, rh)
         yield t, i, o, s, rh
 
 

@@ -16,9 +16,9 @@ DataLoader's pin-memory thread, do not invalidate it); a capture that fails anyw
 
 Written without a GPU (issue 6); the test suite runs its logic on CPU with CUDA's graph and stream
 calls emulated (tests/test_triton.py), and the loops eagerly under Triton's interpreter. On an H200
-(2026-11-28) tests/test_triton.py passed compiled, with capture and without; whether the graphs
-replay inside `rnnkit bench` (its per-step times at short shapes look like eager launches) is
-benchmarks/gpu_profile.py's question. ``RNNKIT_TRITON_CUDA_GRAPHS=0`` turns capture off (eager
+(2026-11-28) tests/test_triton.py passed compiled, with capture and without, and a profiled call
+(benchmarks/gpu_profile.py) launched one graph a pass: the per-step time at short shapes is the
+per-step GEMMs' on the device, not launches. ``RNNKIT_TRITON_CUDA_GRAPHS=0`` turns capture off (eager
 per-step launches).
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from .common import (
 )
 from .config import (
     PassConfig, PassTensors, absent, entering, io, or_dummy, per_step_or_absent, recurrent_steps,
-    slot, state_buffers, time_steps,
+    slot, state_buffers, step_product, time_steps,
 )
 from .graphs import run_loop
 
@@ -204,12 +204,12 @@ def _forward_loop_reset_before(cfg: PassConfig, buf: dict) -> None:
     for t in time_steps(cfg):
         i, o = io(cfg, t)
         s = slot(cfg, t)
-        torch.mm(buf["hin"][i], R_rz_t, out=buf["rh"][0])  # [B, 2H] R_rz h_in
+        step_product(cfg, buf["hin"][i], R_rz_t, buf["rh"][0])  # [B, 2H] R_rz h_in
         gru_reset_forward_kernel[grid](
             buf["gx"][t], buf["rh"][0], buf["b_x"], buf["b_h"], buf["hin"][i], buf["gates"][s], buf["r_hin"][s],
             cfg.H, HAS_BX=cfg.has_b_x, HAS_BH=cfg.has_b_h, BLOCK=cfg.block,
         )
-        torch.mm(buf["r_hin"][s], R_n_t, out=buf["nh"])  # [B, H] R_n (r ∘ h_in)
+        step_product(cfg, buf["r_hin"][s], R_n_t, buf["nh"])  # [B, H] R_n (r ∘ h_in)
         gru_candidate_forward_kernel[grid](
             buf["gx"][t], buf["nh"], buf["b_x"], buf["b_h"], buf["scalars"], buf["gates"][s], buf["hs"][i],
             buf["keep"][t], buf["zone_h"][t], buf["rmask"], buf["hs"][o], buf["hin"][o], buf["y"][t],
@@ -263,7 +263,7 @@ def _backward_loop(cfg: PassConfig, buf: dict) -> None:
             buf["dax"][t], buf["dah"][t], buf["drh"][t], buf["lnh_part"][t],
             cfg.H, LN=cfg.layer_norm, RMASK=cfg.rmask, ZH=cfg.zone_h, BLOCK=cfg.block,
         )
-        torch.mm(buf["drh"][t], buf["R"], out=buf["dh_in"])  # [B, H] d h_in of this step
+        step_product(cfg, buf["drh"][t], buf["R"], buf["dh_in"])  # [B, H] d h_in of this step
 
 
 def _backward_loop_reset_before(cfg: PassConfig, buf: dict) -> None:
@@ -277,10 +277,10 @@ def _backward_loop_reset_before(cfg: PassConfig, buf: dict) -> None:
             buf["gates"][s], buf["hs"][i], buf["keep"][t], buf["zone_h"][t], buf["rmask"], buf["scalars"],
             buf["dy"][t], buf["dh_in"], buf["dh_carry"], da, H, RMASK=cfg.rmask, ZH=cfg.zone_h, BLOCK=cfg.block,
         )
-        torch.mm(da[:, 2 * H:], buf["R_n"], out=buf["d_rhin"])  # [B, H] d (r ∘ h_in)
+        step_product(cfg, da[:, 2 * H:], buf["R_n"], buf["d_rhin"])  # [B, H] d (r ∘ h_in)
         gru_reset_backward_kernel[grid](buf["gates"][s], buf["hin"][i], buf["d_rhin"], da, buf["dh_in"], H,
                                         BLOCK=cfg.block)
-        buf["dh_in"].addmm_(da[:, : 2 * H], buf["R_rz"])  # + R_rz's part: [B, H]
+        step_product(cfg, da[:, : 2 * H], buf["R_rz"], buf["dh_in"], accumulate=True)  # + R_rz's part: [B, H]
 
 
 def backward(cfg: PassConfig, p: PassTensors, saved: dict, dy, dh_n, dc_n) -> dict:

@@ -17,7 +17,7 @@ from .common import (
 )
 from .config import (
     PassConfig, PassTensors, absent, entering, io, or_dummy, per_step_or_absent, recurrent_steps,
-    slot, state_buffers, time_steps,
+    slot, state_buffers, step_product, time_steps,
 )
 from .graphs import run_loop
 
@@ -246,7 +246,7 @@ def _forward_loop(cfg: PassConfig, buf: dict) -> None:
             ZH=cfg.zone_h, ZC=cfg.zone_c, BLOCK=cfg.block,
         )
         if cfg.proj:
-            torch.mm(buf["m"][s], buf["W_hr"].t(), out=buf["h_pre"][s])  # [B, P]
+            step_product(cfg, buf["m"][s], buf["W_hr"].t(), buf["h_pre"][s])  # [B, P]
             projection_forward_kernel[grid](
                 buf["h_pre"][s], buf["hs"][i], buf["keep"][t], buf["zone_h"][t],
                 buf["rmask"], buf["scalars"], buf["hs"][o], buf["hin"][o], buf["y"][t], cfg.HR,
@@ -295,7 +295,7 @@ def _backward_loop(cfg: PassConfig, buf: dict) -> None:
                 buf["dh_in"], buf["dh_carry"], buf["d_pre"][t], cfg.HR,
                 PCLIP=cfg.proj_clip, RMASK=cfg.rmask, ZH=cfg.zone_h, BLOCK=cfg.block_r,
             )
-            torch.mm(buf["d_pre"][t], buf["W_hr"], out=buf["dm"])  # [B, H]
+            step_product(cfg, buf["d_pre"][t], buf["W_hr"], buf["dm"])  # [B, H]
         lstm_backward_kernel[grid](
             buf["gates"][s], buf["c_tilde"][s], buf["cs"][i], buf["rh"][s if cfg.layer_norm else 0],
             buf["stats_h"][s], buf["stats_c"][s], buf["peep"], buf["lnh_w"], buf["lnc_w"], buf["lnc_b"],
@@ -308,7 +308,7 @@ def _backward_loop(cfg: PassConfig, buf: dict) -> None:
             cfg.H, cfg.HR, G=cfg.G, COUPLED=cfg.coupled, PEEP=cfg.peephole, LN=cfg.layer_norm,
             CLIP=cfg.cell_clip, PROJ=cfg.proj, RMASK=cfg.rmask, ZH=cfg.zone_h, ZC=cfg.zone_c, BLOCK=cfg.block,
         )
-        torch.mm(buf["drh"][t], buf["R"], out=buf["dh_in"])  # [B, HR] d h_in of this step
+        step_product(cfg, buf["drh"][t], buf["R"], buf["dh_in"])  # [B, HR] d h_in of this step
 
 
 def backward(cfg: PassConfig, p: PassTensors, saved: dict, dy, dh_n, dc_n) -> dict:

@@ -9,7 +9,7 @@ import triton.language as tl
 from .common import EPS, P_H, h_grad, ln_input_grad, ln_stats, tanh, write_h, zone_pointer
 from .config import (
     PassConfig, PassTensors, absent, entering, or_dummy, per_step_or_absent, recurrent_steps,
-    slot, state_buffers, time_steps,
+    slot, state_buffers, step_product, time_steps,
 )
 from .graphs import run_loop
 
@@ -128,7 +128,7 @@ def _backward_loop(cfg: PassConfig, buf: dict) -> None:
             buf["da"][t], buf["drh"][t], buf["lnh_part"][t],
             cfg.H, LN=cfg.layer_norm, RELU=cfg.relu, RMASK=cfg.rmask, ZH=cfg.zone_h, BLOCK=cfg.block,
         )
-        torch.mm(buf["drh"][t], buf["R"], out=buf["dh_in"])  # [B, H] d h_in of this step
+        step_product(cfg, buf["drh"][t], buf["R"], buf["dh_in"])  # [B, H] d h_in of this step
 
 
 def backward(cfg: PassConfig, p: PassTensors, saved: dict, dy, dh_n, dc_n) -> dict:

@@ -1,0 +1,102 @@
+"""The per-step recurrent product on Triton: out = a @ b (or out += a @ b) for a skinny a.
+
+Per step a pass multiplies the batch's h [B, ·] by a weight matrix (R h_in, W_hr m, and their
+backward). At small B cuBLAS picks a kernel with a few CTAs for these (on an H200, [16, 128] x
+[128, 512] took 22.5 µs in 4 CTAs); `step_mm` tiles the batch rows once (BLOCK_M up to 64) and
+spreads the columns over many programs, one output tile each, the whole K loop in the program (no
+split-K, no atomics: the result is deterministic). It allocates nothing and never synchronizes,
+so a CUDA graph can capture it. The pass chooses it with ``RNNKIT_TRITON_STEP_GEMM=triton``
+(config.py, `step_gemm_choice`).
+
+Precision, as torch.mm without TF32: float32 and float64 products and sums in the inputs' dtype
+(``input_precision="ieee"``); bfloat16 / float16 on the tensor cores with float32 accumulation,
+the result rounded once to the output dtype (with ``accumulate``, after adding out's old value in
+float32, as cuBLAS does with beta = 1).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_ACCUMULATOR = {torch.float32: tl.float32, torch.float64: tl.float64, torch.bfloat16: tl.float32,
+                torch.float16: tl.float32}
+
+
+@triton.jit
+def step_mm_kernel(
+    a, b, out, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
+    ACC: tl.constexpr, ACCUMULATE: tl.constexpr, INTERPRETED_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows[:, None] < M
+    col_ok = cols[None, :] < N
+    a_ptrs = a + rows[:, None] * stride_am + ks[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
+    b_ptrs = b + ks[:, None] * stride_bk + cols[None, :] * stride_bn  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    for k in range(0, K, BLOCK_K):
+        a_tile = tl.load(a_ptrs, mask=row_ok & (ks[None, :] < K - k), other=0.0)
+        b_tile = tl.load(b_ptrs, mask=(ks[:, None] < K - k) & col_ok, other=0.0)
+        if INTERPRETED_BF16:  # the interpreter would multiply bfloat16's raw bits; in float32, the same exact products
+            a_tile, b_tile = a_tile.to(ACC), b_tile.to(ACC)
+        acc = tl.dot(a_tile, b_tile, acc, input_precision="ieee", out_dtype=ACC)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    o_ptrs = out + rows[:, None] * stride_om + cols[None, :] * stride_on  # [BLOCK_M, BLOCK_N]
+    if ACCUMULATE:
+        acc += tl.load(o_ptrs, mask=row_ok & col_ok, other=0.0).to(ACC)
+    if INTERPRETED_BF16:  # its float32 -> bfloat16 cast truncates: rounded to nearest even here, as on the GPU
+        bits = acc.to(tl.uint32, bitcast=True)
+        acc = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+    tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok & col_ok)
+
+
+def step_blocks(M: int, N: int) -> tuple:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): all batch rows in one tile up to 64 (tl.dot needs 16 or more); 16
+    columns a program below 2048 columns (so that [16, 512] runs in 32 programs and the backward's
+    [16, 128] in 8), 32 up to 8192, 64 from there (128 programs or more, each reusing its rows of a
+    over more columns). Not yet timed on a GPU: the first choice to revisit there."""
+    return min(64, max(16, triton.next_power_of_2(M))), 16 if N < 2048 else 32 if N < 8192 else 64, 32
+
+
+_INTERPRETED = type(step_mm_kernel).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1 when triton was imported
+
+
+def step_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+    """out = a @ b, or out += a @ b with ``accumulate``; returns ``out``.
+
+    a: [M, K], b: [K, N], out: [M, N], one dtype (float32, float64, bfloat16 or float16), on one CUDA
+    device (CPU under Triton's interpreter, RNNKIT_TRITON_INTERPRET=1). Any strides (a row slice of a
+    per-step buffer, a transposed weight ``R.t()``); ``out`` must not overlap a or b.
+
+        >>> step_mm(h, R.t(), out=rh)  # [B, HR] x [HR, G·H] -> [B, G·H]
+    """
+    for name, t in (("a", a), ("b", b), ("out", out)):
+        if t.dim() != 2:
+            raise ValueError(f"step_mm: {name} must be 2-D, got shape {tuple(t.shape)}")
+    M, K = a.shape
+    N = b.shape[1]
+    if b.shape[0] != K:
+        raise ValueError(f"step_mm: b must be [K={K}, N] to match a {tuple(a.shape)}, got {tuple(b.shape)}")
+    if tuple(out.shape) != (M, N):
+        raise ValueError(f"step_mm: out must be [{M}, {N}] (a {tuple(a.shape)} @ b {tuple(b.shape)}), "
+                         f"got {tuple(out.shape)}")
+    if not a.dtype == b.dtype == out.dtype or a.dtype not in _ACCUMULATOR:
+        raise ValueError(f"step_mm: a, b and out must share one dtype of float32, float64, bfloat16, float16; "
+                         f"got {a.dtype}, {b.dtype}, {out.dtype}")
+    if not a.device == b.device == out.device:
+        raise ValueError(f"step_mm: a, b and out must be on one device, got {a.device}, {b.device}, {out.device}")
+    if M == 0 or N == 0:
+        return out
+    BLOCK_M, BLOCK_N, BLOCK_K = step_blocks(M, N)
+    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M))
+    step_mm_kernel[grid](
+        a, b, out, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        ACC=_ACCUMULATOR[a.dtype], ACCUMULATE=accumulate, INTERPRETED_BF16=_INTERPRETED and a.dtype == torch.bfloat16,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    )
+    return out
