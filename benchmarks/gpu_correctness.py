@@ -25,8 +25,13 @@ y, the final states, dx, the initial states' gradients and each weight's gradien
   and the roundings both backends share and the ground truth lacks (DropConnect's R ∘ mask, a
   layer's output) can move a unit across it (measured under the interpreter, rnn_relu-all-train in
   float16: the triton pass exact to 2e-4 on the float64 R ∘ mask, 4% off on the float16-rounded
-  one, where the float16 reference happened to stay on the ground truth's side). float32 compares
-  their gradients, both backends seeing the same inputs.
+  one, where the float16 reference happened to stay on the ground truth's side). Cases with a
+  cell or projection clip likewise: a cell within a few bf16 ulps of the clip lands on either
+  side, zeroing or passing its gradient (lstm-all-train in bfloat16 failed at 2.5x its bound on
+  an H200, 2026-11-28; under the interpreter on CPU, 2 of 10 seeds failed at 2.1-4.9x with the
+  clip and none without, worst 0.50; with the float64 truth's clip gates forced to the backend's
+  own, triton's error fell to 0.3-1x the reference's: the gates, not the arithmetic). float32
+  compares all their gradients, both backends seeing the same inputs.
 
 Each case calls the triton backend six times: once (on CUDA eagerly: a shape's first call is
 not captured), twice more on new inputs and perturbed weights (the second captures the CUDA
@@ -344,13 +349,14 @@ def check_case(case: Case, dtype, device: str, size: dict) -> Outcome:
         # the reference's error in dtype, never below what storing the exact result in dtype costs
         errors = {name: max(rel_rms(r, t), rel_rms(t.to(dtype), t))
                   for name, r, t in zip(truth.names, reference.tensors, truth.tensors)}
-        if case.mode == "rnn_relu" and "dx" in truth.names:  # ReLU's gradients jump at 0: outputs only (docstring)
+        if _kinked(case) and "dx" in truth.names:  # gradients that jump (ReLU at 0, a clip): outputs only (docstring)
             n = truth.names.index("dx")
             truth = Result(truth.names[:n], truth.tensors[:n])
         rows += _compare(label, triton, truth, lambda name: 2 * errors[name])
     worst = max(rows, key=lambda row: row[0])
     failures = [text for ratio, text in rows if not ratio <= 1.0]
-    note = " (ReLU: outputs only)" if low and case.mode == "rnn_relu" else ""
+    note = (" (ReLU: outputs only)" if case.mode == "rnn_relu" else " (a clip: outputs only)") if low and _kinked(case) \
+        else ""
     return Outcome(not failures, worst[0], ("; ".join(failures[:4]) if failures else worst[1]) + note)
 
 
@@ -366,6 +372,12 @@ def _against_truth(label: str, name: str, actual, reference, truth) -> tuple:
         ratio = float("inf")
     return ratio, (f"{label} {name}: {error:.2e} against float64 (bound 2x the float32 reference's "
                    f"{bound / 2:.1e} there, {truth.numel()} values)")
+
+
+def _kinked(case: Case) -> bool:
+    """Whether the case's gradients jump where a value crosses a point (ReLU's 0, a cell or projection
+    clip): in bfloat16 / float16 those are compared on their outputs only (docstring)."""
+    return case.mode == "rnn_relu" or bool(case.options.get("cell_clip") or case.options.get("proj_clip"))
 
 
 def _truth(case: Case, size: dict, module, x, hx, lengths, grad: bool, dtype, device) -> Result:
