@@ -87,9 +87,14 @@ def profile_call(call, device: str, top: int = 0) -> dict:
         "graph_launches": sum(1 for e in events if e.name == "cudaGraphLaunch"),
         "kernel_launches": sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")),
         "top_kernels": _top(kernels, lambda e: e.device_time_total, top),
-        "top_host": _top([e for e in events if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA],
-                         lambda e: e.self_cpu_time_total, top),
+        "top_host": _top([e for e in events if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA
+                          and e.name not in _NOT_HOST_WORK], lambda e: e.self_cpu_time_total, top),
     }
+
+
+# host events that are waits for the GPU (the synchronization inside the profiled region) or the
+# profiler's own bookkeeping, not work of the call's
+_NOT_HOST_WORK = {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "Activity Buffer Request"}
 
 
 def _top(events, time_of, n: int) -> list:

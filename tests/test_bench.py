@@ -185,20 +185,56 @@ def test_a_repeat_is_one_call_on_the_cpu_and_20_ms_of_calls_on_cuda():
     assert calls_per_repeat("cuda", 0.0) == CUDA_MAX_CALLS
 
 
-def test_time_call_divides_back_to_back_calls():
+def test_time_call_divides_back_to_back_calls(monkeypatch):
+    """Time and page faults per call over ``calls`` calls, on a clock and a fault counter that each
+    call moves by 1 s and 10 faults."""
     from rnnkit.app.bench import measure
 
-    ran = []
+    clock, faults, ran = [0.0], [0], []
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(measure, "minor_faults", lambda: faults[0])
 
     class Counting:
         device = "cpu"
 
         def run(self, model, mode, upstream):
             ran.append(mode)
-            time.sleep(0.002)
+            clock[0] += 1.0
+            faults[0] += 10
 
-    seconds, _ = measure.time_call(Counting(), None, "inference", None, calls=5)
-    assert len(ran) == 5 and 0.002 <= seconds < 0.05
+    assert measure.time_call(Counting(), None, "inference", None, calls=5) == (1.0, 10)
+    assert len(ran) == 5
+    assert measure.time_call(Counting(), None, "inference", None) == (1.0, 10) and len(ran) == 6
+
+
+def test_a_cuda_case_times_its_repeats_as_calls_per_repeat_says(monkeypatch):
+    """measure_case on a device that says CUDA: one sizing call per runner, then each repeat runs
+    that many calls, recorded in calls_per_repeat; on the CPU no sizing call and one call a repeat."""
+    from rnnkit.app.bench import measure
+
+    for device, expected_calls in (("cuda", 3), ("cpu", 1)):
+        runs = []
+        monkeypatch.setattr(measure, "calls_per_repeat", lambda d, seconds: 3 if torch.device(d).type == "cuda" else 1)
+        monkeypatch.setattr(measure, "synchronize", lambda d: None)
+        monkeypatch.setattr(measure, "peak_bytes", lambda *args: 0)
+        monkeypatch.setattr(measure, "flops", lambda *args: 1.0)
+        monkeypatch.setattr(measure, "check", lambda *args: measure.Checked(0.0, 1e-5))
+        case = measure.Case(SHAPES["tiny"], VARIANTS["lstm"],
+                            "cpu", torch.float32)
+        monkeypatch.setattr(case, "device", device, raising=False)
+        monkeypatch.setattr(case, "run", lambda model, mode, upstream: runs.append(mode), raising=False)
+
+        class Fake(Runner):
+            name, title = "fake", "fake"
+
+            def build(self, case):
+                return Model("lstm", [torch.nn.Linear(1, 1)])
+
+        monkeypatch.setattr(case, "expected", lambda variant, mode: {"upstream": None}, raising=False)
+        [record] = measure.measure_case(case, "inference", [Fake()], repeats=2, warmup=1, sgemm=1.0)
+        assert record["status"] == "ok" and record["calls_per_repeat"] == expected_calls, record
+        sizing = 1 if device == "cuda" else 0
+        assert len(runs) == 1 + sizing + 2 * expected_calls, (device, len(runs))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("resource") is None, reason="the OS counts no page faults for Python (Windows)")

@@ -900,9 +900,11 @@ class _Recurrent(_StackAttributes, _PackedModule):
             return None
         # One packed gradient, of which each .grad is a view, as `_pass_weights` gives: cuDNN's backward
         # writes its weight gradient as one buffer placed as the weights are (which `flat_weights.grad`
-        # finds) when it reads the buffer in place and the stack has both biases (torch copies the
-        # pieces of a bias-less stack's out of cuDNN's buffer, whose layers have room for four: seen on
-        # an H200 with cuDNN 9.19); oneDNN's is one tensor per weight: through `_Pack`
+        # finds) when it reads the buffer in place and the stack has both biases: torch's
+        # `_cudnn_rnn_backward_weight` returns views of that buffer only where its pieces per layer (4,
+        # 5 with a projection, biases included) match the op's (2 or 3 without biases), and copies a
+        # bias-less stack's out (test_native_gradients_are_views_of_one_packed_gradient failed so on an
+        # H200); oneDNN's is one tensor per weight: through `_Pack`
         cudnn = W.is_cuda and self._cudnn_placed and spec.bias_mode == "double" and torch.backends.cudnn.enabled \
             and torch.cudnn_is_acceptable(W)
         if grad and not cudnn and any(t.requires_grad for t in tensors):

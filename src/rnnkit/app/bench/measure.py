@@ -467,7 +467,9 @@ def measure_case(case: Case, mode: str, runners: List[Runner], repeats: int, war
     for _ in range(warmup):
         for _, model, upstream in timed:
             case.run(model, mode, upstream)
-    calls = {id(r): calls_per_repeat(case.device, time_call(case, model, mode, upstream)[0]) if warmup else 1
+    # on CUDA one more untimed call per runner sizes its repeats (calls_per_repeat); on the CPU none
+    cuda = torch.device(case.device).type == "cuda"
+    calls = {id(r): calls_per_repeat(case.device, time_call(case, model, mode, upstream)[0]) if cuda else 1
              for r, model, upstream in timed}
     times: Dict[int, List[float]] = {id(r): [] for r, _, _ in timed}
     faults: Dict[int, List[Optional[int]]] = {id(r): [] for r, _, _ in timed}
