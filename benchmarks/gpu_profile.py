@@ -4,17 +4,20 @@ The second H200 session (2026-11-28, README "GPU") answered its first questions:
 graphs replay (one graph launch a pass), and at `small` over 90% of the GPU's time is cuBLAS's
 float32 per-step GEMMs ([16, 128] x [128, 512] in 22.5 µs on 4 thread blocks; the backward's in
 49 µs), not the host. The question now: does the Triton per-step GEMM (gemm.py,
-``RNNKIT_TRITON_STEP_GEMM=triton``) beat them, and by how much a call?
+``RNNKIT_TRITON_STEP_GEMM=triton``) beat them, and by how much a call? And in bfloat16, do a half
+dtype's GEMMs on its own operands (``--dtype bfloat16 --ab RNNKIT_TRITON_HALF_GEMM=half``) beat the
+float32 ones the passes run by default?
 
 For each variant and mode: the median wall time of one call (synchronized before and after), for
 torch.nn (its plain cell of the variant's mode where it lacks the variant), rnnkit's native backend
-(plain variants) and its triton backend with CUDA graphs on and off, and with graphs and the Triton
-step GEMM; then one profiled triton call with each step GEMM (graphs on, after the warm-up that
-captures): the GPU time of its kernels, how many kernels and graph launches ran, and how long the
+(plain variants) and its triton backend with CUDA graphs on and off, and with graphs and the
+``--ab`` setting (default the Triton step GEMM); then one profiled triton call without and with it
+(graphs on, after the warm-up that captures): the GPU time of its kernels, how many kernels and graph launches ran, and how long the
 host spent; with ``--top N`` each profiled call's N costliest kernels and host events.
 
     python benchmarks/gpu_profile.py                                    # small and deepbench-h512-b32
     python benchmarks/gpu_profile.py --shapes long-h768 --variants lstm --modes training
+    python benchmarks/gpu_profile.py --dtype bfloat16 --ab RNNKIT_TRITON_HALF_GEMM=half --shapes deepbench-h2048-b32
     TRITON_INTERPRET=1 RNNKIT_TRITON_INTERPRET=1 python benchmarks/gpu_profile.py --device cpu --tiny
         # the script's own check, on the CPU under Triton's interpreter (tests/test_bench.py)
 """
@@ -119,20 +122,42 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=0, metavar="N",
                         help="after each row, the profiled call's N kernels by GPU time and N host events by "
                              "self CPU time (name, count, total us)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="every runner's dtype (float32: TF32 off)")
+    parser.add_argument("--ab", default="RNNKIT_TRITON_STEP_GEMM=triton", metavar="NAME=VALUE",
+                        help="the triton setting timed and profiled against the default (default: the Triton "
+                             "per-step GEMM; RNNKIT_TRITON_HALF_GEMM=half for a half dtype's GEMMs on its own "
+                             "operands)")
     args = parser.parse_args(argv)
+    ab_name, _, ab_value = args.ab.partition("=")
+    if not ab_name.startswith("RNNKIT_TRITON_") or not ab_value:
+        parser.error(f"--ab: expected RNNKIT_TRITON_...=VALUE, got {args.ab!r}")
+    dtype = getattr(torch, args.dtype)
     device = args.device
     if device == "cuda":
         if not torch.cuda.is_available():
             print("gpu_profile: no CUDA device here", file=sys.stderr)
             return 2
         torch.backends.cuda.matmul.allow_tf32 = False  # float32 throughout, as the bench's float32 grid
-        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False  # (a half dtype: torch's default flags otherwise)
         print(f"gpu_profile: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN "
               f"{torch.backends.cudnn.version()}")
     shapes = [TINY] if args.tiny else [SHAPES[name] for name in args.shapes]
-    before = {name: os.environ.get(name) for name in ("RNNKIT_TRITON_CUDA_GRAPHS", "RNNKIT_TRITON_STEP_GEMM")}
-    print("shape | variant | mode | torch.nn us | native us | triton us (graphs) | triton us (no graphs) | "
-          "triton us (graphs, Triton step GEMM) | triton profiled, then with the Triton step GEMM: GPU kernel us / "
+    before = {name: os.environ.get(name) for name in ("RNNKIT_TRITON_CUDA_GRAPHS", ab_name)}
+    default = os.environ.get(ab_name)  # the setting's own value in this process (unset: the library's default)
+
+    def setting(graphs: str, ab: bool) -> None:
+        os.environ["RNNKIT_TRITON_CUDA_GRAPHS"] = graphs
+        if ab:
+            os.environ[ab_name] = ab_value
+        elif default is None:
+            os.environ.pop(ab_name, None)
+        else:
+            os.environ[ab_name] = default
+
+    print(f"{args.dtype}; A/B: {args.ab}")
+    print(f"shape | variant | mode | torch.nn us | native us | triton us (graphs) | triton us (no graphs) | "
+          f"triton us (graphs, {args.ab}) | triton profiled, then with {args.ab}: GPU kernel us / "
           "wall us, kernels, graph launches, kernel launches")
     try:
         for shape in shapes:
@@ -141,24 +166,24 @@ def main(argv=None) -> int:
                 for mode in args.modes:
                     training = mode == "training"
                     torch.manual_seed(0)
-                    reference = rnnkit_module(variant, shape, "reference", device, torch.float32)
-                    x = torch.randn(shape.T, shape.B, reference.input_size, device=device)
+                    reference = rnnkit_module(variant, shape, "reference", device, dtype)
+                    x = torch.randn(shape.T, shape.B, reference.input_size, device=device, dtype=dtype)
                     row = [shape.name, name, mode]
                     torch_variant = variant if variant.torch_nn else VARIANTS[variant.mode]
-                    baseline = TORCH_MODULES[torch_variant.mode](**torch_variant.module_kwargs(shape)).to(device)
+                    baseline = TORCH_MODULES[torch_variant.mode](**torch_variant.module_kwargs(shape)).to(device, dtype)
                     row.append(f"{time_call(make_call(baseline, x, training), device, args.repeats):.0f}")
-                    native = rnnkit_module(variant, shape, "auto", device, torch.float32)
+                    native = rnnkit_module(variant, shape, "auto", device, dtype)
                     native.backend = "native"
                     try:
                         row.append(f"{time_call(make_call(native, x, training), device, args.repeats):.0f}")
                     except Exception as error:  # noqa: BLE001 - a variant native does not run
                         row.append(f"n/a ({type(error).__name__})")
-                    triton = rnnkit_module(variant, shape, "triton", device, torch.float32)
-                    for graphs, gemm in (("1", "cublas"), ("0", "cublas"), ("1", "triton")):
-                        os.environ["RNNKIT_TRITON_CUDA_GRAPHS"], os.environ["RNNKIT_TRITON_STEP_GEMM"] = graphs, gemm
+                    triton = rnnkit_module(variant, shape, "triton", device, dtype)
+                    for graphs, ab in (("1", False), ("0", False), ("1", True)):
+                        setting(graphs, ab)
                         row.append(f"{time_call(make_call(triton, x, training), device, args.repeats):.0f}")
-                    for gemm in ("cublas", "triton"):  # a profiled call with each per-step GEMM, graphs on
-                        os.environ["RNNKIT_TRITON_CUDA_GRAPHS"], os.environ["RNNKIT_TRITON_STEP_GEMM"] = "1", gemm
+                    for ab in (False, True):  # a profiled call without and with the A/B setting, graphs on
+                        setting("1", ab)
                         call = make_call(triton, x, training)
                         for _ in range(3):  # the second call captures; the profiled one replays
                             call()
@@ -166,10 +191,10 @@ def main(argv=None) -> int:
                         row.append(f"{p['kernel_us']:.0f} / {p['wall_us']:.0f}, {p['kernels']}, {p['graph_launches']}, "
                                    f"{p['kernel_launches']}")
                         tops = [(kind, p[kind]) for kind in ("top_kernels", "top_host")]
-                        if gemm == "cublas":
+                        if not ab:
                             first = tops
                     print(" | ".join(row), flush=True)
-                    for label, found in (("cuBLAS step GEMM", first), ("Triton step GEMM", tops)):
+                    for label, found in (("default", first), (args.ab, tops)):
                         if any(events for _, events in found):
                             print(f"  {label}:")
                         for kind, events in found:

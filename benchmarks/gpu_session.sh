@@ -18,7 +18,8 @@
 #               suite takes a device parameter (the `suite` stage runs the rest).          ~3-5 min
 #   correct     benchmarks/gpu_correctness.py --device cuda (every option, float32 / bfloat16 /
 #               float16, TF32 off), then its training cases in float32 without graph replay, then
-#               the training and wide cases on the Triton per-step GEMM (RNNKIT_TRITON_STEP_GEMM).  ~3-5 min
+#               the training and wide cases on the Triton per-step GEMM (RNNKIT_TRITON_STEP_GEMM), and
+#               every case in bfloat16 / float16 on their own GEMM operands (RNNKIT_TRITON_HALF_GEMM). ~4-6 min
 #   bench-fp32 [PART ...]   rnnkit bench --device cuda --dtype float32 --runners torch.nn native triton,
 #               training and inference, every variant, with TF32 off for cuBLAS and cuDNN (cuDNN's
 #               default TF32 fails float32's 1e-5 check: torch.nn would have no times). PARTs, in
@@ -30,8 +31,9 @@
 #   suite       the whole test suite on the GPU machine (what CUDA's presence changes; triton's
 #               tests there run on CPU under the interpreter, as in CI).                      <= 8.5 min
 #   profile     benchmarks/gpu_profile.py: per call, torch.nn / native / triton with and without graph
-#               replay, and one profiled triton call (GPU kernel time against wall time, kernel and
-#               graph launches): why triton's steps cost 20-60 us at small shapes.            ~1-2 min
+#               replay and with the Triton per-step GEMM, and profiled triton calls with each (GPU kernel
+#               time against wall time, the top kernels); then in bfloat16, triton with its GEMMs on
+#               float32 operands (the default) and on bfloat16 ones (RNNKIT_TRITON_HALF_GEMM=half). ~2 min
 #   train       rnnkit train --device cuda (2000 steps, the default config) on native, and with
 #               --layer-norm on triton: validation bits/char and char/s (issue 16, step 6).   ~1-3 min
 #
@@ -214,6 +216,9 @@ stage_correct() {
         env RNNKIT_TRITON_STEP_GEMM=triton "$PY" benchmarks/gpu_correctness.py --device cuda --filter train \
         --filter wide --dtypes float32 bfloat16
     correct_summary correct-step-gemm.log
+    step "gpu_correctness.py, bfloat16 / float16, the half dtype's own GEMM operands" correct-half-gemm.log 90 \
+        env RNNKIT_TRITON_HALF_GEMM=half "$PY" benchmarks/gpu_correctness.py --device cuda --dtypes bfloat16 float16
+    correct_summary correct-half-gemm.log
 }
 
 correct_summary() {
@@ -312,7 +317,10 @@ PYTHON
 stage_profile() {
     export TRITON_INTERPRET=0
     unset RNNKIT_TRITON_INTERPRET
-    step "gpu_profile.py (where a call's time goes)" profile.txt 150 "$PY" benchmarks/gpu_profile.py --top 6
+    step "gpu_profile.py (where a call's time goes)" profile.txt 110 "$PY" benchmarks/gpu_profile.py --top 6
+    step "gpu_profile.py, bfloat16, the half dtype's own GEMM operands" profile.txt 60 "$PY" benchmarks/gpu_profile.py \
+        --dtype bfloat16 --ab RNNKIT_TRITON_HALF_GEMM=half --shapes deepbench-h2048-b32 deepbench-h512-b32 \
+        --variants lstm lstm_layer_norm --top 6
     while IFS= read -r line; do note "  ${line:0:240}"; done < <(grep -E '^(gpu_profile|shape|small|deepbench)' "$OUT/profile.txt" | head -n 14)
 }
 

@@ -31,10 +31,11 @@ def map_tree(tree, fn):
     return fn(tree)
 
 
-def run_backend(module, backend, x, hx, lengths=None, training=False):
+def run_backend(module, backend, x, hx, lengths=None, training=False, upstream_dtype=None):
     """(outputs, gradients of x, initial states and flat weights) with random upstream gradients.
 
-    Seeds are fixed, so two backends see the same masks and the same upstream gradients.
+    Seeds are fixed, so two backends see the same masks and the same upstream gradients (drawn in
+    float64, rounded to ``upstream_dtype`` first where given: a float64 truth of a bfloat16 run).
     """
     module.train(training)
     module.backend = backend
@@ -42,7 +43,8 @@ def run_backend(module, backend, x, hx, lengths=None, training=False):
     y, hy = module(x, hx, lengths)
     outputs = [y] + flatten(hy)
     generator = torch.Generator().manual_seed(2)
-    upstream = [torch.randn(o.shape, dtype=torch.float64, generator=generator).to(o.device, o.dtype) for o in outputs]
+    upstream = [torch.randn(o.shape, dtype=torch.float64, generator=generator).to(upstream_dtype or o.dtype)
+                .to(o.device, o.dtype) for o in outputs]
     weights = list(module.named_weights().values())  # buffer order
     grads = torch.autograd.grad(outputs, [x] + flatten(hx) + weights, upstream)
     n = len(grads) - len(weights)

@@ -85,6 +85,14 @@ def test_profile_script_runs_under_the_interpreter():
     assert all(len(row) == 10 for row in rows), rows
     assert float(rows[0][4]) > 0 and rows[1][4].startswith("n/a"), rows  # native runs only the plain LSTM
     assert all(float(row[5]) > 0 and float(row[6]) > 0 and float(row[7]) > 0 for row in rows), rows
+    # in bfloat16, against a half dtype's GEMMs on its own operands
+    half = subprocess.run(command[:command.index("--variants")] + [
+        "--variants", "lstm", "--modes", "training", "--repeats", "1", "--dtype", "bfloat16",
+        "--ab", "RNNKIT_TRITON_HALF_GEMM=half"], env=env, capture_output=True, text=True, timeout=600)
+    assert half.returncode == 0, half.stdout + half.stderr
+    assert "bfloat16; A/B: RNNKIT_TRITON_HALF_GEMM=half" in half.stdout, half.stdout
+    rows = [line.split(" | ") for line in half.stdout.splitlines() if line.startswith("tiny | ")]
+    assert len(rows) == 1 and len(rows[0]) == 10 and float(rows[0][7]) > 0, half.stdout
 
 
 def test_the_one_call_gpu_session_plan_runs_dry(tmp_path):

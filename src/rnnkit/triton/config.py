@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import masks
-from .gemm import step_mm
+from .gemm import half_mm, step_mm
 
 
 LN_EPS = 1e-5
@@ -50,19 +50,21 @@ class PassConfig(NamedTuple):
     block: int  # lanes for H
     block_r: int  # lanes for HR
     step_gemm: str  # the per-step products' GEMM: "cublas" (torch.mm) or "triton" (gemm.step_mm)
+    gemm_dtype: torch.dtype  # the GEMMs' operands: the compute dtype, or bfloat16 / float16 (`gemm_dtype`)
 
 
 class PassTensors(NamedTuple):
-    """One pass's tensors, contiguous, in the compute dtype (float32, or float64)."""
+    """One pass's tensors, contiguous, in the compute dtype (float32, or float64); x and the weights the
+    GEMMs read (W, R, W_hr) in the pass's GEMM dtype (PassConfig.gemm_dtype)."""
 
-    x: torch.Tensor  # [T, B, I]
+    x: torch.Tensor  # [T, B, I] GEMM dtype
     h0: torch.Tensor  # [B, HR]
     c0: Optional[torch.Tensor]  # [B, H]
-    W: torch.Tensor  # [G·H, I]
-    R: torch.Tensor  # [G·H, HR]
+    W: torch.Tensor  # [G·H, I] GEMM dtype
+    R: torch.Tensor  # [G·H, HR] GEMM dtype
     b_W: Optional[torch.Tensor]  # [G·H]
     b_R: Optional[torch.Tensor]  # [G·H]
-    W_hr: Optional[torch.Tensor]  # [P, H]
+    W_hr: Optional[torch.Tensor]  # [P, H] GEMM dtype
     peephole: Optional[torch.Tensor]  # [G - 1, H]
     ln_x: Pair  # ([G·H], [G·H])
     ln_h: Pair
@@ -94,7 +96,7 @@ def make_config(args: dict, save: bool, block_size) -> PassConfig:
         proj_clip=args["proj_clip"] is not None, rmask=args["recurrent_mask"] is not None,
         zone_h=zone(args["zoneout_h_mask"], args["zoneout_h"]), zone_c=zone(args["zoneout_c_mask"], args["zoneout_c"]),
         coupled=args["coupled_gates"], reset_after=args["reset_after"], relu=args["mode"] == "rnn_relu",
-        block=block_size(H), block_r=block_size(HR), step_gemm=step_gemm_choice(),
+        block=block_size(H), block_r=block_size(HR), step_gemm=step_gemm_choice(), gemm_dtype=gemm_dtype(x.dtype),
     )
 
 
@@ -104,7 +106,9 @@ STEP_GEMMS = ("cublas", "triton")
 def step_gemm_choice() -> str:
     """The per-step products' GEMM: ``$RNNKIT_TRITON_STEP_GEMM``, "cublas" (torch.mm, the default) or
     "triton" (`gemm.step_mm`). Read as each pass starts, into its PassConfig, so that a CUDA graph
-    captures, and its cache keys on, the choice in force then."""
+    captures, and its cache keys on, the choice in force then; a pass's backward reads it again as it
+    starts (either choice computes the same products, so a change in between is safe, and a bad value
+    set in between raises there)."""
     value = os.environ.get("RNNKIT_TRITON_STEP_GEMM", "cublas")
     if value not in STEP_GEMMS:
         raise ValueError(f"RNNKIT_TRITON_STEP_GEMM: expected one of {', '.join(map(repr, STEP_GEMMS))} "
@@ -112,10 +116,38 @@ def step_gemm_choice() -> str:
     return value
 
 
+HALF_GEMMS = ("float32", "half")
+
+
+def half_gemm_choice() -> str:
+    """The GEMMs' operands of a bfloat16 / float16 pass: ``$RNNKIT_TRITON_HALF_GEMM``, "float32" (the
+    default: x and the weights cast to float32 once per pass, every GEMM in float32) or "half" (in the
+    module's dtype with float32 accumulation, on the tensor cores; the pointwise math and the carried
+    state stay float32, h rounded to the half dtype as a GEMM's operand). float32 / float64 passes
+    are not affected. Read as each pass starts, into its PassConfig (`gemm_dtype`), the backward's too
+    (its saved tensors are in the compute dtype either way)."""
+    value = os.environ.get("RNNKIT_TRITON_HALF_GEMM", "float32")
+    if value not in HALF_GEMMS:
+        raise ValueError(f"RNNKIT_TRITON_HALF_GEMM: expected one of {', '.join(map(repr, HALF_GEMMS))} "
+                         f"(unset: 'float32'), got {value!r}")
+    return value
+
+
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the GEMMs' operands in a pass on ``dtype`` inputs: bfloat16 / float16 itself in "half"
+    mode (`half_gemm_choice`), else the compute dtype."""
+    if half_gemm_choice() == "half" and dtype in (torch.bfloat16, torch.float16):
+        return dtype
+    return compute_dtype(dtype)
+
+
 def step_product(cfg: PassConfig, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                  accumulate: bool = False) -> None:
-    """out = a @ b (out += a @ b with ``accumulate``) on the pass's per-step GEMM (`step_gemm_choice`)."""
-    if cfg.step_gemm == "triton":
+    """out = a @ b (out += a @ b with ``accumulate``) on the pass's per-step GEMM (`step_gemm_choice`).
+
+    A float32 a (a state, a gradient) by a half-precision weight b ("half" mode) always runs on
+    `step_mm`, which rounds a to b's dtype as it loads it: torch.mm cannot mix dtypes."""
+    if cfg.step_gemm == "triton" or a.dtype != b.dtype:
         step_mm(a, b, out, accumulate)
     elif accumulate:
         out.addmm_(a, b)
@@ -123,11 +155,23 @@ def step_product(cfg: PassConfig, a: torch.Tensor, b: torch.Tensor, out: torch.T
         torch.mm(a, b, out=out)
 
 
-def make_tensors(args: dict) -> PassTensors:
-    """Cast and make contiguous once per pass (no-ops for contiguous float32 / float64 inputs)."""
+def sequence_product(cfg: PassConfig, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for a GEMM over all steps (W x; dx and the weight gradients in backward), in the compute dtype:
+    in "half" mode on a and b rounded to the half dtype, accumulated in float32 (`gemm.half_mm`: W x feeds
+    the pointwise math unrounded; dx and the gradients are rounded once, to the module's dtype, by the
+    caller); else on a and b in the compute dtype."""
+    if cfg.gemm_dtype in (torch.bfloat16, torch.float16):
+        return half_mm(a.to(cfg.gemm_dtype), b.to(cfg.gemm_dtype))
+    return torch.mm(a, b)
+
+
+def make_tensors(args: dict, gemm: Optional[torch.dtype] = None) -> PassTensors:
+    """Cast and make contiguous once per pass (no-ops for contiguous float32 / float64 inputs); x and the
+    weights the GEMMs read into ``gemm``, the pass's GEMM dtype (default: the compute dtype)."""
     x = args["x"]
     dtype = compute_dtype(x.dtype)
-    cast = lambda t: None if t is None else t.detach().to(dtype).contiguous()  # noqa: E731
+    gemm = gemm or dtype
+    cast = lambda t, to=dtype: None if t is None else t.detach().to(to).contiguous()  # noqa: E731
     pair = lambda name: None if args[name + "_gain"] is None else (cast(args[name + "_gain"]),  # noqa: E731
                                                                    cast(args[name + "_shift"]))
     T, B = x.shape[:2]
@@ -138,8 +182,8 @@ def make_tensors(args: dict) -> PassTensors:
         dtype, x.device, plain=type(x) is torch.Tensor and _get_current_dispatch_mode() is None,
     )
     return PassTensors(
-        x=cast(x), h0=cast(args["h0"]), c0=cast(args["c0"]), W=cast(args["W"]), R=cast(args["R"]),
-        b_W=cast(args["b_W"]), b_R=cast(args["b_R"]), W_hr=cast(args["W_hr"]), peephole=cast(args["peephole"]),
+        x=cast(x, gemm), h0=cast(args["h0"]), c0=cast(args["c0"]), W=cast(args["W"], gemm), R=cast(args["R"], gemm),
+        b_W=cast(args["b_W"]), b_R=cast(args["b_R"]), W_hr=cast(args["W_hr"], gemm), peephole=cast(args["peephole"]),
         ln_x=pair("ln_x"), ln_h=pair("ln_h"), ln_c=pair("ln_c"),
         keep=keep, recurrent=cast(args["recurrent_mask"]), zone_h=cast(args["zoneout_h_mask"]),
         zone_c=cast(args["zoneout_c_mask"]), scalars=scalars, dummy=torch.zeros(1, dtype=dtype, device=x.device),

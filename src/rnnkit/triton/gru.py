@@ -15,7 +15,7 @@ from .common import (
 )
 from .config import (
     PassConfig, PassTensors, absent, entering, io, or_dummy, per_step_or_absent, recurrent_steps,
-    slot, state_buffers, step_product, time_steps,
+    sequence_product, slot, state_buffers, step_product, time_steps,
 )
 from .graphs import run_loop
 
@@ -309,12 +309,12 @@ def backward(cfg: PassConfig, p: PassTensors, saved: dict, dy, dh_n, dc_n) -> di
     dh_in = buf["dh_in"] * p.recurrent if cfg.rmask else buf["dh_in"]
     h_in = flat(entering(cfg, saved["hin"]), H)
     if cfg.reset_after:
-        dR = flat(buf["drh"], 3 * H).t() @ h_in  # [3H, H]
+        dR = sequence_product(cfg, flat(buf["drh"], 3 * H).t(), h_in)  # [3H, H]
         d_hside = buf["dah"]
     else:
         da = buf["dax"]
-        dR_rz = flat(da[..., : 2 * H], 2 * H).t() @ h_in  # [2H, H]
-        dR_n = flat(da[..., 2 * H:], H).t() @ flat(saved["r_hin"], H)  # [H, H], R_n multiplies r ∘ h_in
+        dR_rz = sequence_product(cfg, flat(da[..., : 2 * H], 2 * H).t(), h_in)  # [2H, H]
+        dR_n = sequence_product(cfg, flat(da[..., 2 * H:], H).t(), flat(saved["r_hin"], H))  # [H, H]: R_n (r ∘ h_in)
         dR = torch.cat([dR_rz, dR_n])
         d_hside = da
     grads = dict(dgx=buf["dax"], h0=buf["dh_carry"] + dh_in, R=dR, b_R=d_hside.sum((0, 1)))

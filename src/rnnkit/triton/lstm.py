@@ -17,7 +17,7 @@ from .common import (
 )
 from .config import (
     PassConfig, PassTensors, absent, entering, io, or_dummy, per_step_or_absent, recurrent_steps,
-    slot, state_buffers, step_product, time_steps,
+    sequence_product, slot, state_buffers, step_product, time_steps,
 )
 from .graphs import run_loop
 
@@ -338,11 +338,11 @@ def backward(cfg: PassConfig, p: PassTensors, saved: dict, dy, dh_n, dc_n) -> di
     dh_in = buf["dh_in"] * p.recurrent if cfg.rmask else buf["dh_in"]
     grads = dict(
         dgx=buf["da"], h0=buf["dh_carry"] + dh_in, c0=buf["dc_carry"],
-        R=flat(buf["drh"], G * H).t() @ flat(entering(cfg, saved["hin"]), HR),  # [G·H, HR]
+        R=sequence_product(cfg, flat(buf["drh"], G * H).t(), flat(entering(cfg, saved["hin"]), HR)),  # [G·H, HR]
         b_R=buf["da"].sum((0, 1)),
     )
     if cfg.proj:
-        grads["W_hr"] = flat(buf["d_pre"], HR).t() @ flat(saved["m"], H)  # [P, H]
+        grads["W_hr"] = sequence_product(cfg, flat(buf["d_pre"], HR).t(), flat(saved["m"], H))  # [P, H]
     if cfg.peephole:
         grads["peephole"] = buf["peep_part"].sum((0, 1))
     if cfg.layer_norm:

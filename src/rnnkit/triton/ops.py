@@ -88,7 +88,8 @@ def _prepare(args: dict, save: bool):
     from .common import block_size
     from .config import make_config, make_tensors
 
-    return make_config(args, save, block_size), make_tensors(args)
+    cfg = make_config(args, save, block_size)
+    return cfg, make_tensors(args, cfg.gemm_dtype)
 
 
 def saved_names(cfg, names) -> List[str]:
@@ -110,9 +111,10 @@ def complete_saved(cfg, p, names, kept: Dict[str, torch.Tensor]) -> Dict[str, to
 
 def _input_projection(cfg, p):
     from .common import ln_rows_forward
+    from .config import sequence_product
 
     T, B, I = p.x.shape
-    gx_raw = (p.x.reshape(T * B, I) @ p.W.t()).view(T, B, p.W.shape[0])  # [T, B, G·H] the hoisted W x
+    gx_raw = sequence_product(cfg, p.x.reshape(T * B, I), p.W.t()).view(T, B, p.W.shape[0])  # [T, B, G·H] W x
     if p.ln_x is None:
         return gx_raw, gx_raw, None
     gx, stats_x = ln_rows_forward(gx_raw, p.ln_x[0], p.ln_x[1], p.scalars)
@@ -166,7 +168,7 @@ def _saved_shapes(args):
     family = kernels()[args["mode"]]
     cfg, p = _prepare(args, save=True)
     T, B = cfg.T, cfg.B
-    gx = p.x.new_empty(T, B, p.W.shape[0])
+    gx = p.h0.new_empty(T, B, p.W.shape[0])
     buf, _, names, _ = family.forward_buffers(cfg, p, gx)
     stats = (T * B, 2) if p.ln_x is not None else (0,)
     return [((T, B, p.W.shape[0]), gx.dtype), (stats, gx.dtype)] + [
@@ -182,11 +184,12 @@ def _backward(*values):
 
 def _backward_pass(args):
     from .common import ln_rows_backward
+    from .config import sequence_product
 
     family = kernels()[args["mode"]]
     cfg, p = _prepare(args, save=True)
     T, B, I = p.x.shape
-    dtype = p.x.dtype
+    dtype = p.h0.dtype  # the compute dtype
     gx_raw, stats_x, *kept = args["saved"]
     names = family.saved_buffers(cfg)
     saved = complete_saved(cfg, p, names, dict(zip(saved_names(cfg, names), kept)))
@@ -198,8 +201,8 @@ def _backward_pass(args):
     if p.ln_x is not None:
         dgx_raw, dln_w, dln_b = ln_rows_backward(dgx, gx_raw, stats_x, p.ln_x[0])
         g["ln_x"] = (dln_w, dln_b)
-    flat = dgx_raw.reshape(T * B, p.W.shape[0])  # [T·B, G·H]
-    g["W"] = flat.t() @ p.x.reshape(T * B, I)  # [G·H, I]
+    flat = dgx_raw.reshape(T * B, p.W.shape[0]).to(cfg.gemm_dtype)  # [T·B, G·H] the operand of dW and dx
+    g["W"] = sequence_product(cfg, flat.t(), p.x.reshape(T * B, I))  # [G·H, I]
     g["b_W"] = dgx.sum((0, 1))
     for which in ("ln_x", "ln_h", "ln_c"):
         g[f"{which}_gain"], g[f"{which}_shift"] = g.pop(which, (None, None))
@@ -210,7 +213,7 @@ def _backward_pass(args):
     for slot, w in present:
         dweights[offset:offset + w.numel()].copy_(g[slot].reshape(-1))
         offset += w.numel()
-    dx = (flat @ p.W).view(T, B, I).to(x.dtype) if args["need_dx"] else x.new_empty(0)
+    dx = sequence_product(cfg, flat, p.W).view(T, B, I).to(x.dtype) if args["need_dx"] else x.new_empty(0)
     dc0 = g["c0"].to(x.dtype) if p.c0 is not None else x.new_empty(0)
     return dx, g["h0"].to(x.dtype), dc0, dweights
 

@@ -9,7 +9,7 @@ import triton.language as tl
 from .common import EPS, P_H, h_grad, ln_input_grad, ln_stats, tanh, write_h, zone_pointer
 from .config import (
     PassConfig, PassTensors, absent, entering, or_dummy, per_step_or_absent, recurrent_steps,
-    slot, state_buffers, step_product, time_steps,
+    sequence_product, slot, state_buffers, step_product, time_steps,
 )
 from .graphs import run_loop
 
@@ -149,7 +149,7 @@ def backward(cfg: PassConfig, p: PassTensors, saved: dict, dy, dh_n, dc_n) -> di
     dh_in = buf["dh_in"] * p.recurrent if cfg.rmask else buf["dh_in"]
     grads = dict(
         dgx=buf["da"], h0=buf["dh_carry"] + dh_in,
-        R=flat(buf["drh"]).t() @ flat(entering(cfg, saved["hin"])),  # [H, H]
+        R=sequence_product(cfg, flat(buf["drh"]).t(), flat(entering(cfg, saved["hin"]))),  # [H, H]
         b_R=buf["da"].sum((0, 1)),
     )
     if cfg.layer_norm:
