@@ -109,11 +109,7 @@ def step_gemm_choice() -> str:
     captures, and its cache keys on, the choice in force then; a pass's backward reads it again as it
     starts (either choice computes the same products, so a change in between is safe, and a bad value
     set in between raises there)."""
-    value = os.environ.get("RNNKIT_TRITON_STEP_GEMM", "cublas")
-    if value not in STEP_GEMMS:
-        raise ValueError(f"RNNKIT_TRITON_STEP_GEMM: expected one of {', '.join(map(repr, STEP_GEMMS))} "
-                         f"(unset: 'cublas'), got {value!r}")
-    return value
+    return _choice("RNNKIT_TRITON_STEP_GEMM", STEP_GEMMS)
 
 
 HALF_GEMMS = ("float32", "half")
@@ -126,10 +122,15 @@ def half_gemm_choice() -> str:
     state stay float32, h rounded to the half dtype as a GEMM's operand). float32 / float64 passes
     are not affected. Read as each pass starts, into its PassConfig (`gemm_dtype`), the backward's too
     (its saved tensors are in the compute dtype either way)."""
-    value = os.environ.get("RNNKIT_TRITON_HALF_GEMM", "float32")
-    if value not in HALF_GEMMS:
-        raise ValueError(f"RNNKIT_TRITON_HALF_GEMM: expected one of {', '.join(map(repr, HALF_GEMMS))} "
-                         f"(unset: 'float32'), got {value!r}")
+    return _choice("RNNKIT_TRITON_HALF_GEMM", HALF_GEMMS)
+
+
+def _choice(name: str, choices: tuple) -> str:
+    """``$name``, one of ``choices`` (unset: the first); anything else raises a ValueError naming it."""
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))} (unset: {choices[0]!r}), "
+                         f"got {value!r}")
     return value
 
 

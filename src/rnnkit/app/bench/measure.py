@@ -298,7 +298,8 @@ def time_call(case: Case, model: Model, mode: str, upstream, calls: int = 1) -> 
         case.run(model, mode, upstream)
     synchronize(case.device)
     seconds = (time.perf_counter() - start) / calls
-    return seconds, None if faults is None else (minor_faults() - faults) / calls if calls > 1 else minor_faults() - faults
+    faults = None if faults is None else minor_faults() - faults
+    return seconds, faults if faults is None or calls == 1 else faults / calls
 
 
 CUDA_REPEAT_S = 0.02  # on CUDA, one timed repeat runs back-to-back calls for at least this long
@@ -306,7 +307,7 @@ CUDA_MAX_CALLS = 200
 
 
 def calls_per_repeat(device, seconds_per_call: float) -> int:
-    """Calls in one timed repeat: 1 on the CPU (each call synchronized, as before); on CUDA enough
+    """Calls in one timed repeat: 1 on the CPU (each call synchronized alone); on CUDA enough
     back-to-back calls to last `CUDA_REPEAT_S` (at most `CUDA_MAX_CALLS`), as a training loop runs
     them: the host queues the next call while the GPU runs this one. One synchronized call of a few
     milliseconds read 10-60% apart between repeats on an H200 (2026-11-28), its launch and
