@@ -237,6 +237,44 @@ def test_a_cuda_case_times_its_repeats_as_calls_per_repeat_says(monkeypatch):
         assert len(runs) == 1 + sizing + 2 * expected_calls, (device, len(runs))
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("crash_at", [1, 2, 4])  # in the warm-up, the CUDA sizing call (or the first repeat), a repeat
+def test_a_runner_that_crashes_while_timed_is_reported_and_the_others_are_timed(monkeypatch, device, crash_at):
+    from rnnkit.app.bench import measure
+
+    calls = {"steady": 0, "crash": 0}
+    monkeypatch.setattr(measure, "calls_per_repeat", lambda d, seconds: 1)
+    monkeypatch.setattr(measure, "synchronize", lambda d: None)
+    monkeypatch.setattr(measure, "peak_bytes", lambda *args: 0)
+    monkeypatch.setattr(measure, "flops", lambda *args: 1.0)
+    monkeypatch.setattr(measure, "check", lambda *args: measure.Checked(0.0, 1e-5))
+    case = measure.Case(SHAPES["tiny"], VARIANTS["lstm"], "cpu", torch.float32)
+    case.device = device
+
+    def run(model, mode, upstream):
+        calls[model.timed_variant] += 1
+        if model.timed_variant == "crash" and calls["crash"] == crash_at:
+            raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(case, "run", run)
+    monkeypatch.setattr(case, "expected", lambda variant, mode: {"upstream": None})
+
+    def fake(name):
+        class Fake(Runner):
+            def build(self, case):
+                return Model(name, [torch.nn.Linear(1, 1)])
+
+        runner = Fake()
+        runner.name = runner.title = name
+        return runner
+
+    steady, crash = measure.measure_case(case, "inference", [fake("steady"), fake("crash")], repeats=3, warmup=1,
+                                         sgemm=1.0)
+    assert crash["status"] == "failed" and crash["reason"] == "while timed: RuntimeError: CUDA out of memory", crash
+    assert "median_ms" not in crash
+    assert steady["status"] == "ok" and len(steady["times_ms"]) == 3, steady
+
+
 @pytest.mark.skipif(importlib.util.find_spec("resource") is None, reason="the OS counts no page faults for Python (Windows)")
 def test_page_faults_inside_timed_calls_are_counted_and_named(tmp_path):
     status, report_, out = _run_with_runner(tmp_path, FreshMemory, "--variants", "lstm", "--runners", "reference", "fresh",

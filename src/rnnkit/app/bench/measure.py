@@ -465,20 +465,34 @@ def measure_case(case: Case, mode: str, runners: List[Runner], repeats: int, war
         record["status"] = "ok"
         timed.append((record, model, case.expected(model.timed_variant, mode)["upstream"]))
 
+    def survives(record: dict, call: Callable[[], object]) -> bool:
+        """Runs ``call``; a runner that crashes while it is timed (out of memory in a loop of calls, say)
+        is reported as failed, as in its check, and the others still run."""
+        try:
+            call()
+            return True
+        except Exception as error:  # noqa: BLE001
+            record.update(status="failed", reason=f"while timed: {type(error).__name__}: {error}")
+            return False
+
     for _ in range(warmup):
-        for _, model, upstream in timed:
-            case.run(model, mode, upstream)
+        timed = [t for t in timed if survives(t[0], lambda: case.run(t[1], mode, t[2]))]
     # on CUDA one more untimed call per runner sizes its repeats (calls_per_repeat); on the CPU none
-    cuda = torch.device(case.device).type == "cuda"
-    calls = {id(r): calls_per_repeat(case.device, time_call(case, model, mode, upstream)[0]) if cuda else 1
-             for r, model, upstream in timed}
+    calls: Dict[int, int] = {id(r): 1 for r, _, _ in timed}
+    if torch.device(case.device).type == "cuda":
+        def size(record, model, upstream):
+            calls[id(record)] = calls_per_repeat(case.device, time_call(case, model, mode, upstream)[0])
+        timed = [t for t in timed if survives(t[0], lambda: size(*t))]
     times: Dict[int, List[float]] = {id(r): [] for r, _, _ in timed}
     faults: Dict[int, List[Optional[int]]] = {id(r): [] for r, _, _ in timed}
+
+    def timed_repeat(record, model, upstream):
+        seconds, call_faults = time_call(case, model, mode, upstream, calls[id(record)])
+        times[id(record)].append(seconds)
+        faults[id(record)].append(call_faults)
+
     for _ in range(repeats):
-        for record, model, upstream in timed:  # interleaved: A, B, A, B, ...
-            seconds, call_faults = time_call(case, model, mode, upstream, calls[id(record)])
-            times[id(record)].append(seconds)
-            faults[id(record)].append(call_faults)
+        timed = [t for t in timed if survives(t[0], lambda: timed_repeat(*t))]  # interleaved: A, B, A, B, ...
 
     baseline = next((statistics.median(times[id(r)]) for r, _, _ in timed if r["runner"] == "torch.nn"), None)
     for record, model, upstream in timed:
