@@ -111,10 +111,14 @@ class _Graphed:
 
     def __call__(self, buffers, outputs: Iterable[str], write_only: Iterable[str]) -> Dict[str, torch.Tensor]:
         skip = set(write_only)
+        copied = set()  # (static, input) pairs: names that alias one tensor (h and the h entering R, the
+        # one zero tensor standing in for every absent option) are copied once, not once a name
         with self.lock:  # two threads on one stream: each one's copy in, replay and copy out in one piece
             for name, value in buffers.items():
-                if name not in skip:
-                    self.static[name].copy_(value)
+                target = self.static[name]
+                if name not in skip and (id(target), id(value)) not in copied:
+                    copied.add((id(target), id(value)))
+                    target.copy_(value)
             self.graph.replay()
             return {**buffers, **_clone(self.static, outputs)}
 
