@@ -238,14 +238,21 @@ def test_a_cuda_case_times_its_repeats_as_calls_per_repeat_says(monkeypatch):
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-@pytest.mark.parametrize("crash_at", [1, 2, 4])  # in the warm-up, the CUDA sizing call (or the first repeat), a repeat
+# in the warm-up, the CUDA sizing call (or the first repeat), a repeat, the memory measurement after the repeats
+@pytest.mark.parametrize("crash_at", [1, 2, 4, "memory"])
 def test_a_runner_that_crashes_while_timed_is_reported_and_the_others_are_timed(monkeypatch, device, crash_at):
     from rnnkit.app.bench import measure
 
     calls = {"steady": 0, "crash": 0}
     monkeypatch.setattr(measure, "calls_per_repeat", lambda d, seconds: 1)
     monkeypatch.setattr(measure, "synchronize", lambda d: None)
-    monkeypatch.setattr(measure, "peak_bytes", lambda *args: 0)
+
+    def peak(case, model, mode, upstream):
+        if crash_at == "memory" and model.timed_variant == "crash":
+            raise RuntimeError("CUDA out of memory")
+        return 0
+
+    monkeypatch.setattr(measure, "peak_bytes", peak)
     monkeypatch.setattr(measure, "flops", lambda *args: 1.0)
     monkeypatch.setattr(measure, "check", lambda *args: measure.Checked(0.0, 1e-5))
     case = measure.Case(SHAPES["tiny"], VARIANTS["lstm"], "cpu", torch.float32)

@@ -13,7 +13,9 @@ from a CUDA graph captured at a shape's second call (graphs.py; replayed on an H
 (gemm.py) instead of cuBLAS (``cublas``, torch.mm: the default); each pass reads it as it starts.
 ``RNNKIT_TRITON_HALF_GEMM=half`` runs a bfloat16 / float16 pass's GEMMs on operands in its dtype with
 float32 accumulation (tensor cores) instead of in float32 (``float32``, the default until timed on a
-GPU); the pointwise math and the carried state stay float32 either way (config.py, `half_gemm_choice`).
+GPU); the pointwise math and the carried state stay float32 either way (config.py, `half_gemm_choice`),
+and its per-step products run on the Triton kernel whatever ``RNNKIT_TRITON_STEP_GEMM`` says (they mix
+a float32 state with half weights, which torch.mm cannot).
 
     >>> lstm = rnnkit.LSTM(8, 16, peephole=True, layer_norm=True, backend="triton").cuda()
     >>> y, (h_n, c_n) = lstm(torch.randn(5, 3, 8, device="cuda"))

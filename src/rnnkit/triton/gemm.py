@@ -18,6 +18,9 @@ then the same tensor-core product, stored in float32.
 """
 from __future__ import annotations
 
+import warnings
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +34,8 @@ def bfloat16_rounded(v):
     """float32 ``v`` rounded to bfloat16's precision, to nearest even, kept in float32 (for the interpreter,
     whose float32 -> bfloat16 cast truncates)."""
     bits = v.to(tl.uint32, bitcast=True)
-    return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+    rounded = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+    return tl.where(v != v, v, rounded)  # a NaN stays NaN (its payload could carry into the exponent)
 
 
 @triton.jit
@@ -72,17 +76,29 @@ def step_mm_kernel(
     tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok & col_ok)
 
 
-_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(a, b, out_dtype=...), in newer torch releases
+# torch.mm(a, b, out_dtype=...) on CUDA (newer torch releases): None until first tried, then whether it ran
+_mm_out_dtype: Optional[bool] = None if hasattr(torch.ops.aten.mm, "dtype") else False
 
 
 def half_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b of bfloat16 / float16 a [M, K] and b [K, N], accumulated in float32 and returned in float32 (never
     rounded to the half dtype; cuBLAS's split-K reductions in half precision, which torch allows for a half
     result, stay out). On CUDA cuBLAS on the tensor cores (torch.mm's ``out_dtype``); elsewhere (CPU tensors under
-    Triton's interpreter) and where torch lacks ``out_dtype``, a float32 torch.mm of the same values, whose
-    products are exact in float32 (and in TF32): the same sums."""
-    if a.is_cuda and _MM_OUT_DTYPE:
-        return torch.mm(a, b, out_dtype=torch.float32)
+    Triton's interpreter), and where this torch has no such kernel (said once, as a warning), a float32 torch.mm
+    of the same values, whose products are exact in float32 (and in TF32): the same sums, without the tensor
+    cores."""
+    global _mm_out_dtype
+    if a.is_cuda and _mm_out_dtype is not False:
+        try:
+            out = torch.mm(a, b, out_dtype=torch.float32)
+            _mm_out_dtype = True
+            return out
+        except (NotImplementedError, TypeError) as error:  # the schema without a kernel for these dtypes
+            warnings.warn(f"rnnkit's triton backend: torch.mm(..., out_dtype=torch.float32) is not available here "
+                          f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); RNNKIT_TRITON_HALF_GEMM="
+                          "half computes its whole-sequence GEMMs as float32 products of the rounded operands, "
+                          "without the tensor cores", RuntimeWarning, stacklevel=2)
+        _mm_out_dtype = False
     return torch.mm(a.float(), b.float())
 
 

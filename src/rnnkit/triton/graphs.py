@@ -111,8 +111,9 @@ class _Graphed:
 
     def __call__(self, buffers, outputs: Iterable[str], write_only: Iterable[str]) -> Dict[str, torch.Tensor]:
         skip = set(write_only)
-        copied = set()  # (static, input) pairs: names that alias one tensor (h and the h entering R, the
-        # one zero tensor standing in for every absent option) are copied once, not once a name
+        copied = set()  # (static, input) pairs: names that alias one tensor (h and the h entering R without
+        # a recurrent mask; the zero tensor standing in for absent biases, peepholes, LN parameters, recurrent
+        # mask and W_hr) are copied once, not once a name
         with self.lock:  # two threads on one stream: each one's copy in, replay and copy out in one piece
             for name, value in buffers.items():
                 target = self.static[name]

@@ -466,8 +466,8 @@ def measure_case(case: Case, mode: str, runners: List[Runner], repeats: int, war
         timed.append((record, model, case.expected(model.timed_variant, mode)["upstream"]))
 
     def survives(record: dict, call: Callable[[], object]) -> bool:
-        """Runs ``call``; a runner that crashes while it is timed (out of memory in a loop of calls, say)
-        is reported as failed, as in its check, and the others still run."""
+        """Runs ``call``; a runner that crashes while it is timed or its memory measured (out of memory in
+        a loop of calls, say) is reported as failed, as in its check, and the others still run."""
         try:
             call()
             return True
@@ -494,6 +494,13 @@ def measure_case(case: Case, mode: str, runners: List[Runner], repeats: int, war
     for _ in range(repeats):
         timed = [t for t in timed if survives(t[0], lambda: timed_repeat(*t))]  # interleaved: A, B, A, B, ...
 
+    memory: Dict[int, Tuple[int, int]] = {}  # one more call each (peak memory; saved activations in training)
+
+    def measure_memory(record, model, upstream):
+        saved = saved_activation_bytes(case, model) if mode == "training" else 0
+        memory[id(record)] = peak_bytes(case, model, mode, upstream), saved
+
+    timed = [t for t in timed if survives(t[0], lambda: measure_memory(*t))]
     baseline = next((statistics.median(times[id(r)]) for r, _, _ in timed if r["runner"] == "torch.nn"), None)
     for record, model, upstream in timed:
         seconds = statistics.median(times[id(record)])
@@ -510,7 +517,7 @@ def measure_case(case: Case, mode: str, runners: List[Runner], repeats: int, war
             gflops_per_s=work / seconds / 1e9,
             fraction_of_sgemm=work / seconds / 1e9 / sgemm,
             page_faults_per_call=None if None in faults[id(record)] else statistics.median(faults[id(record)]),
-            peak_memory_bytes=peak_bytes(case, model, mode, upstream),
-            saved_activation_bytes=saved_activation_bytes(case, model) if mode == "training" else 0,
+            peak_memory_bytes=memory[id(record)][0],
+            saved_activation_bytes=memory[id(record)][1],
         )
     return records

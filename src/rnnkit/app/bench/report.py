@@ -180,7 +180,7 @@ def markdown(env: dict, records: List[dict], runners: List[str]) -> str:
         *([""] if env.get("warnings") else []),
         "Cells: speedup vs torch.nn (x, > 1 is faster) and median time (step API rows: per step). "
         "* torch.nn lacks the variant: "
-        "its plain cell of the same mode and shape is the baseline. FAILED: the correctness check failed, not timed. "
+        "its plain cell of the same mode and shape is the baseline. FAILED: the correctness check failed or the runner crashed (reason below). "
         "n/a: unavailable or unsupported (reason in the JSON).",
         *_low_precision_note(records),
         "",
@@ -204,7 +204,7 @@ def markdown(env: dict, records: List[dict], runners: List[str]) -> str:
         lines += [f"- {note}" for note in faulting]
     failed = [r for r in records if r["status"] == "failed"]
     if failed:
-        lines += ["", "Failed checks (not timed):"]
+        lines += ["", "Failed runners (a failed check, not timed, or a crash):"]
         lines += [f"- {r['runner']} / {r['shape']} / {r['variant']} / {r['mode']}: {r['reason']}" for r in failed]
     return "\n".join(lines) + "\n"
 
@@ -287,7 +287,7 @@ def plot(path: str, records: List[dict], runners: List[str]) -> Tuple[Optional[D
         return None, "matplotlib is not installed (pip install matplotlib); skipped the plot"
     modes = [m for m in ("inference", "training") if plotted_runners(records, runners, m)]
     if not modes:
-        return None, "no runner besides torch.nn was timed; nothing to plot"
+        return None, "no speedup over torch.nn was measured (torch.nn or every other runner was not timed); nothing to plot"
     cases = len({(r["shape"], r["variant"]) for r in records})
     widest = max(len(plotted_runners(records, runners, m)) for m in modes)
     fig, axes = plt.subplots(len(modes), 1, figsize=(max(8, 0.3 * cases * widest), 4 * len(modes)), squeeze=False)
