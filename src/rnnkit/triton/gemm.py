@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .graphs import error_summary
+
 _ACCUMULATOR = {torch.float32: tl.float32, torch.float64: tl.float64, torch.bfloat16: tl.float32,
                 torch.float16: tl.float32}
 
@@ -95,7 +97,7 @@ def half_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             return out
         except (NotImplementedError, TypeError) as error:  # the schema without a kernel for these dtypes
             warnings.warn(f"rnnkit's triton backend: torch.mm(..., out_dtype=torch.float32) is not available here "
-                          f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); RNNKIT_TRITON_HALF_GEMM="
+                          f"({error_summary(error)}); RNNKIT_TRITON_HALF_GEMM="
                           "half computes its whole-sequence GEMMs as float32 products of the rounded operands, "
                           "without the tensor cores", RuntimeWarning, stacklevel=2)
         _mm_out_dtype = False
