@@ -111,6 +111,7 @@ struct Gru {
         R_right.multiply(hin_p, H, 0, gh_t, GH);  // R h [B, 3H]
         for_rows(B, GH * 8, [&](int64_t b0, int64_t b1) {
           using Vec = at::vec::Vectorized<scalar_t>;
+          if (ln) steps.prepare_rows(t, static_cast<const scalar_t*>(gh_t), b0, b1);
           for (int64_t b = b0; b < b1; ++b) {
             if (valid(t, b) && ln) {
               const scalar_t* ghb = gh_t + b * GH;

@@ -21,49 +21,50 @@ inline at::vec::Vectorized<scalar_t> layer_norm_apply(const at::vec::Vectorized<
   return at::vec::fmadd((v - mean) * rstd, vload(gain + j, count), vload(shift + j, count));
 }
 
-// Σ(v − K) and Σ(v − K)² over a row (K = 0 when !shifted: Σv, Σv²), each in blocks of kLaneBlock
-// values a lane (the blocks' lanes added in double). Four pairs of accumulators: a row of 512
-// floats is 8 rounds of 4 independent adds and FMAs rather than 16 of 2 (the chains' latency,
-// not the loads, bound this loop).
-template <bool shifted, typename scalar_t>
-inline void shifted_sums(const scalar_t* v, int64_t n, scalar_t K, double& sum_d, double& sum_d2) {
+// Σ(v − K) and Σ(v − K)² over each of R rows of n values (K = 0 when !shifted: Σv, Σv²), each in
+// blocks of kLaneBlock values a lane (the blocks' lanes added in double). Four pairs of
+// accumulators a row: a row of 512 floats is 8 rounds of 4 independent adds and FMAs rather than
+// 16 of 2 (the chains' latency, not the loads, bound this loop). R = 2 walks two rows side by side
+// (16 accumulators), each row's sums in the same order as alone: the same results, bit for bit.
+template <bool shifted, int R, typename scalar_t>
+inline void shifted_sums_rows(const scalar_t* const* v, int64_t n, const scalar_t* K, double* sum_d, double* sum_d2) {
   using Vec = at::vec::Vectorized<scalar_t>;
   constexpr int64_t w = Vec::size(), block = kLaneBlock * 4 * w;
-  const Vec vk(K);
-  sum_d = 0, sum_d2 = 0;
+  Vec vk[R];
+  for (int r = 0; r < R; ++r) vk[r] = Vec(shifted ? K[r] : scalar_t(0)), sum_d[r] = 0, sum_d2[r] = 0;
   for (int64_t j = 0; j < n;) {
     const int64_t end = std::min(n, j + block);
-    Vec s_d[4] = {Vec(0), Vec(0), Vec(0), Vec(0)}, s_d2[4] = {Vec(0), Vec(0), Vec(0), Vec(0)};
-    auto add = [&](int64_t k, int64_t c, int i) {
-      const Vec x = vload(v + k, c);  // a tail's unread lanes are 0
-      const Vec d = !shifted ? x : c == w ? x - vk : Vec::set(Vec(0), x - vk, c);
-      s_d[i] = s_d[i] + d, s_d2[i] = at::vec::fmadd(d, d, s_d2[i]);
+    Vec s_d[R][4], s_d2[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 4; ++i) s_d[r][i] = Vec(0), s_d2[r][i] = Vec(0);
+    auto add = [&](int r, int64_t k, int64_t c, int i) {
+      const Vec x = vload(v[r] + k, c);  // a tail's unread lanes are 0
+      const Vec d = !shifted ? x : c == w ? x - vk[r] : Vec::set(Vec(0), x - vk[r], c);
+      s_d[r][i] = s_d[r][i] + d, s_d2[r][i] = at::vec::fmadd(d, d, s_d2[r][i]);
     };
-    for (; j + 4 * w <= end; j += 4 * w) add(j, w, 0), add(j + w, w, 1), add(j + 2 * w, w, 2), add(j + 3 * w, w, 3);
-    for (int i = 0; j < end; j += w, ++i) add(j, std::min(w, end - j), i);  // < 4 Vecs and a part: i ≤ 3
-    sum_d += lane_sum<scalar_t>((s_d[0] + s_d[1]) + (s_d[2] + s_d[3]));
-    sum_d2 += lane_sum<scalar_t>((s_d2[0] + s_d2[1]) + (s_d2[2] + s_d2[3]));
+    for (; j + 4 * w <= end; j += 4 * w)
+      for (int r = 0; r < R; ++r) add(r, j, w, 0), add(r, j + w, w, 1), add(r, j + 2 * w, w, 2), add(r, j + 3 * w, w, 3);
+    for (int i = 0; j < end; j += w, ++i)  // < 4 Vecs and a part: i ≤ 3
+      for (int r = 0; r < R; ++r) add(r, j, std::min(w, end - j), i);
+    for (int r = 0; r < R; ++r) {
+      sum_d[r] += lane_sum<scalar_t>((s_d[r][0] + s_d[r][1]) + (s_d[r][2] + s_d[r][3]));
+      sum_d2[r] += lane_sum<scalar_t>((s_d2[r][0] + s_d2[r][1]) + (s_d2[r][2] + s_d2[r][3]));
+    }
   }
 }
 
-// Mean and 1/sqrt(var + eps) of one row (biased variance), in one pass where that is exact
-// enough: Σv and Σv², var = mean(v²) − mean(v)². That difference loses bits as mean² nears mean(v²),
-// so where mean(v)² exceeds a quarter of mean(v²) (|mean| > 0.58 sd: at most a third of var's
-// rounding added), or v² overflows, the row is summed again about its float mean K: d = v − K,
-// var = mean(d²) − mean(d)², mean = K + mean(d) (the corrected two-pass formula, which every row
-// took before). The loops use each row's statistics at once, so their latency counts: 39 / 66 ns
-// for rows of 128 / 512 floats in one pass, against 54 / 75 for the two (AMD EPYC of README's
-// tables; rows each waiting on the last). Rows whose values all sit away from zero, as W x's
-// rows of a biased input can, pay the two passes; pre-activation rows centred near zero take
-// one. Where a float square overflows about the mean too (|v − mean| ≳ 1.8e19) the row is summed
-// again in double: LN is scale-invariant, so such a row still has a finite, exact answer (rstd ≈
-// 1e-19 is a normal float); a row holding inf or NaN gives rstd NaN, so its whole output is NaN
-// (as the reference's).
+template <bool shifted, typename scalar_t>
+inline void shifted_sums(const scalar_t* v, int64_t n, scalar_t K, double& sum_d, double& sum_d2) {
+  shifted_sums_rows<shifted, 1>(&v, n, &K, &sum_d, &sum_d2);
+}
+
+namespace detail {
+// row_stats' answer from a row's Σv and Σv² (sum_d, sum_d2; shifted_sums<false>): the second pass
+// about the float mean where one pass loses bits, the double pass where squares overflow.
 template <typename scalar_t>
-inline void row_stats(const scalar_t* v, int64_t n, scalar_t& mean, scalar_t& rstd) {
-  const double inv_n = 1.0 / double(n);  // off the sums' critical path, unlike a division after them
-  double sum_d, sum_d2;
-  shifted_sums<false>(v, n, scalar_t(0), sum_d, sum_d2);
+inline void finish_row_stats(const scalar_t* v, int64_t n, double sum_d, double sum_d2, scalar_t& mean,
+                             scalar_t& rstd) {
+  const double inv_n = 1.0 / double(n);
   double m = sum_d * inv_n;
   if (!(m * m <= 0.25 * (sum_d2 * inv_n)) && std::isfinite(m)) {  // cancellation, or v² overflowed
     const scalar_t K = scalar_t(m);
@@ -80,6 +81,39 @@ inline void row_stats(const scalar_t* v, int64_t n, scalar_t& mean, scalar_t& rs
   }
   mean = scalar_t(m);
   rstd = scalar_t(1.0 / std::sqrt(std::max(var, 0.0) + kLayerNormEps));
+}
+}  // namespace detail
+
+// Mean and 1/sqrt(var + eps) of one row (biased variance), in one pass where that is exact
+// enough: Σv and Σv², var = mean(v²) − mean(v)². That difference loses bits as mean² nears mean(v²),
+// so where mean(v)² exceeds a quarter of mean(v²) (|mean| > 0.58 sd: at most a third of var's
+// rounding added), or v² overflows, the row is summed again about its float mean K: d = v − K,
+// var = mean(d²) − mean(d)², mean = K + mean(d) (the corrected two-pass formula, which every row
+// took before). Rows whose values all sit away from zero, as W x's rows of a biased input can, pay
+// the two passes; pre-activation rows centred near zero take one. Where a float square overflows
+// about the mean too (|v − mean| ≳ 1.8e19) the row is summed again in double: LN is
+// scale-invariant, so such a row still has a finite, exact answer (rstd ≈ 1e-19 is a normal
+// float); a row holding inf or NaN gives rstd NaN, so its whole output is NaN (as the reference's).
+// The sums are a chain of dependent adds: one row of 128 / 512 floats takes 39 / 66 ns in one
+// pass (AMD EPYC of README's tables, rows each waiting on the last). The cells' LN_x and LN_h
+// statistics of a step's rows are taken before the rows' other work, each row's two walked side
+// by side (row_stats_pair, InputSteps::prepare_rows).
+template <typename scalar_t>
+inline void row_stats(const scalar_t* v, int64_t n, scalar_t& mean, scalar_t& rstd) {
+  double sum_d, sum_d2;
+  shifted_sums<false>(v, n, scalar_t(0), sum_d, sum_d2);
+  detail::finish_row_stats(v, n, sum_d, sum_d2, mean, rstd);
+}
+
+// row_stats of two rows of n values, walked side by side: the same results as two row_stats calls.
+template <typename scalar_t>
+inline void row_stats_pair(const scalar_t* v0, const scalar_t* v1, int64_t n, scalar_t* mean, scalar_t* rstd) {
+  const scalar_t* rows[2] = {v0, v1};
+  const scalar_t zero[2] = {scalar_t(0), scalar_t(0)};
+  double sum_d[2], sum_d2[2];
+  shifted_sums_rows<false, 2>(rows, n, zero, sum_d, sum_d2);
+  detail::finish_row_stats(v0, n, sum_d[0], sum_d2[0], mean[0], rstd[0]);
+  detail::finish_row_stats(v1, n, sum_d[1], sum_d2[1], mean[1], rstd[1]);
 }
 
 // LN backward of a row of one or two values, in closed form. The general formula

@@ -197,6 +197,7 @@ InputSteps::InputSteps(const PassArgs& a, const Tensor& bias, bool training, Ten
     ln_rows_ = (training ? raw_ : out_).data_ptr(), ln_x_gain_ = a.ln_x_gain.data_ptr();
     ln_x_shift_ = a.ln_x_shift.data_ptr(), ln_h_gain_ = a.ln_h_gain.data_ptr(), ln_h_shift_ = a.ln_h_shift.data_ptr();
     if (training) ln_mean_ = mean_.data_ptr(), ln_rstd_ = rstd_.data_ptr();
+    row_stats_ = new_buffer({4, a.B}, a.x), row_stats_p_ = row_stats_.data_ptr();
   }
   if (a.half_weights() && chunk_steps_ * a.B > kSmallBatch) {  // else every chunk a few rows: W as it is
     const HalfRows W = a.half_rows(kW, 0);

@@ -65,6 +65,7 @@ struct Rnn {
         R_right.multiply(hin_p, H, 1, gx_t, H);  // W x + b + R h
       }
       for_rows(B, H * 4, [&](int64_t b0, int64_t b1) {
+        if (ln) steps.prepare_rows(t, static_cast<const scalar_t*>(gh_t), b0, b1);
         for (int64_t b = b0; b < b1; ++b) {
           scalar_t* hb = h_p + b * H;
           scalar_t* yb = y_p + (t * B + b) * H;
