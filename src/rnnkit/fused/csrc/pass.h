@@ -264,9 +264,10 @@ class InputSteps {
   // Under layer norm, before normalized_row of rows [b0, b1) of step t: the statistics of LN_x and
   // LN_h of those rows that run (W x's rows, and `recurrent`, the step's R h [B, G·H]), taken here
   // for all of them before any row's other work: each row's two sums walked side by side
-  // (row_stats_pair), and the rows' sums, independent of each other, overlapping where one call a
-  // row waited on its chains (a layer-norm LSTM's int8 inference at small, T 100 B 16 H 128:
-  // 1.19x the plain LSTM's time, the statistics ~0.4 of its 0.66 ms). LN_x's are kept for the backward.
+  // (row_stats_pair), and the rows' sums, independent of each other, free to overlap where each
+  // row's waited on its own chains before. With the LSTM's one shift vector (lstm.cpp), a
+  // layer-norm LSTM's int8 inference at small (T 100, B 16, H 128) went from 1.19 to 1.14-1.15x
+  // the plain LSTM's time (docs/speed.md). LN_x's are kept for the backward.
   template <typename scalar_t>
   void prepare_rows(int64_t t, const scalar_t* recurrent, int64_t b0, int64_t b1) {
     const LnPointers<scalar_t> p = ln_pointers<scalar_t>();
