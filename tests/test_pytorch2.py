@@ -925,10 +925,12 @@ def test_fused_op_refuses_part_of_layer_norm(name, missing):
     OPS.forward_op(*forward_args(name, False))  # all of them: runs
 
 
-@pytest.mark.parametrize("name, other", [("lstm_ln", "ln_x_gain"), ("gru_ln", "ln_x_shift"), ("rnn_relu_ln", "ln_x_gain")])
+@pytest.mark.parametrize("name, other", [("lstm_ln", "ln_x_gain"), ("lstm_ln", "ln_x_shift"), ("lstm_ln", "ln_h_shift"),
+                                         ("lstm_ln", "ln_c_gain"), ("gru_ln", "ln_x_shift"), ("rnn_relu_ln", "ln_x_gain")])
 def test_fused_op_refuses_layer_norm_of_another_dtype(name, other):
-    """LN_x's gain and shift are read as x's dtype once per pass (no per-row dtype check): one of
-    another dtype is an error naming both dtypes, not float64 bits read as float32."""
+    """Layer norm's gains and shifts are read as x's dtype (no per-row dtype check): one of another
+    dtype is an error naming both dtypes, not float64 bits read as float32 nor ATen's generic
+    message from wherever a pass first reads it."""
     values = list(forward_args(name, False))
     values[arg_index(other)] = values[arg_index(other)].double()
     with pytest.raises(RuntimeError, match="layer norm's gains and shifts: expected Float like x, got Double"):

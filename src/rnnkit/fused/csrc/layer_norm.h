@@ -12,7 +12,9 @@ namespace rnnkit {
 constexpr double kLayerNormEps = 1e-5;
 
 // γ ∘ (v − mean) · rstd + β for the `count` values at j: the one expression (and rounding order)
-// every layer-norm apply uses, forward and recomputed.
+// of every layer-norm apply a backward recomputes (LN_c's) and of the GRU's and RNN's forward
+// sums. The LSTM's forward sums LN_x and LN_h with their shifts folded into one vector (lstm.cpp):
+// its gates differ from this expression's in the last bits, and no backward recomputes them.
 template <typename scalar_t>
 inline at::vec::Vectorized<scalar_t> layer_norm_apply(const at::vec::Vectorized<scalar_t>& v,
                                                       const at::vec::Vectorized<scalar_t>& mean,

@@ -93,6 +93,8 @@ struct Lstm {
     // slice in place: when training this buffer is the saved gates.
     const Tensor bias = sum_biases(a.b_W, a.b_R);
     const scalar_t* bias_p = bias.defined() ? bias.data_ptr<scalar_t>() : nullptr;
+    // Under layer norm the rows are W x as it is: the loop normalizes them (InputSteps).
+    InputSteps steps(a, Tensor(), training, saved[kInputRaw], saved[kInputMean], saved[kInputRstd]);
     // Under layer norm every shift of a gate's sum in one vector, added once a row: β_x + β_h + bias
     // (a loop, not ATen's adds: a one-step call of the step API pays this at every step)
     const Tensor ln_shift = ln ? new_buffer({GH}, like) : Tensor();
@@ -104,8 +106,6 @@ struct Lstm {
         vstore(bias_p ? v + vload(bias_p + q, n) : v, ln_shift_p + q, n);
       });
     }
-    // Under layer norm the rows are W x as it is: the loop normalizes them (InputSteps).
-    InputSteps steps(a, Tensor(), training, saved[kInputRaw], saved[kInputMean], saved[kInputRstd]);
     Tensor y = new_buffer({T, B, Hr}, like);
     Tensor h = a.h0.clone(), c = a.c0.clone();  // the running state [B, Hr], [B, H]
     Tensor h_in = rm ? h * a.recurrent_mask : h;  // what enters R

@@ -65,6 +65,12 @@ void PassArgs::finish() {
                   " matrices, the biases, gains, states and masks are float32, got ", t->scalar_type());
     }
   }
+  // The passes read layer norm's gains and shifts as x's dtype (no per-row check), so here once
+  for (const Tensor* t : {&ln_x_gain, &ln_x_shift, &ln_h_gain, &ln_h_shift, &ln_c_gain, &ln_c_shift}) {
+    TORCH_CHECK(!t->defined() || t->scalar_type() == x.scalar_type(),
+                "rnnkit fused: layer norm's gains and shifts: expected ", x.scalar_type(), " like x, got ",
+                t->scalar_type());
+  }
 }
 
 // Every tensor's shape against the sizes finish() derived: the kernels index them with those
@@ -189,11 +195,7 @@ InputSteps::InputSteps(const PassArgs& a, const Tensor& bias, bool training, Ten
     raw_ = new_buffer({n, a.GH}, a.x), mean_ = new_buffer({n, 1}, a.x), rstd_ = new_buffer({n, 1}, a.x);
     raw = raw_, mean = mean_, rstd = rstd_;
   }
-  if (ln_) {  // read as x's dtype per row (ln_pointers), so checked here once
-    for (const Tensor* t : {&a.ln_x_gain, &a.ln_x_shift, &a.ln_h_gain, &a.ln_h_shift}) {
-      TORCH_CHECK(t->scalar_type() == a.x.scalar_type(), "rnnkit fused: layer norm's gains and shifts: expected ",
-                  a.x.scalar_type(), " like x, got ", t->scalar_type());
-    }
+  if (ln_) {  // read as x's dtype per row (ln_pointers): PassArgs::finish checked them
     ln_rows_ = (training ? raw_ : out_).data_ptr(), ln_x_gain_ = a.ln_x_gain.data_ptr();
     ln_x_shift_ = a.ln_x_shift.data_ptr(), ln_h_gain_ = a.ln_h_gain.data_ptr(), ln_h_shift_ = a.ln_h_shift.data_ptr();
     if (training) ln_mean_ = mean_.data_ptr(), ln_rstd_ = rstd_.data_ptr();

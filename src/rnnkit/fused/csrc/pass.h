@@ -249,7 +249,8 @@ class InputSteps {
   // Under layer norm, row b of step t (after step(s, t)): W x as it is (in inference the step's
   // own row, which the loop may overwrite) and `recurrent` (that row's R h), with the statistics
   // of LN_x and LN_h over them (prepare_rows, before the loop's work on the rows). input()
-  // and recurrent() are the normalized Vecs at column q, in layer_norm_apply's one expression.
+  // and recurrent() are the normalized Vecs at column q, in layer_norm_apply's one expression (the
+  // GRU and RNN); the LSTM reads the fields and folds the shifts itself (lstm.cpp).
   template <typename scalar_t>
   struct NormalizedRow {
     using Vec = at::vec::Vectorized<scalar_t>;
