@@ -356,9 +356,15 @@ struct Lstm {
         scalar_t* dcn = tc + H;             // dL/d LN_c(c̃), then dL/dc̃ through LN_c
         scalar_t mc = 0, rc = 0;
         if (ln) mc = mc_p[row], rc = rc_p[row];
-        cell_candidate(gate, cprev, craw, cc);
-        const at::vec::Vectorized<scalar_t> vm(mc), vr(rc);
-        vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) { vstore(cell_tanh(cc, vm, vr, j, n), tc + j, n); });
+        // Without layer norm or a projection nothing needs c̃ and tanh(c̃) as rows: the loop below
+        // computes them in registers, and sums the bias gradient as it writes dA (the same values
+        // as the passes of their own, in one pass over the row instead of four)
+        const bool in_registers = !ln && !proj;
+        if (!in_registers) {
+          cell_candidate(gate, cprev, craw, cc);
+          const at::vec::Vectorized<scalar_t> vm(mc), vr(rc);
+          vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) { vstore(cell_tanh(cc, vm, vr, j, n), tc + j, n); });
+        }
         if (proj)
           for (int64_t j = 0; j < H; ++j) mall_p[row * H + j] = gate[go + j] * tc[j];
         if (ln) {
@@ -366,31 +372,44 @@ struct Lstm {
           row_layer_norm_backward(dcn, cc, H, mc, rc, ln_c_gain, dcn, alc_p + b * H, alc_p + (B + b) * H);
         }
         using Vec = at::vec::Vectorized<scalar_t>;
-        const Vec one(1), zero(0), zp(zc.p), bound(cell_clip);
+        const Vec one(1), zero(0), zp(zc.p), bound(cell_clip), hi(cell_clip), lo(-cell_clip);
         const scalar_t* dz = zc.row(t, b);
         scalar_t* ap = peep ? ap_p + b * n_peep * H : nullptr;
+        scalar_t* abb = in_registers && ab_p ? ab_p + b * GH : nullptr;  // the bias gradient's row
+        const auto put = [&](const Vec& v, int64_t q, int64_t n) {  // dA at gate column q (and Σ dA)
+          vstore(v, dAb + q, n);
+          if (abb) vstore(vload(abb + q, n) + v, abb + q, n);
+        };
         vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) {
           const Vec i = vload(gate + gi + j, n), g = vload(gate + gg + j, n), o = vload(gate + go + j, n);
           const Vec f = gf < 0 ? one - i : vload(gate + gf + j, n);
-          const Vec cp = vload(cprev + j, n), tcj = vload(tc + j, n), dmj = vload(dmb + j, n);
+          const Vec cp = vload(cprev + j, n), dmj = vload(dmb + j, n);
+          Vec raw, clipped, tcj;
+          if (in_registers) {  // cell_candidate's and cell_tanh's expressions
+            raw = f * cp + i * g;
+            clipped = cell_clip > 0 ? at::vec::minimum(at::vec::maximum(raw, lo), hi) : raw;
+            tcj = vtanh(clipped, quick);
+          } else {
+            raw = vload(craw + j, n), clipped = vload(cc + j, n), tcj = vload(tc + j, n);
+          }
           const Vec dcj = vload(dcb + j, n), z = dz ? vload(dz + j, n) : zp;
           const Vec dao = dmj * tcj * o * (one - o);
           Vec dct = (ln ? vload(dcn + j, n) : dmj * o * (one - tcj * tcj)) + dcj * (one - z);
           if (peep) dct = dct + dao * vload(p_o + j, n);
-          if (cell_clip > 0) dct = Vec::blendv(dct, zero, vload(craw + j, n).abs() > bound);
+          if (cell_clip > 0) dct = Vec::blendv(dct, zero, raw.abs() > bound);
           const Vec dai = (gf < 0 ? dct * (g - cp) : dct * g) * i * (one - i);
           const Vec dag = dct * i * (one - g * g);
           Vec dcp = dcj * z + dct * f;
-          vstore(dai, dAb + gi + j, n), vstore(dag, dAb + gg + j, n), vstore(dao, dAb + go + j, n);
+          put(dai, gi + j, n), put(dag, gg + j, n), put(dao, go + j, n);
           if (peep) {
             dcp = dcp + dai * vload(p_i + j, n);
             vstore(vload(ap + j, n) + dai * cp, ap + j, n);
             scalar_t* apo = ap + (n_peep - 1) * H + j;
-            vstore(vload(apo, n) + dao * vload(cc + j, n), apo, n);
+            vstore(vload(apo, n) + dao * clipped, apo, n);
           }
           if (gf >= 0) {
             const Vec daf = dct * cp * f * (one - f);
-            vstore(daf, dAb + gf + j, n);
+            put(daf, gf + j, n);
             if (peep) {
               dcp = dcp + daf * vload(p_f + j, n);
               vstore(vload(ap + H + j, n) + daf * cp, ap + H + j, n);
@@ -402,7 +421,7 @@ struct Lstm {
           row_layer_norm_backward(dAb, gh_p + row * GH, GH, mh_p[row], rh_p[row], ln_h_gain, dgh_p + row * GH,
                                   alh_p + b * GH, alh_p + (B + b) * GH);
         }
-        if (ab_p) add_into(ab_p + b * GH, dAb, GH);
+        if (ab_p && !abb) add_into(ab_p + b * GH, dAb, GH);
       }
     };
 
