@@ -325,7 +325,7 @@ inline void activate_inplace(scalar_t* v, int64_t n, bool quick, const scalar_t*
 
 // tanh of one SIMD vector as tanh_inplace computes it (float: fast_tanh, or quick_tanh; double:
 // Sleef), for loops that fuse it with other pointwise work.
-inline at::vec::Vectorized<float> vtanh(const at::vec::Vectorized<float>& x, bool quick = false) {
+RNNKIT_INLINE at::vec::Vectorized<float> vtanh(const at::vec::Vectorized<float>& x, bool quick = false) {
   return quick ? quick_tanh(x) : fast_tanh(x);
 }
 inline at::vec::Vectorized<double> vtanh(const at::vec::Vectorized<double>& x, bool = false) { return x.tanh(); }
