@@ -53,20 +53,26 @@ struct Lstm {
   int64_t step_time(int64_t s) const { return a.reverse ? T - 1 - s : s; }
   bool valid(int64_t t, int64_t b) const { return mask == nullptr || mask[t * B + b]; }
 
-  // c̃ = f ∘ c_prev + i ∘ g (f = 1 − i with coupled gates) of one row -> raw (optional) and its
-  // clip; the forward and the backward (which recomputes it) share this one expression.
+  // c̃ = f ∘ c_prev + i ∘ g of one vector of values (f = 1 − i with coupled gates, given by the
+  // caller) and its clip: the one expression of the forward and of the backward, which recomputes it.
+  using Vec = at::vec::Vectorized<scalar_t>;
+  Vec candidate(const Vec& i, const Vec& f, const Vec& g, const Vec& c) const { return f * c + i * g; }
+  Vec clip_cell(const Vec& v) const {
+    return cell_clip > 0 ? at::vec::minimum(at::vec::maximum(v, Vec(-cell_clip)), Vec(cell_clip)) : v;
+  }
+
+  // candidate() and clip_cell() over one row -> raw (optional) and clipped.
   // `keep` (training's forward): c_{t-1} copied there as it is read, for the backward.
   void cell_candidate(const scalar_t* gate, const scalar_t* cprev, scalar_t* raw, scalar_t* clipped,
                       scalar_t* keep = nullptr) const {
-    using Vec = at::vec::Vectorized<scalar_t>;
-    const Vec one(1), hi(cell_clip), lo(-cell_clip);
+    const Vec one(1);
     vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) {
       const Vec i = vload(gate + gi + j, n), g = vload(gate + gg + j, n), c = vload(cprev + j, n);
       if (keep) vstore(c, keep + j, n);
       const Vec f = gf < 0 ? one - i : vload(gate + gf + j, n);
-      const Vec v = f * c + i * g;
+      const Vec v = candidate(i, f, g, c);
       if (raw) vstore(v, raw + j, n);
-      vstore(cell_clip > 0 ? at::vec::minimum(at::vec::maximum(v, lo), hi) : v, clipped + j, n);
+      vstore(clip_cell(v), clipped + j, n);
     });
   }
 
@@ -372,7 +378,7 @@ struct Lstm {
           row_layer_norm_backward(dcn, cc, H, mc, rc, ln_c_gain, dcn, alc_p + b * H, alc_p + (B + b) * H);
         }
         using Vec = at::vec::Vectorized<scalar_t>;
-        const Vec one(1), zero(0), zp(zc.p), bound(cell_clip), hi(cell_clip), lo(-cell_clip);
+        const Vec one(1), zero(0), zp(zc.p), bound(cell_clip);
         const scalar_t* dz = zc.row(t, b);
         scalar_t* ap = peep ? ap_p + b * n_peep * H : nullptr;
         scalar_t* abb = in_registers && ab_p ? ab_p + b * GH : nullptr;  // the bias gradient's row
@@ -386,9 +392,7 @@ struct Lstm {
           const Vec cp = vload(cprev + j, n), dmj = vload(dmb + j, n);
           Vec raw, clipped, tcj;
           if (in_registers) {  // cell_candidate's and cell_tanh's expressions
-            raw = f * cp + i * g;
-            clipped = cell_clip > 0 ? at::vec::minimum(at::vec::maximum(raw, lo), hi) : raw;
-            tcj = vtanh(clipped, quick);
+            raw = candidate(i, f, g, cp), clipped = clip_cell(raw), tcj = vtanh(clipped, quick);
           } else {
             raw = vload(craw + j, n), clipped = vload(cc + j, n), tcj = vload(tc + j, n);
           }
