@@ -263,11 +263,14 @@ constexpr int kNR = 4, kXR = 6;          // a block: 4 panels (64 columns) times
     const int64_t panels = panels_of(N);                                                                       \
     const int64_t tile = std::max<int64_t>(kNR, kTileBytes / (2 * panel_elems));                               \
     const int64_t grain = std::max<int64_t>(1, kGrain / (kPanel * K * rows));                                  \
+    const int64_t blocks = (rows + kXR - 1) / kXR;                                                             \
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {                                       \
       for (int64_t t0 = begin; t0 < end; t0 += tile) {                                                         \
         const int64_t t1 = std::min(end, t0 + tile);                                                           \
-        for (int64_t r0 = 0; r0 < rows; r0 += kXR) {                                                           \
-          const int xr = int(std::min<int64_t>(kXR, rows - r0));                                               \
+        for (int64_t i = 0; i < blocks; ++i) {                                                                 \
+          int64_t r0, rc;                                                                                      \
+          row_block(rows, blocks, i, r0, rc);                                                                  \
+          const int xr = int(rc);                                                                              \
           for (int64_t p = t0; p < t1; p += kNR) {                                                             \
             const int np = int(std::min<int64_t>(kNR, t1 - p));                                               \
             const int64_t n = kPanel * p, width = std::min(kPanel * np, N - n);                                \

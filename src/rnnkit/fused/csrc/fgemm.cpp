@@ -106,14 +106,6 @@ constexpr int64_t kTileBytes = 1 << 18;  // bytes of packed M per N tile: stays 
 constexpr int64_t kDepth = 512;          // k per pass over C: a block's panels stay in L1 / L2 across its rows
 constexpr int64_t kAhead = 24;           // strided blocks: X's column prefetched this many k ahead
 
-// Rows [first, first + count) of the i-th of `blocks` row blocks that split `rows` as evenly as
-// possible (32 rows in blocks of at most 6: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2).
-inline void row_block(int64_t rows, int64_t blocks, int64_t i, int64_t& first, int64_t& count) {
-  const int64_t base = rows / blocks, extra = rows % blocks;
-  first = i * base + std::min(i, extra);
-  count = base + (i < extra ? 1 : 0);
-}
-
 }  // namespace
 
 // The kernels, once per instruction set: V (kLanes floats), vzero, vload, vbroadcast, vfmadd,

@@ -6,6 +6,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -96,6 +97,15 @@ KernelChoice<Kernels, N>& kernel_choice(const Kernels (&table)[N], const char* e
 inline void empty_sum(int64_t rows, int64_t N, float beta, float* C, int64_t ldc) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t n = 0; n < N; ++n) C[r * ldc + n] = beta == 0 ? 0.0f : beta * C[r * ldc + n];
+}
+
+// Rows [first, first + count) of the i-th of `blocks` row blocks that split `rows` as evenly as
+// possible (32 rows in blocks of at most 6: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2): the GEMM families'
+// blocks of X's rows.
+inline void row_block(int64_t rows, int64_t blocks, int64_t i, int64_t& first, int64_t& count) {
+  const int64_t base = rows / blocks, extra = rows % blocks;
+  first = i * base + std::min(i, extra);
+  count = base + (i < extra ? 1 : 0);
 }
 
 }  // namespace rnnkit
