@@ -750,7 +750,8 @@ def test_expected_fp32_gemm():
     from rnnkit.app.machine import expected_fp32_gemm
 
     assert expected_fp32_gemm(["avx2", "fma", "avx512f", "avx512bw"], "AVX512") == "avx512"
-    assert expected_fp32_gemm(["avx2", "fma"], "AVX2") == "mkl"
+    assert expected_fp32_gemm(["avx2", "fma"], "AVX2") == "avx2"
+    assert expected_fp32_gemm(["avx2"], "AVX2") == "mkl"  # no FMA: the own AVX2 kernel does not run
     assert expected_fp32_gemm(None, "DEFAULT") == "mkl"
 
 

@@ -72,7 +72,8 @@ def fused_first(spec: RNNSpec, dtype: torch.dtype, steps: Optional[int] = None, 
     if dtype in (torch.bfloat16, torch.float16):
         return grad  # their batched inference, with lengths or not, is oneDNN's
     # float32 padded batches of 5+ rows: training and lengths measured faster where the fused kernels
-    # multiply on their own AVX-512 GEMM; on an AVX2-only CPU (MKL's GEMM) they read 0.95-1.28
+    # multiply on their own AVX-512 GEMM; on an AVX2-only CPU they read 0.95-1.28 on MKL's GEMM and
+    # level (0.96-1.03, training, emulated on Zen 4) on the own AVX2 GEMM
     return (grad or lengths) and _avx512()
 
 
@@ -95,10 +96,12 @@ def select(name: str, spec: RNNSpec, device: torch.device, dtype: torch.dtype, s
     float32, 0.71-1.03 in bfloat16). oneDNN's LSTM keeps the inference of larger padded batches:
     from 16 rows fused takes 0.95-1.03 of its time in float32 and from 8 rows 0.92-1.10 in bfloat16.
     With 2 threads the same (H 256-512, float32): 0.46-0.99 up to 4 rows, 1.00-1.12 from 8 rows, 0.33-0.95
-    in training. On a CPU without AVX-512 the fused kernels' float32 GEMMs are MKL's and their LSTM
-    training of padded batches read 0.95-1.22 of torch.nn's time, with lengths 0.72-1.28 in
-    inference (docs/speed.md, AVX2 EPYC): there a float32 LSTM of 5 rows or more stays on oneDNN,
-    as a bfloat16 / float16 LSTM's inference of 5 rows or more does everywhere (lengths unmeasured).
+    in training. On a CPU without AVX-512 the fused kernels' float32 LSTM training of padded batches
+    read 0.95-1.22 of torch.nn's time on MKL's products, with lengths 0.72-1.28 in inference
+    (docs/speed.md, AVX2 EPYC), and 0.96-1.03 in training on the own AVX2 GEMM that they now take
+    (the Zen 4 EPYC running the AVX2 code, oneDNN limited to AVX2; not yet measured on a CPU without
+    AVX-512): there a float32 LSTM of 5 rows or more stays on oneDNN, as a bfloat16 / float16 LSTM's
+    inference of 5 rows or more does everywhere (lengths unmeasured).
 
     A backend that must be built is built here, by the first call that chooses it (never when it is
     only asked about, as ``backends()`` does); if that fails, ``"auto"`` moves on to the next one.

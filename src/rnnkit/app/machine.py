@@ -50,7 +50,10 @@ def expected_fp32_gemm(flags: Optional[List[str]], torch_capability: str) -> str
     """The float32 GEMM kernels `rnnkit.fused.fp32_gemm()` will report once the fused kernels are
     built, without building them."""
     del torch_capability  # compiled for their instruction set whatever torch dispatches to (fgemm.cpp)
-    return "avx512" if "avx512f" in set(flags or ()) else "mkl"
+    present = set(flags or ())
+    if "avx512f" in present:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= present else "mkl"
 
 
 def expected_int8_kernel(flags: Optional[List[str]], torch_capability: str) -> str:

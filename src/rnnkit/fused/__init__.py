@@ -8,8 +8,8 @@ straight into the pass's gradient block. The kernels are the custom ops
 use by build.py).
 
 float32 and float64 compute natively. float32's products with a weight matrix run on the kernels'
-own GEMM where the CPU has AVX-512 (the weights packed once per pass; `fp32_gemm`, `use_fp32_gemm`),
-on MKL's elsewhere. There the weight gradients run on it too: while the gates' gradient is at most
+own GEMM (the weights packed once per pass; `fp32_gemm`, `use_fp32_gemm`): AVX-512's where the CPU
+has it, AVX2's elsewhere (MKL's on a CPU with neither). With AVX-512 the weight gradients run on it too: while the gates' gradient is at most
 2²¹ floats reading both operands in place, beyond as (Bᵀ · A)ᵀ on the gates' gradient packed once
 (for dR and dW where they share it). bfloat16 and
 float16 tensors are computed in float32 (the weights and inputs as given, accumulation, pointwise
@@ -91,16 +91,16 @@ FP32_GEMMS = {
     "avx512": "the kernels' own float32 GEMM on AVX-512 (weights packed once per pass into panels of 16 columns, "
               "4 panels x 6 rows of sums in zmm registers) for the per-step products, the input projection and dx; "
               "and the weight gradients (read in place up to 2²¹ floats of the gates' gradient, packed beyond)",
-    "avx2": "the kernels' own float32 GEMM on AVX2 + FMA (1 panel x 6 rows of sums in ymm registers): for testing "
-            "the own kernels on CPUs without AVX-512, never chosen by auto (about half MKL's rate on a Zen 4)",
+    "avx2": "the kernels' own float32 GEMM on AVX2 + FMA (1 panel x 6 rows of sums in ymm registers) for the "
+            "per-step products, the input projection and dx, on CPUs without AVX-512; MKL for the weight gradients",
     "mkl": "MKL's packed sgemm (as torch links it) for the per-step products, MKL for the rest",
 }
 
 
 def fp32_gemm() -> str:
-    """The float32 GEMM kernels of the fused passes (a key of `FP32_GEMMS`): the kernels' own where
-    the CPU has AVX-512 (measured faster than MKL on the passes' shapes, benchmarks/README.md), else
-    MKL's; or the ones $RNNKIT_FP32_GEMM names (read at the first use; a ValueError if this CPU
+    """The float32 GEMM kernels of the fused passes (a key of `FP32_GEMMS`): the kernels' own on the
+    CPU's widest vectors, AVX-512 or AVX2 (measured faster than MKL on the passes' shapes,
+    benchmarks/README.md), MKL's on a CPU with neither; or the ones $RNNKIT_FP32_GEMM names (read at the first use; a ValueError if this CPU
     cannot run them). `use_fp32_gemm` changes it. Loads the fused kernels, building them on first use."""
     return build.extension().fp32_gemm()
 

@@ -36,6 +36,9 @@ struct F32Kernels {
                   int64_t wk, int64_t N, int64_t K, float beta, float* C, int64_t ldc);
   bool (*runs_here)();
   bool automatic;  // chosen by "auto" when it runs here (the first such in kKernels' order)
+  // The weight gradients on these kernels too (else MKL's): where their strided blocks were measured
+  // faster than MKL (f32_own_weight_gradients)
+  bool weight_gradients;
 };
 
 // dest[p][k][j] = value(16p + j, k) for n < N, zero for the padding columns.
@@ -119,9 +122,11 @@ constexpr int64_t kAhead = 24;           // strided blocks: X's column prefetche
   template <int NR, int XR, bool S>                                                                            \
   void block(const float* x, int64_t ldx, int64_t xk, const float* w, int64_t panel_floats, int64_t wk,        \
              int64_t depth, int64_t width, float beta, float* C, int64_t ldc) {                                \
+    /* Every loop over XR and NR unrolled (RNNKIT_UNROLL): with the accumulators indexed by constants          \
+       they stay in registers, where GCC otherwise kept them in a stack array across the k loop. */            \
     V acc[XR][NR * kVecs];                                                                                     \
-    for (int r = 0; r < XR; ++r)                                                                               \
-      for (int i = 0; i < NR * kVecs; ++i) acc[r][i] = vzero();                                                \
+    RNNKIT_UNROLL for (int r = 0; r < XR; ++r)                                                                 \
+      RNNKIT_UNROLL for (int i = 0; i < NR * kVecs; ++i) acc[r][i] = vzero();                                  \
     for (int64_t k = 0; k < depth; ++k) {                                                                      \
       V wv[NR * kVecs];                                                                                        \
       const float* wk_row = w + k * (S ? wk : kPanel);                                                         \
@@ -133,11 +138,11 @@ constexpr int64_t kAhead = 24;           // strided blocks: X's column prefetche
         for (int i = 0; i < NR * kVecs; ++i) acc[r][i] = vfmadd(wv[i], xb, acc[r][i]);                         \
       }                                                                                                        \
     }                                                                                                          \
-    for (int r = 0; r < XR; ++r) {                                                                             \
+    RNNKIT_UNROLL for (int r = 0; r < XR; ++r) {                                                               \
       float* c = C + r * ldc;                                                                                  \
-      for (int i = 0; i < NR * kVecs; ++i) {                                                                   \
+      RNNKIT_UNROLL for (int i = 0; i < NR * kVecs; ++i) {                                                     \
         const int64_t n = kLanes * i;                                                                          \
-        if (n >= width) break;                                                                                 \
+        if (n >= width) continue;                                                                              \
         vstore(c + n, std::min<int64_t>(kLanes, width - n), acc[r][i], beta);                                  \
       }                                                                                                        \
     }                                                                                                          \
@@ -256,9 +261,9 @@ bool has_avx512() { return __builtin_cpu_supports("avx512f"); }
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
 const F32Kernels kKernels[] = {
-    {"avx512", avx512::packed, avx512::strided, has_avx512, true},
-    {"avx2", avx2::packed, avx2::strided, has_avx2, false},
-    {"mkl", nullptr, nullptr, runs_everywhere, true},
+    {"avx512", avx512::packed, avx512::strided, has_avx512, true, true},
+    {"avx2", avx2::packed, avx2::strided, has_avx2, true, false},
+    {"mkl", nullptr, nullptr, runs_everywhere, true, false},
 };
 
 }  // namespace
@@ -266,7 +271,7 @@ const F32Kernels kKernels[] = {
 #else
 
 namespace {
-const F32Kernels kKernels[] = {{"mkl", nullptr, nullptr, runs_everywhere, true}};
+const F32Kernels kKernels[] = {{"mkl", nullptr, nullptr, runs_everywhere, true, false}};
 }  // namespace
 
 #endif
@@ -298,6 +303,8 @@ std::atomic<int64_t>& products() {
 const char* f32_kernel() { return current().name; }
 
 bool f32_own_products() { return current().packed != nullptr; }
+
+bool f32_own_weight_gradients() { return f32_own_products() && current().weight_gradients; }
 
 std::vector<std::string> f32_kernels() { return choice().names(); }
 
@@ -340,7 +347,7 @@ bool f32_at_b_in_place(int64_t rows, int64_t N) {
   // the stream and small grid shapes' 102-112 / 83-93, [1600, 1024] by [1600, 256] 100 / 89; from
   // medium's A [3200, 1024] on 82-92 / 90-96, where MKL's copies into its panels pay off.
   constexpr int64_t kInPlaceFloats = int64_t(1) << 21;
-  return f32_own_products() && rows * N <= kInPlaceFloats;
+  return f32_own_weight_gradients() && rows * N <= kInPlaceFloats;
 }
 
 void f32_gemm_at_b(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t rows, int64_t N, int64_t K,

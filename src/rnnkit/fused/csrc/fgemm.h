@@ -3,10 +3,13 @@
 // weight gradients (up to 2²¹ floats of A f32_gemm_at_b, both operands read in place, no panels;
 // beyond, pass.cpp's f32_weight_gradient_packed: (Bᵀ · A)ᵀ with A packed as the right operand).
 // The right operand is packed once per pass into panels of 16 output columns, and a block of
-// panels times a few rows of X keeps its sums in registers (AVX-512: 4 panels x 6 rows, 24 zmm; AVX2: 1 panel x 6 rows, 12 ymm). Chosen over MKL by measurement (benchmarks/fp32_gemm.py):
-// on an AVX-512 EPYC (Zen 4) MKL's sgemm reached 72-96 GFLOP/s on the per-step shapes, oneDNN's
-// 53-105, these kernels 106-116; the AVX2 kernel, 45 there, is for CPUs without AVX-512 to test
-// with ("auto" takes MKL on them).
+// panels times a few rows of X keeps its sums in registers (AVX-512: 4 panels x 6 rows, 24 zmm;
+// AVX2: 1 panel x 6 rows, 12 ymm). Chosen over MKL by measurement (benchmarks/fp32_gemm.py): on an
+// AVX-512 EPYC (Zen 4) MKL's sgemm reached 72-96 GFLOP/s on the per-step shapes, oneDNN's 53-105,
+// these kernels 106-116, and the AVX2 kernel, run there as on a CPU without AVX-512, 72-113
+// against MKL's 54-99 (MKL takes its AVX2 code on that CPU), so "auto" takes it where AVX-512 is
+// missing. The AVX2 kernel's weight gradients (strided blocks) read 40-80 there against MKL's
+// 82-94: with it the weight gradients stay MKL's (f32_own_weight_gradients).
 #pragma once
 
 #include <cstdint>
@@ -22,6 +25,10 @@ const char* f32_kernel();
 
 // Whether the passes multiply on the own kernels (f32_kernel() is not "mkl").
 bool f32_own_products();
+
+// Whether the weight gradients run on the own kernels too (f32_gemm_at_b, f32_gemm_packed_xt):
+// "avx512" only; with "avx2" or "mkl" they are MKL's.
+bool f32_own_weight_gradients();
 
 // The kernels this build and CPU can run ("mkl" always among them).
 std::vector<std::string> f32_kernels();
@@ -53,8 +60,8 @@ void f32_gemm_packed_xt(const float* Xt, int64_t ldxt, int64_t rows, const float
 // dest[c, r] = src[r, c] for src [rows, cols] (ld_src, ld_dest per row).
 void f32_transpose(const float* src, int64_t ld_src, int64_t rows, int64_t cols, float* dest, int64_t ld_dest);
 
-// Whether a weight gradient Aᵀ · B with A [rows, N] goes to f32_gemm_at_b (the own kernels are in
-// use and A is at most 2²¹ floats: measured faster there than MKL and than packing A), or not.
+// Whether a weight gradient Aᵀ · B with A [rows, N] goes to f32_gemm_at_b (f32_own_weight_gradients()
+// and A is at most 2²¹ floats: measured faster there than MKL and than packing A), or not.
 bool f32_at_b_in_place(int64_t rows, int64_t N);
 
 // C[n, k] = Σ_r A[r, n] · B[r, k] (C [N, K] = Aᵀ · B, the weight gradients) on the own kernel in use,

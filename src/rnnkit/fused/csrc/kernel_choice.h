@@ -93,6 +93,10 @@ KernelChoice<Kernels, N>& kernel_choice(const Kernels (&table)[N], const char* e
   return choice;
 }
 
+// A loop over a block's constant count of rows or panels, unrolled whole: the GEMM kernels' accumulators
+// stay in registers only when every index into them is a constant.
+#define RNNKIT_UNROLL _Pragma("GCC unroll 16")
+
 // C[rows, N] = beta · C (beta 0: zeros, C not read): a GEMM family's product over an empty sum (K = 0).
 inline void empty_sum(int64_t rows, int64_t N, float beta, float* C, int64_t ldc) {
   for (int64_t r = 0; r < rows; ++r)

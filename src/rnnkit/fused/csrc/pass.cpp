@@ -312,7 +312,7 @@ void f32_weight_gradient_packed(const Tensor& out, const Tensor& A, const Tensor
 
 void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B, SharedA* shared_A) {
   if (a.W.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && A.scalar_type() == at::kFloat &&
-      B.scalar_type() == at::kFloat && f32_own_products() && out.stride(1) == 1 && A.stride(1) == 1 &&
+      B.scalar_type() == at::kFloat && f32_own_weight_gradients() && out.stride(1) == 1 && A.stride(1) == 1 &&
       B.stride(1) == 1 && A.size(0) > 0) {
     if (f32_at_b_in_place(A.size(0), A.size(1))) {  // both operands read in place, where fgemm measured that faster
       f32_gemm_at_b(A.data_ptr<float>(), A.stride(0), B.data_ptr<float>(), B.stride(0), A.size(0), A.size(1),

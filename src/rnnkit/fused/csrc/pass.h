@@ -168,8 +168,9 @@ struct SharedA {
 // A weight's gradient out[N, K] = Aᵀ · B over the T·B rows of A [T·B, N] and B [T·B, K] (float32 or
 // float64; out row-major with unit stride). A half-precision module's on the CPU's bfloat16
 // products (both operands rounded to bfloat16, sums float32) where it has them (bgemm.h), else
-// the float GEMM: float32 on the own kernels where they are in use (f32_gemm_at_b reading both in
-// place up to 2²¹ floats of A, f32_weight_gradient_packed above), else MKL's.
+// the float GEMM: float32 on the own kernels where they take the weight gradients (AVX-512,
+// f32_own_weight_gradients: f32_gemm_at_b reading both in place up to 2²¹ floats of A,
+// f32_weight_gradient_packed above), else MKL's.
 // `shared_A`: the caller's slot for an A that two gradients take (SharedA), or null.
 void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B,
                      SharedA* shared_A = nullptr);
