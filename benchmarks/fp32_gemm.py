@@ -15,7 +15,7 @@ With ``--weight-gradients``: each grid shape's two LSTM weight gradients Aᵀ ·
 MKL (``torch.mm(A.t(), B)``) against the own kernels reading both in place (``f32_gemm_at_b``)
 and as (Bᵀ · A)ᵀ on A packed into panels (``f32_gemm_at_b_packed``: the packing, Bᵀ read in place
 and the result's transpose timed), and which a pass takes (``f32_at_b_in_place``: in place while A is at most 2²¹
-floats, packed beyond; MKL where the own kernels are not in use).
+floats, packed beyond; MKL where the kernel in use does not take the weight gradients: ``avx2``, ``mkl``).
 """
 from __future__ import annotations
 
@@ -97,7 +97,10 @@ def weight_gradients(args: argparse.Namespace, extension, own: list[str]) -> lis
                 with use_fp32_gemm(kernel):
                     rates.append(flop / best_seconds(lambda: extension.f32_gemm_at_b(A, B), args.repeats))
                     rates.append(flop / best_seconds(lambda: extension.f32_gemm_at_b_packed(A, B), args.repeats))
-            taken = "in place" if extension.f32_at_b_in_place(rows, N) else "packed"
+            if not extension.f32_own_weight_gradients():
+                taken = "MKL"
+            else:
+                taken = "in place" if extension.f32_at_b_in_place(rows, N) else "packed"
             lines.append(f"| {name} {label} | {rows} × {N}, {K} | " + " | ".join(f"{r:.1f}" for r in rates)
                          + f" | {taken} |")
     return lines

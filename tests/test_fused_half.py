@@ -639,8 +639,9 @@ def test_rounded_products_round_both_operands_and_the_gradient_entering_them():
 
 
 def test_auto_leaves_float32_lstm_training_to_onednn_without_avx512(monkeypatch):
-    """Without AVX-512 the fused kernels' float32 GEMMs are MKL's, measured no faster than oneDNN's
-    LSTM in training or with lengths: auto runs a float32 LSTM of 5 rows or more on `native` there,
+    """Without AVX-512 the fused kernels' float32 LSTM was measured no faster than oneDNN's in
+    training or with lengths (on MKL's products on an AVX2 EPYC; level on the own AVX2 kernel,
+    emulated): auto runs a float32 LSTM of 5 rows or more on `native` there,
     and still GRUs, bfloat16 training and batches of up to 4 rows on `fused`."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     lstm, gru = rnnkit.LSTM(3, 4), rnnkit.GRU(3, 4)

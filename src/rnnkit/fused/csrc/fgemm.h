@@ -6,10 +6,11 @@
 // panels times a few rows of X keeps its sums in registers (AVX-512: 4 panels x 6 rows, 24 zmm;
 // AVX2: 1 panel x 6 rows, 12 ymm). Chosen over MKL by measurement (benchmarks/fp32_gemm.py): on an
 // AVX-512 EPYC (Zen 4) MKL's sgemm reached 72-96 GFLOP/s on the per-step shapes, oneDNN's 53-105,
-// these kernels 106-116, and the AVX2 kernel, run there as on a CPU without AVX-512, 72-113
-// against MKL's 54-99 (MKL takes its AVX2 code on that CPU), so "auto" takes it where AVX-512 is
-// missing. The AVX2 kernel's weight gradients (strided blocks) read 40-80 there against MKL's
-// 82-94: with it the weight gradients stay MKL's (f32_own_weight_gradients).
+// these kernels 106-116, and the AVX2 kernel, run there as on a CPU without AVX-512, 75-113
+// against MKL's 66-99 (MKL takes its AVX2 code on that CPU; benchmarks/results/2026-11-28zf-*),
+// so "auto" takes it where AVX-512 is missing. The AVX2 kernel's weight gradients (strided blocks)
+// read 40-80 there against MKL's 82-94: with it the weight gradients stay MKL's
+// (f32_own_weight_gradients).
 #pragma once
 
 #include <cstdint>

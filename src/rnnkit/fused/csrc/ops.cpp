@@ -471,7 +471,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              [](const at::Tensor& C, const at::Tensor& A, const at::Tensor& B) { rnnkit::bf16_weight_gradient(C, A, B); }),
         py::arg("A"), py::arg("B"), "Aᵀ · B as a bfloat16 module's weight gradient: operands rounded to bfloat16");
   m.def("f32_at_b_in_place", &rnnkit::f32_at_b_in_place, py::arg("rows"), py::arg("N"),
-        "whether a pass's weight gradient Aᵀ · B with A [rows, N] runs on f32_gemm_at_b (else f32_gemm_at_b_packed)");
+        "whether a pass's weight gradient Aᵀ · B with A [rows, N] runs on f32_gemm_at_b (else "
+        "f32_gemm_at_b_packed where f32_own_weight_gradients(), MKL's otherwise)");
+  m.def("f32_own_weight_gradients", &rnnkit::f32_own_weight_gradients,
+        "whether a pass's float32 weight gradients run on the own kernels (avx512), not MKL's");
   m.def("f32_gemm_count", &rnnkit::f32_gemm_count, "products the own float32 kernels have taken (tests)");
   m.def("fp32_gemm", [] { return std::string(rnnkit::f32_kernel()); },
         "the float32 GEMM kernels in use: avx512, avx2 (the kernels' own) or mkl");
