@@ -9,9 +9,10 @@ use by build.py).
 
 float32 and float64 compute natively. float32's products with a weight matrix run on the kernels'
 own GEMM (the weights packed once per pass; `fp32_gemm`, `use_fp32_gemm`): AVX-512's where the CPU
-has it, AVX2's elsewhere (MKL's on a CPU with neither). With AVX-512 the weight gradients run on it too: while the gates' gradient is at most
-2²¹ floats reading both operands in place, beyond as (Bᵀ · A)ᵀ on the gates' gradient packed once
-(for dR and dW where they share it). bfloat16 and
+has it, AVX2's elsewhere (MKL's on a CPU with neither). With AVX-512 the weight gradients run on it
+too: while the gates' gradient is at most 2²¹ floats reading both operands in place, beyond as
+(Bᵀ · A)ᵀ on the gates' gradient packed once (for dR and dW where they share it); with AVX2 they
+are MKL's. bfloat16 and
 float16 tensors are computed in float32 (the weights and inputs as given, accumulation, pointwise
 math and the carried state in float32) and the outputs rounded back. The kernels read a half-precision module's matrices (W, R, W_hr) as
 they are: one step of a few rows widens each value as it is loaded, reading half of float32's
@@ -100,8 +101,9 @@ FP32_GEMMS = {
 def fp32_gemm() -> str:
     """The float32 GEMM kernels of the fused passes (a key of `FP32_GEMMS`): the kernels' own on the
     CPU's widest vectors, AVX-512 or AVX2 (measured faster than MKL on the passes' shapes,
-    benchmarks/README.md), MKL's on a CPU with neither; or the ones $RNNKIT_FP32_GEMM names (read at the first use; a ValueError if this CPU
-    cannot run them). `use_fp32_gemm` changes it. Loads the fused kernels, building them on first use."""
+    benchmarks/README.md), MKL's on a CPU with neither; or the ones $RNNKIT_FP32_GEMM names (read
+    at the first use; a ValueError if this CPU cannot run them). `use_fp32_gemm` changes it. Loads
+    the fused kernels, building them on first use."""
     return build.extension().fp32_gemm()
 
 
