@@ -42,11 +42,12 @@ struct Lstm {
     quick = a.quick_activations(true);  // a backward recomputes a training forward's values
   }
 
+  using Vec = at::vec::Vectorized<scalar_t>;  // every loop's vector type
+
   // tanh(LN_c(c̃)) of the n values at j of a clipped-c̃ row (LN_c with mean / rstd only under
   // layer norm): the forward's m = o ∘ this, and the backward's recomputation of it.
-  at::vec::Vectorized<scalar_t> cell_tanh(const scalar_t* cc, const at::vec::Vectorized<scalar_t>& mean,
-                                          const at::vec::Vectorized<scalar_t>& rstd, int64_t j, int64_t n) const {
-    const at::vec::Vectorized<scalar_t> v = vload(cc + j, n);
+  Vec cell_tanh(const scalar_t* cc, const Vec& mean, const Vec& rstd, int64_t j, int64_t n) const {
+    const Vec v = vload(cc + j, n);
     return vtanh(ln ? layer_norm_apply(v, mean, rstd, ln_c_gain, ln_c_shift, j, n) : v, quick);
   }
 
@@ -55,7 +56,6 @@ struct Lstm {
 
   // c̃ = f ∘ c_prev + i ∘ g of one vector of values (f = 1 − i with coupled gates, given by the
   // caller) and its clip: the one expression of the forward and of the backward, which recomputes it.
-  using Vec = at::vec::Vectorized<scalar_t>;
   Vec candidate(const Vec& i, const Vec& f, const Vec& g, const Vec& c) const { return f * c + i * g; }
   Vec clip_cell(const Vec& v) const {
     return cell_clip > 0 ? at::vec::minimum(at::vec::maximum(v, Vec(-cell_clip)), Vec(cell_clip)) : v;
@@ -78,7 +78,6 @@ struct Lstm {
 
   // state = z ∘ state + (1 − z) ∘ v over n values (z: the row's indicators, or the constant p).
   static void zone_into(scalar_t* state, const scalar_t* v, const scalar_t* zrow, scalar_t p, int64_t n) {
-    using Vec = at::vec::Vectorized<scalar_t>;
     if (zrow == nullptr && p == 0) {
       std::copy(v, v + n, state);
       return;
@@ -138,7 +137,6 @@ struct Lstm {
     // row loop writes them itself where h is m (no projection, no zoneout of h).
     const bool m_is_h = !proj && !zh.on();
     auto finish_h = [&](int64_t t, int64_t b0, int64_t b1) {
-      using Vec = at::vec::Vectorized<scalar_t>;
       for (int64_t b = b0; b < b1; ++b) {
         scalar_t* hb = h_p + b * Hr;
         scalar_t* yb = y_p + (t * B + b) * Hr;
@@ -178,7 +176,6 @@ struct Lstm {
         R_right.multiply(hin_p, Hr, 1, gx_t, GH);  // W x + R h
       }
       for_rows(B, GH * 8, [&](int64_t b0, int64_t b1) {
-        using Vec = at::vec::Vectorized<scalar_t>;
         if (ln) steps.prepare_rows(t, static_cast<const scalar_t*>(gh_t), b0, b1);
         for (int64_t b = b0; b < b1; ++b) {
           scalar_t* cb = c_p + b * H;
@@ -322,7 +319,6 @@ struct Lstm {
         const scalar_t* dyb = dy_p + (t * B + b) * Hr;
         const bool* cl = clipped_p ? clipped_p + (t * B + b) * P : nullptr;
         const scalar_t* rmb = rm ? rm + b * Hr : nullptr;
-        using Vec = at::vec::Vectorized<scalar_t>;
         const Vec one(1), zp(zh.p);
         vec_loop<scalar_t>(Hr, [&](int64_t j, int64_t n) {
           const Vec dstate = vload(dhd + j, n) + (rmb ? vload(rmb + j, n) * vload(dhr + j, n) : vload(dhr + j, n));
@@ -368,7 +364,7 @@ struct Lstm {
         const bool in_registers = !ln && !proj;
         if (!in_registers) {
           cell_candidate(gate, cprev, craw, cc);
-          const at::vec::Vectorized<scalar_t> vm(mc), vr(rc);
+          const Vec vm(mc), vr(rc);
           vec_loop<scalar_t>(H, [&](int64_t j, int64_t n) { vstore(cell_tanh(cc, vm, vr, j, n), tc + j, n); });
         }
         if (proj)
@@ -377,7 +373,6 @@ struct Lstm {
           for (int64_t j = 0; j < H; ++j) dcn[j] = dmb[j] * gate[go + j] * (scalar_t(1) - tc[j] * tc[j]);
           row_layer_norm_backward(dcn, cc, H, mc, rc, ln_c_gain, dcn, alc_p + b * H, alc_p + (B + b) * H);
         }
-        using Vec = at::vec::Vectorized<scalar_t>;
         const Vec one(1), zero(0), zp(zc.p), bound(cell_clip);
         const scalar_t* dz = zc.row(t, b);
         scalar_t* ap = peep ? ap_p + b * n_peep * H : nullptr;
