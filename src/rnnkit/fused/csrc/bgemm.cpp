@@ -40,6 +40,9 @@ struct Bf16Kernels {
   const char* name;
   // X [rows, K] (or, transposed, A = Xᵀ [K, rows]) rounded into out [rows, ld], K padded with zeros to ld
   void (*round)(const float* X, int64_t rows, int64_t ldx, bool transposed, int64_t K, int64_t ld, uint16_t* out);
+  // The same into columns [0, K) of out's rows only (no padding written)
+  void (*round_part)(const float* X, int64_t rows, int64_t ldx, bool transposed, int64_t K, int64_t ld,
+                     uint16_t* out);
   // C = x · Mᵀ (+ beta C) from rounded x [rows, ld], M packed
   void (*rounded)(const uint16_t* x, int64_t rows, int64_t ld, const uint16_t* packed, int64_t N, int64_t K,
                   float beta, float* C, int64_t ldc);
@@ -129,15 +132,18 @@ constexpr int kNR = 4, kXR = 6;          // a block: 4 panels (64 columns) times
 // The kernels, once per instruction set: `dot(acc, w, x)` adds w's and x's two bfloat16 products
 // per 32-bit lane into acc's float32 lanes.
 #define RNNKIT_BF16_KERNEL_BODY                                                                                  \
-  /* 16 floats as bfloat16, rounded to nearest even (NaN stays a quiet NaN), in memory order. */                 \
-  inline __m256i round16(__m512 v) {                                                                           \
+  /* 16 floats as bfloat16, rounded to nearest even (NaN stays a quiet NaN): each in the low half of */        \
+  /* its 32-bit lane, the high half zero. */                                                                   \
+  inline __m512i round32(__m512 v) {                                                                           \
     const __m512i bits = _mm512_castps_si512(v);                                                               \
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));                   \
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16); \
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16); \
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                              \
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));                    \
-    return _mm512_cvtepi32_epi16(r);                                                                           \
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));                 \
   }                                                                                                            \
+                                                                                                               \
+  /* The same in memory order, 16 bfloat16 values. */                                                         \
+  inline __m256i round16(__m512 v) { return _mm512_cvtepi32_epi16(round32(v)); }                                \
                                                                                                                \
   /* X's rows as bfloat16 into out, K zero-padded to whole pairs: one row per `ld` values. */                 \
   void round_rows(const float* X, int64_t rows, int64_t ldx, int64_t K, int64_t ld, uint16_t* out) {           \
@@ -150,7 +156,6 @@ constexpr int kNR = 4, kXR = 6;          // a block: 4 panels (64 columns) times
         const __mmask16 m = __mmask16((1u << (K - k)) - 1);                                                   \
         _mm256_mask_storeu_epi16(o + k, m, round16(_mm512_maskz_loadu_ps(m, x + k)));                         \
       }                                                                                                        \
-      std::fill(o + K, o + ld, uint16_t(0));                                                                   \
     }                                                                                                          \
   }                                                                                                            \
                                                                                                                \
@@ -173,18 +178,27 @@ constexpr int kNR = 4, kXR = 6;          // a block: 4 panels (64 columns) times
           _mm256_mask_storeu_epi16(out + (r0 + r) * ld + k0, m, round16(_mm512_maskz_loadu_ps(m, tile + r * kPanel))); \
       }                                                                                                        \
     }                                                                                                          \
-    for (int64_t r = 0; r < rows; ++r) std::fill(out + r * ld + K, out + (r + 1) * ld, uint16_t(0));           \
   }                                                                                                            \
                                                                                                                \
-  void round(const float* X, int64_t rows, int64_t ldx, bool transposed, int64_t K, int64_t ld, uint16_t* out) { \
+  /* Either, into columns [0, K) of out's rows and nothing else (bf16_round_part's pieces) */                  \
+  void round_part(const float* X, int64_t rows, int64_t ldx, bool transposed, int64_t K, int64_t ld,           \
+                  uint16_t* out) {                                                                             \
     (transposed ? round_columns : round_rows)(X, rows, ldx, K, ld, out);                                       \
   }                                                                                                            \
                                                                                                                \
+  /* Either, K padded with zeros to ld */                                                                      \
+  void round(const float* X, int64_t rows, int64_t ldx, bool transposed, int64_t K, int64_t ld, uint16_t* out) { \
+    round_part(X, rows, ldx, transposed, K, ld, out);                                                          \
+    if (K < ld)                                                                                                \
+      for (int64_t r = 0; r < rows; ++r) std::fill(out + r * ld + K, out + (r + 1) * ld, uint16_t(0));         \
+  }                                                                                                            \
+                                                                                                               \
   /* bf16_pack_float_transposed's and bf16_pack_transposed's layout from M [K, N] (ld per row): rows */      \
-  /* 2g and 2g + 1, 16 columns each as bfloat16 bits (`bits16(row, mask)`, zeros past N), interleaved */       \
-  /* into one 64-byte group (k = 2g in each 32-bit lane's low half), as pack_panels lays them out. */          \
+  /* 2g and 2g + 1, 16 columns each as bfloat16 bits (`bits32(row, mask)`: in the low halves of 32-bit */     \
+  /* lanes, zeros past N), interleaved into one 64-byte group (k = 2g in each lane's low half), as */          \
+  /* pack_panels lays them out. */                                                                             \
   template <typename T, typename Bits>                                                                         \
-  void interleave_pairs(const T* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest, const Bits& bits16) {    \
+  void interleave_pairs(const T* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest, const Bits& bits32) {    \
     const int64_t groups = pairs_of(K), panels = panels_of(N);                                                 \
     at::parallel_for(0, panels, pack_grain(K), [&](int64_t begin, int64_t end) {                               \
       for (int64_t p = begin; p < end; ++p) {                                                                  \
@@ -192,9 +206,8 @@ constexpr int kNR = 4, kXR = 6;          // a block: 4 panels (64 columns) times
         const __mmask16 m = __mmask16((1u << std::min(kPanel, N - kPanel * p)) - 1);                          \
         const T* col = M + kPanel * p;                                                                         \
         for (int64_t g = 0; g < groups; ++g) {                                                                 \
-          const __m512i even = _mm512_cvtepu16_epi32(bits16(col + 2 * g * ld, m));                             \
-          const __m512i odd = 2 * g + 1 < K ? _mm512_cvtepu16_epi32(bits16(col + (2 * g + 1) * ld, m))        \
-                                            : _mm512_setzero_si512();                                          \
+          const __m512i even = bits32(col + 2 * g * ld, m);                                                     \
+          const __m512i odd = 2 * g + 1 < K ? bits32(col + (2 * g + 1) * ld, m) : _mm512_setzero_si512();      \
           _mm512_storeu_si512(panel + 2 * kPanel * g, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));      \
         }                                                                                                      \
       }                                                                                                        \
@@ -204,13 +217,15 @@ constexpr int kNR = 4, kXR = 6;          // a block: 4 panels (64 columns) times
   /* float32 rows rounded to bfloat16 (nearest even) as they are read */                                       \
   void pack_float_transposed(const float* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest) {              \
     interleave_pairs(M, ld, N, K, dest,                                                                        \
-                     [](const float* row, __mmask16 m) { return round16(_mm512_maskz_loadu_ps(m, row)); });    \
+                     [](const float* row, __mmask16 m) { return round32(_mm512_maskz_loadu_ps(m, row)); });    \
   }                                                                                                            \
                                                                                                                \
   /* bfloat16 rows as they are */                                                                              \
   void pack_transposed(const uint16_t* M, int64_t ld, int64_t N, int64_t K, uint16_t* dest) {                  \
     interleave_pairs(M, ld, N, K, dest,                                                                        \
-                     [](const uint16_t* row, __mmask16 m) { return _mm256_maskz_loadu_epi16(m, row); });       \
+                     [](const uint16_t* row, __mmask16 m) {                                                    \
+                       return _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row));                         \
+                     });                                                                                       \
   }                                                                                                            \
                                                                                                                \
   /* C[XR rows, NR panels of 16 columns (the last cut at `width`)]. */                                         \
@@ -325,11 +340,11 @@ bool has_avx512() {
 bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 
 const Bf16Kernels kKernels[] = {
-    {"avx512-bf16", avx512_bf16::round, avx512_bf16::rounded, avx512_bf16::pack_float_transposed,
-     avx512_bf16::pack_transposed, has_avx512_bf16, true},
-    {"emulated-bf16", emulated_bf16::round, emulated_bf16::rounded, emulated_bf16::pack_float_transposed,
-     emulated_bf16::pack_transposed, has_avx512, false},
-    {"none", nullptr, nullptr, nullptr, nullptr, runs_everywhere, true},
+    {"avx512-bf16", avx512_bf16::round, avx512_bf16::round_part, avx512_bf16::rounded,
+     avx512_bf16::pack_float_transposed, avx512_bf16::pack_transposed, has_avx512_bf16, true},
+    {"emulated-bf16", emulated_bf16::round, emulated_bf16::round_part, emulated_bf16::rounded,
+     emulated_bf16::pack_float_transposed, emulated_bf16::pack_transposed, has_avx512, false},
+    {"none", nullptr, nullptr, nullptr, nullptr, nullptr, runs_everywhere, true},
 };
 
 }  // namespace
@@ -337,7 +352,7 @@ const Bf16Kernels kKernels[] = {
 #else
 
 namespace {
-const Bf16Kernels kKernels[] = {{"none", nullptr, nullptr, nullptr, nullptr, runs_everywhere, true}};
+const Bf16Kernels kKernels[] = {{"none", nullptr, nullptr, nullptr, nullptr, nullptr, runs_everywhere, true}};
 }  // namespace
 
 #endif
@@ -411,6 +426,36 @@ Bf16RoundedX bf16_round(const float* X, int64_t rows, int64_t ldx, bool transpos
   if (rows > 0 && K > 0) k.round(X, rows, ldx, transposed, K, x.ld, out);
   x.data = out;
   return x;
+}
+
+Bf16RoundedX bf16_rounded_buffer(int64_t rows, int64_t K) {
+  in_use();
+  Bf16RoundedX x;
+  x.rows = rows, x.K = K, x.ld = 2 * pairs_of(K);
+  x.storage = cached_empty({std::max<int64_t>(1, rows * x.ld)}, at::kShort);
+  uint16_t* out = reinterpret_cast<uint16_t*>(x.storage.data_ptr<int16_t>());
+  if (poison_flag()) x.storage.fill_(-1);  // as bf16_round's: what no part writes shows as NaN
+  if (K < x.ld)
+    for (int64_t r = 0; r < rows; ++r) std::fill(out + r * x.ld + K, out + (r + 1) * x.ld, uint16_t(0));
+  x.data = out;
+  return x;
+}
+
+void bf16_round_part(const float* X, int64_t rows, int64_t ldx, bool transposed, int64_t K, const Bf16RoundedX& out,
+                     int64_t first_row, int64_t first_k) {
+  TORCH_CHECK(first_row >= 0 && first_k >= 0 && first_row + rows <= out.rows && first_k + K <= out.K,
+              "rnnkit fused: bf16_round_part: [", rows, ", ", K, "] at (", first_row, ", ", first_k,
+              ") outside a rounding of [", out.rows, ", ", out.K, "]");
+  if (rows <= 0 || K <= 0) return;
+  in_use().round_part(X, rows, ldx, transposed, K, out.ld, const_cast<uint16_t*>(out.data) + first_row * out.ld + first_k);
+}
+
+Bf16RoundedX bf16_rows_of(const Bf16RoundedX& X, int64_t first_row, int64_t rows) {
+  TORCH_CHECK(first_row >= 0 && rows >= 0 && first_row + rows <= X.rows, "rnnkit fused: bf16_rows_of: rows [",
+              first_row, ", ", first_row + rows, ") of ", X.rows);
+  Bf16RoundedX part = X;
+  part.data = X.data + first_row * X.ld, part.rows = rows;
+  return part;
 }
 
 void bf16_gemm_rounded(const Bf16RoundedX& X, const uint16_t* packed, int64_t N, float beta, float* C, int64_t ldc) {

@@ -69,6 +69,19 @@ struct Bf16RoundedX {
 // row of A), rounded to nearest even as bf16_gemm_packed(_t) rounds it. Needs bf16_kernel() other than "none".
 Bf16RoundedX bf16_round(const float* X, int64_t rows, int64_t ldx, bool transposed, int64_t K);
 
+// A rounding of X [rows, K] to be written piece by piece with bf16_round_part (a backward's dG, a
+// step's rows at a time while they are in cache): K's padding zeroed, the rest left to the pieces.
+Bf16RoundedX bf16_rounded_buffer(int64_t rows, int64_t K);
+
+// float32 X [rows, K] (ldx per row), or with `transposed` X[r, k] = A[k, r] for A [K, rows], rounded
+// as bf16_round rounds it into rows [first_row, first_row + rows) and columns [first_k, first_k + K) of
+// `out` (from bf16_rounded_buffer), nothing else written.
+void bf16_round_part(const float* X, int64_t rows, int64_t ldx, bool transposed, int64_t K, const Bf16RoundedX& out,
+                     int64_t first_row, int64_t first_k);
+
+// Rows [first_row, first_row + rows) of a rounding, as a rounding of their own (sharing X's storage).
+Bf16RoundedX bf16_rows_of(const Bf16RoundedX& X, int64_t first_row, int64_t rows);
+
 // C[r, n] = Σ_k X[r, k] · M[n, k] + beta · C[r, n] for X rounded by bf16_round, M [N, X.K] packed by
 // bf16_pack / bf16_pack_(float_)transposed: bf16_gemm_packed(_t)'s result, bit for bit.
 void bf16_gemm_rounded(const Bf16RoundedX& X, const uint16_t* packed, int64_t N, float beta, float* C, int64_t ldc);

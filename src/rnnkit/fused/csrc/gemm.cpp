@@ -357,6 +357,14 @@ PackedRight<float>::PackedRight(const HalfRows& M, int64_t rows, int64_t N, int6
 }
 
 template <>
+void PackedRight<float>::multiply(const Bf16RoundedX& X, float beta, float* C, int64_t ldc) const {
+  TORCH_CHECK(bf16_packed_ != nullptr && X.rows == rows_ && X.K == K_, "rnnkit fused: a rounded [", X.rows, ", ", X.K,
+              "] operand for a product of [", rows_, ", ", K_, "] that ", bf16_packed_ ? "takes" : "does not take",
+              " rounded operands");
+  bf16_gemm_rounded(X, bf16_packed_, N_, beta, C, ldc);
+}
+
+template <>
 void PackedRight<float>::multiply(const float* X, int64_t ldx, float beta, float* C, int64_t ldc) const {
   if (rows_ == 0) return;
   if (quantized_scale_ != nullptr && !storage_.defined()) {  // unpacked: M read once per four rows
@@ -418,6 +426,11 @@ PackedRight<double>::PackedRight(const QuantizedRows&, int64_t, int64_t, int64_t
 template <>
 PackedRight<double>::PackedRight(const HalfRows&, int64_t, int64_t, int64_t, const Tensor&, bool, bool) {
   TORCH_CHECK(false, "rnnkit fused: bfloat16 / float16 weights compute in float32, not float64");
+}
+
+template <>
+void PackedRight<double>::multiply(const Bf16RoundedX&, float, float*, int64_t) const {
+  TORCH_CHECK(false, "rnnkit fused: float64 products take no bfloat16 operands");
 }
 
 template <>

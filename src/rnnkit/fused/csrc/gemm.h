@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "bgemm.h"
 #include "qgemm.h"
 
 namespace rnnkit {
@@ -45,6 +46,11 @@ class PackedRight {
   PackedRight(const HalfRows& M, int64_t rows, int64_t N, int64_t K, const Tensor& like, bool pack,
               bool transposed = false);
   void multiply(const scalar_t* X, int64_t ldx, scalar_t beta, scalar_t* C, int64_t ldc) const;
+  // Whether M is packed for the CPU's bfloat16 products, where X may come rounded already (below).
+  bool takes_rounded() const { return bf16_packed_ != nullptr; }
+  // The product of X rounded by bf16_round (or pieced by bf16_round_part), rows_ of them: what
+  // multiply gives for the float32 X they were rounded from, bit for bit. Needs takes_rounded().
+  void multiply(const Bf16RoundedX& X, float beta, float* C, int64_t ldc) const;
 
  private:
   void pack_float(const Tensor& like, bool pack);  // matrix_ into storage_ with MKL's packing (float32)

@@ -274,19 +274,21 @@ void InputSteps::compute_chunk(int64_t s) {
 }
 
 void bf16_weight_gradient(const Tensor& out, const Tensor& A, const Tensor& B, Bf16RoundedX* rounded_A) {
-  TORCH_CHECK(out.stride(1) == 1 && A.stride(1) == 1 && B.stride(1) == 1,
-              "rnnkit fused: bf16_weight_gradient: rows with unit stride");
-  const int64_t rows = A.size(0), N = A.size(1), K = B.size(1);
-  Tensor packed = cached_empty({bf16_packed_bytes(K, rows) / int64_t(sizeof(float))}, A);
-  uint16_t* panels = reinterpret_cast<uint16_t*>(packed.data_ptr<float>());
-  bf16_pack_float_transposed(B.data_ptr<float>(), B.stride(0), K, rows, panels);
-  // Aᵀ's rows (N of T·B) read from A in place, transposed as they are rounded: once for every
-  // gradient that shares A
   Bf16RoundedX local;
   Bf16RoundedX& x = rounded_A ? *rounded_A : local;
-  if (x.data == nullptr) x = bf16_round(A.data_ptr<float>(), N, A.stride(0), true, rows);
-  TORCH_CHECK(x.rows == N && x.K == rows, "rnnkit fused: bf16_weight_gradient: a shared rounding of [", x.K, ", ",
-              x.rows, "] for A [", rows, ", ", N, "]");
+  TORCH_CHECK(A.defined() || x.data != nullptr, "rnnkit fused: bf16_weight_gradient: no A and no rounding of it");
+  TORCH_CHECK(out.stride(1) == 1 && (!A.defined() || A.stride(1) == 1) && B.stride(1) == 1,
+              "rnnkit fused: bf16_weight_gradient: rows with unit stride");
+  const int64_t rows = B.size(0), K = B.size(1);
+  // Aᵀ's rows (N of T·B) read from A in place, transposed as they are rounded: once for every
+  // gradient that shares A
+  if (x.data == nullptr) x = bf16_round(A.data_ptr<float>(), A.size(1), A.stride(0), true, A.size(0));
+  TORCH_CHECK(x.K == rows && x.rows == out.size(0) && (!A.defined() || (A.size(0) == rows && A.size(1) == x.rows)),
+              "rnnkit fused: bf16_weight_gradient: a rounding of Aᵀ [", x.rows, ", ", x.K, "] for B [", rows, ", ", K,
+              "] and out [", out.size(0), ", ", out.size(1), "]");
+  Tensor packed = cached_empty({bf16_packed_bytes(K, rows) / int64_t(sizeof(float))}, B);
+  uint16_t* panels = reinterpret_cast<uint16_t*>(packed.data_ptr<float>());
+  bf16_pack_float_transposed(B.data_ptr<float>(), B.stride(0), K, rows, panels);
   bf16_gemm_rounded(x, panels, K, 0, out.data_ptr<float>(), out.stride(0));
 }
 
@@ -311,6 +313,12 @@ void f32_weight_gradient_packed(const Tensor& out, const Tensor& A, const Tensor
 }
 
 void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B, SharedA* shared_A) {
+  if (!A.defined()) {  // rounded by the caller
+    TORCH_CHECK(shared_A != nullptr && shared_A->bf16.data != nullptr,
+                "rnnkit fused: weight_gradient: no A and no rounding of it");
+    bf16_weight_gradient(out, A, B, &shared_A->bf16);
+    return;
+  }
   if (a.W.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && A.scalar_type() == at::kFloat &&
       B.scalar_type() == at::kFloat && f32_own_weight_gradients() && out.stride(1) == 1 && A.stride(1) == 1 &&
       B.stride(1) == 1 && A.size(0) > 0) {
@@ -332,6 +340,20 @@ void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, cons
 Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tensor& raw, const Tensor& mean,
                                  const Tensor& rstd, const GradNeeds& needs, WeightGrads& grads,
                                  SharedA* shared_dA) {
+  if (!dA.defined()) {  // rounded to bfloat16 by the caller, as rows and transposed
+    TORCH_CHECK(shared_dA != nullptr && shared_dA->bf16_rows.data != nullptr && !a.ln_x_gain.defined(),
+                "rnnkit fused: input_projection_backward: no dA and no rounding of it");
+    if (needs.dW) {
+      weight_gradient(a, grads.slot[kW], Tensor(), a.x.view({a.T * a.B, a.I}), shared_dA);
+    } else {
+      grads.slot[kW].zero_();
+    }
+    if (!needs.dx) return Tensor();
+    Tensor dx = cached_empty({a.T * a.B, a.I}, a.x);
+    const PackedRight<float> W(a.half_rows(kW, 0), a.T * a.B, a.I, a.GH, a.x, false, true);
+    W.multiply(shared_dA->bf16_rows, 0, dx.data_ptr<float>(), a.I);
+    return dx.view({a.T, a.B, a.I});
+  }
   if (a.ln_x_gain.defined()) {
     // LN_x's backward row by row; each thread accumulates dγ, dβ in its own row of `acc`.
     const int64_t rows = dA.size(0), n = a.GH;

@@ -160,8 +160,11 @@ PackedRight<scalar_t> backward_operand(const PassArgs& a, WeightSlot slot, int64
 // both), A as their products read it, prepared by the first of them and read by the second: rounded
 // to bfloat16 and transposed (the bfloat16 products), or packed in the own float32 kernels' panels
 // (a float32 gradient too large to read A in place, f32_weight_gradient_packed).
+// A caller may also fill `bf16` itself (and `bf16_rows`, A rounded as rows: dx's operand), where it
+// rounded A a step at a time as it wrote it, and then pass an undefined A (lstm.cpp's rounded dG).
 struct SharedA {
   Bf16RoundedX bf16;
+  Bf16RoundedX bf16_rows;
   Tensor f32_panels;
 };
 
@@ -171,7 +174,8 @@ struct SharedA {
 // the float GEMM: float32 on the own kernels where they take the weight gradients (AVX-512,
 // f32_own_weight_gradients: f32_gemm_at_b reading both in place up to 2²¹ floats of A,
 // f32_weight_gradient_packed above), else MKL's.
-// `shared_A`: the caller's slot for an A that two gradients take (SharedA), or null.
+// `shared_A`: the caller's slot for an A that two gradients take (SharedA), or null; A undefined
+// when the caller filled shared_A->bf16.
 void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B,
                      SharedA* shared_A = nullptr);
 
@@ -186,7 +190,8 @@ void f32_weight_gradient_packed(const Tensor& out, const Tensor& A, const Tensor
 // out = Aᵀ · B on the bfloat16 kernels (bf16_products()): both float32 operands read in place and
 // rounded to bfloat16 (A transposed as it is rounded, B packed), sums in float32. A [rows, N], B
 // [rows, K], out [N, K], each with unit-stride rows: a bfloat16 module's weight gradient. Aᵀ rounded
-// into *rounded_A when given and empty, or taken from it when filled (the same A: its shape checked).
+// into *rounded_A when given and empty, or taken from it when filled (the same A: its shape checked;
+// A may then be undefined).
 void bf16_weight_gradient(const Tensor& out, const Tensor& A, const Tensor& B, Bf16RoundedX* rounded_A = nullptr);
 
 // Which gradients a backward computes; the others' work is skipped (their block slices are zero).
@@ -343,7 +348,8 @@ class InputSteps {
 // Backward of the input projection from dA [T·B, G·H] (the gradient of its output): writes W's
 // gradient and LN_x's gain / shift gradients into `grads` and returns dx (undefined unless
 // needs.dx). With layer norm, dA is overwritten with the gradient of W x (callers read dA before).
-// `shared_dA`: weight_gradient's shared preparation of dA (for W's gradient), where the caller's dR took it.
+// `shared_dA`: weight_gradient's shared preparation of dA (for W's gradient), where the caller's dR took it;
+// dA undefined where the caller rounded it itself (SharedA's bf16 and bf16_rows filled; no layer norm).
 Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tensor& raw, const Tensor& mean,
                                  const Tensor& rstd, const GradNeeds& needs, WeightGrads& grads,
                                  SharedA* shared_dA = nullptr);
