@@ -688,24 +688,33 @@ def test_weight_gradients_sharing_one_rounding_equal_each_alone(mode, layer_norm
         assert torch.equal(alone, together[name]), name
 
 
+ROUNDED_STEPS_CASES = [pytest.param("lstm", {}, id="lstm"),
+                       pytest.param("lstm", dict(peephole=True, proj_size=5), id="lstm-peephole-projection"),
+                       pytest.param("lstm", dict(layer_norm=True), id="lstm-layer_norm"),
+                       pytest.param("rnn_tanh", {}, id="rnn_tanh"),
+                       pytest.param("rnn_relu", dict(layer_norm=True), id="rnn_relu-layer_norm")]
+
+
 @pytest.mark.skipif(BF16_KERNELS == ["none"], reason="no bfloat16 GEMM kernels on this CPU (AVX-512 needed)")
-@pytest.mark.parametrize("options", [{}, dict(peephole=True, proj_size=5)], ids=["plain", "peephole-projection"])
-def test_bf16_lstm_backward_rounds_each_step_into_its_place(options):
-    """csrc/lstm.cpp, rounded_dG: without layer norm a bfloat16 LSTM's backward rounds each step's dG
-    to bfloat16 as it goes, into that step's rows and into its columns of the transpose that the
-    weight gradients read: from the last step to the first, or from the first to the last in a reverse
-    pass. A reverse pass over x equals the forward pass over x flipped in time, for each bfloat16
-    kernel: y, the final states, dx and the initial states' gradients bit for bit (the same arithmetic
-    in the same order), the matrices' gradients to float32's summation order (their sums over the T·B
-    rows run the other way). T·B odd: the transpose's padding, in poisoned buffers, must be written."""
+@pytest.mark.parametrize("mode, options", ROUNDED_STEPS_CASES)
+def test_bf16_backward_rounds_each_step_into_its_place(mode, options):
+    """csrc/pass.h, RoundedSteps: a bfloat16 LSTM's or RNN's backward rounds each step's dG to
+    bfloat16 as it goes, into that step's rows and into its columns of the transpose that the weight
+    gradients read: from the last step to the first, or from the first to the last in a reverse pass.
+    A reverse pass over x equals the forward pass over x flipped in time, for each bfloat16 kernel:
+    y, the final states, dx and the initial states' gradients bit for bit (the same arithmetic in the
+    same order), the matrices' gradients to float32's summation order (their sums over the T·B rows
+    run the other way). T·B odd: the transpose's padding, in poisoned buffers, must be written."""
     T, B = 7, 3
-    module = make_module("lstm", 11, 37, torch.float32, **options)
+    module = make_module(mode, 11, 37, torch.float32, **options)
     spec, cell = module.spec, module.spec.cell(0)
+    lstm = mode == "lstm"
     torch.manual_seed(6)
     x = torch.randn(T, B, 11).bfloat16().float()
-    h0 = torch.randn(B, cell.output_size).bfloat16().float()
-    c0 = torch.randn(B, cell.hidden_size).bfloat16().float()
-    upstream = [torch.randn(T, B, cell.output_size), torch.randn(B, cell.output_size), torch.randn(B, cell.hidden_size)]
+    states = [torch.randn(B, cell.output_size).bfloat16().float()]
+    if lstm:
+        states.append(torch.randn(B, cell.hidden_size).bfloat16().float())
+    upstream = [torch.randn(T, B, cell.output_size)] + [torch.randn(s.shape) for s in states]
     masks = draw_pass(spec, cell, T, B, x, False).masks
     with torch.no_grad():
         w = module._pass_weights()[0]
@@ -713,23 +722,26 @@ def test_bf16_lstm_backward_rounds_each_step_into_its_place(options):
 
     def run(reverse):
         matrices = {k: getattr(w, k).bfloat16().requires_grad_() for k in names}
-        leaves = [(x if reverse else x.flip(0)).clone().requires_grad_(), h0.clone().requires_grad_(),
-                  c0.clone().requires_grad_()]
-        y, h_n, c_n = FusedCPUBackend().run_pass(cell, *leaves, w._replace(**matrices), None, reverse, masks)
+        leaves = [(x if reverse else x.flip(0)).clone().requires_grad_()] + [s.clone().requires_grad_() for s in states]
+        out = FusedCPUBackend().run_pass(cell, leaves[0], leaves[1], leaves[2] if lstm else None,
+                                         w._replace(**matrices), None, reverse, masks)
+        out = [t for t in out if t is not None]
         dy = upstream[0] if reverse else upstream[0].flip(0)
-        grads = torch.autograd.grad([y, h_n, c_n], leaves + list(matrices.values()), [dy] + upstream[1:])
+        grads = torch.autograd.grad(out, leaves + list(matrices.values()), [dy] + upstream[1:])
         if not reverse:  # back to the reverse pass's time order
-            y, grads = y.flip(0), (grads[0].flip(0),) + grads[1:]
-        return [y, h_n, c_n], list(grads)
+            out, grads = [out[0].flip(0)] + out[1:], (grads[0].flip(0),) + grads[1:]
+        return out, list(grads)
 
     for kernel in BF16_KERNELS:
         if kernel == "none":
             continue
         with bf16_kernel(kernel):
             (outputs, grads), (flipped_outputs, flipped_grads) = run(True), run(False)
-        for name, a, e in zip(["y", "h_n", "c_n", "dx", "d h0", "d c0"], outputs + grads[:3],
-                              flipped_outputs + flipped_grads[:3]):
+        grad_names = ["dx", "d h0", "d c0"][:1 + len(states)]
+        n = len(grad_names)
+        for name, a, e in zip(["y", "h_n", "c_n"][:len(outputs)] + grad_names, outputs + grads[:n],
+                              flipped_outputs + flipped_grads[:n]):
             assert torch.equal(a, e), f"{kernel}: {name}"
-        for name, a, e in zip(names, grads[3:], flipped_grads[3:]):
+        for name, a, e in zip(names, grads[n:], flipped_grads[n:]):
             assert torch.isfinite(a.float()).all(), f"{kernel}: d{name}"
             assert_close(a.float(), e.float(), f"{kernel}: d{name}", tol=TOLERANCE[torch.float32])

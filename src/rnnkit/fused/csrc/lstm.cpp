@@ -272,18 +272,12 @@ struct Lstm {
     Tensor dh_rec = zero_buffer({B, Hr}, like);     // dL/d(h that entered R), from the later step
     Tensor dc = dc_n.contiguous().clone();
     const PackedRight<scalar_t> R_right = backward_operand<scalar_t>(a, kR, 0, B, Hr, GH, like);  // · R
-    // A bfloat16 module on the CPU's bfloat16 products, without layer norm (dG is dA): each step's
-    // dA rounded once, while it is in cache, as every product that takes it reads it — its rows
-    // (this step's dA · R, and dx = dA · W) and its transpose (R's and W's gradients). dA itself is
-    // then one step's rows, never the whole [T, B, G·H] in float32: the products' roundings of it
-    // from memory were 5% of a medium LSTM's training step (Zen 4)
-    const bool rounded_dG = std::is_same<scalar_t, float>::value && !ln && T * B > 0 && R_right.takes_rounded() &&
-                            a.W.scalar_type() == at::kBFloat16;
-    Bf16RoundedX dG_rows, dG_columns;
-    if (rounded_dG) dG_rows = bf16_rounded_buffer(T * B, GH), dG_columns = bf16_rounded_buffer(GH, T * B);
-    // dL/d pre-activations (after LN, before biases)
-    Tensor dA = rounded_dG ? new_buffer({B, GH}, like) : new_buffer({T, B, GH}, like);
-    Tensor dgh = ln ? new_buffer({T, B, GH}, like) : dA;  // dL/d(R h)
+    // A bfloat16 module's dG rounded a step at a time (pass.h); dA and dL/d(R h) then held for one
+    // step where the roundings are all that read them after it
+    const RoundedSteps rounded = rounded_steps<scalar_t>(a, R_right, !ln, T, B, GH);
+    const bool dA_one_step = rounded.on && !ln, dgh_one_step = rounded.on;
+    Tensor dA = new_buffer({dA_one_step ? 1 : T, B, GH}, like);  // dL/d pre-activations (after LN, before biases)
+    Tensor dgh = ln ? new_buffer({dgh_one_step ? 1 : T, B, GH}, like) : dA;  // dL/d(R h)
     Tensor dht = proj ? new_buffer({T, B, P}, like) : Tensor();
     Tensor m_all = proj ? new_buffer({T, B, H}, like) : Tensor();  // m, recomputed, for dW_hr
     Tensor dm = new_buffer({B, H}, like);
@@ -352,10 +346,11 @@ struct Lstm {
     auto backward_gates = [&](int64_t t, int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t row = t * B + b;
-        scalar_t* dAb = dA_p + (rounded_dG ? b : row) * GH;
+        scalar_t* dAb = dA_p + (dA_one_step ? b : row) * GH;
+        scalar_t* dghb = dgh_p + (dgh_one_step ? b : row) * GH;
         if (!valid(t, b)) {
           std::fill(dAb, dAb + GH, scalar_t(0));
-          if (ln) std::fill(dgh_p + row * GH, dgh_p + (row + 1) * GH, scalar_t(0));
+          if (ln) std::fill(dghb, dghb + GH, scalar_t(0));
           if (proj) std::fill(mall_p + row * H, mall_p + (row + 1) * H, scalar_t(0));
           continue;
         }
@@ -428,7 +423,7 @@ struct Lstm {
           vstore(dcp, dcb + j, n);
         });
         if (ln) {
-          row_layer_norm_backward(dAb, gh_p + row * GH, GH, mh_p[row], rh_p[row], ln_h_gain, dgh_p + row * GH,
+          row_layer_norm_backward(dAb, gh_p + row * GH, GH, mh_p[row], rh_p[row], ln_h_gain, dghb,
                                   alh_p + b * GH, alh_p + (B + b) * GH);
         }
         if (ab_p && !abb) add_into(ab_p + b * GH, dAb, GH);
@@ -449,15 +444,9 @@ struct Lstm {
           backward_gates(t, b0, b1);
         });
       }
-      if constexpr (std::is_same<scalar_t, float>::value) {
-        if (rounded_dG) {
-          bf16_round_part(dA_p, B, GH, false, GH, dG_rows, t * B, 0);
-          bf16_round_part(dA_p, GH, GH, true, B, dG_columns, 0, t * B);
-          R_right.multiply(bf16_rows_of(dG_rows, t * B, B), 0, dhr_p, Hr);  // dA R
-          continue;
-        }
+      if (!rounded.multiply_step(R_right, dgh_p, t, dhr_p, Hr)) {
+        R_right.multiply(dgh_p + t * B * GH, GH, 0, dhr_p, Hr);  // dgh R
       }
-      R_right.multiply(dgh_p + t * B * GH, GH, 0, dhr_p, Hr);  // dgh R
     }
 
     const int64_t TB = T * B;
@@ -466,17 +455,17 @@ struct Lstm {
     // Without layer norm R's and W's gradients both take dG (dgh is dA): a bfloat16 module rounds
     // its transpose once for the two (13 MB of floats a layer at T 100, B 32, H 256), a float32 one
     // packs it once into the own kernels' panels where it is too large to read in place
-    SharedA dG_prepared;
+    SharedA dG_prepared = rounded.shared();
     SharedA* shared_dG = ln ? nullptr : &dG_prepared;
-    if (rounded_dG) dG_prepared.bf16 = dG_columns, dG_prepared.bf16_rows = dG_rows;
     if (needs.dR) {
       Tensor hidden_prev = hidden_entering<scalar_t>(a, y);
       Tensor h_in = rm ? hidden_prev.mul_(a.recurrent_mask) : hidden_prev;
-      weight_gradient(a, grads.slot[kR], rounded_dG ? Tensor() : dgh.view({TB, GH}), h_in.view({TB, Hr}), shared_dG);
+      weight_gradient(a, grads.slot[kR], rounded.on ? Tensor() : dgh.view({TB, GH}), h_in.view({TB, Hr}),
+                      rounded.on ? &dG_prepared : shared_dG);
     } else {
       grads.slot[kR].zero_();
     }
-    Tensor dA2 = rounded_dG ? Tensor() : dA.view({TB, GH});
+    Tensor dA2 = dA_one_step ? Tensor() : dA.view({TB, GH});
     if (ln) {
       // The bias sits beside LN_h's β: the loop has summed its gradient already.
       const Tensor d_ln_h = acc_ln_h.sum(1), d_ln_c = acc_ln_c.sum(1);

@@ -123,8 +123,13 @@ struct Rnn {
     const Tensor dy = dy_in.contiguous();
     Tensor dh_dir = dh_n.contiguous().clone();
     Tensor dh_rec = zero_buffer({B, H}, like);
-    Tensor dA = new_buffer({T, B, H}, like);
-    Tensor dgh = ln ? new_buffer({T, B, H}, like) : dA;
+    const PackedRight<scalar_t> R_right = backward_operand<scalar_t>(a, kR, 0, B, H, H, like);  // · R
+    // A bfloat16 module's dG rounded a step at a time (pass.h); dA and dgh then held for one step
+    // where the roundings are all that read them after it
+    const RoundedSteps rounded = rounded_steps<scalar_t>(a, R_right, !ln, T, B, H);
+    const bool dA_one_step = rounded.on && !ln, dgh_one_step = rounded.on;
+    Tensor dA = new_buffer({dA_one_step ? 1 : T, B, H}, like);
+    Tensor dgh = ln ? new_buffer({dgh_one_step ? 1 : T, B, H}, like) : dA;
     Tensor acc_ln_h = ln ? zero_buffer({2, B, H}, like) : Tensor();
     // The bias gradient Σ dA summed per batch row as each row is written (lstm.cpp); under layer
     // norm LN_h's β accumulator has it
@@ -141,7 +146,6 @@ struct Rnn {
     scalar_t *dA_p = dA.data_ptr<scalar_t>(), *dgh_p = dgh.data_ptr<scalar_t>();
     scalar_t* alh_p = ln ? acc_ln_h.data_ptr<scalar_t>() : nullptr;
 
-    const PackedRight<scalar_t> R_right = backward_operand<scalar_t>(a, kR, 0, B, H, H, like);  // · R
     for (int64_t s = T - 1; s >= 0; --s) {
       const int64_t t = step_time(s);
       for_rows(B, H * 4, [&](int64_t b0, int64_t b1) {
@@ -149,7 +153,8 @@ struct Rnn {
           const int64_t row = t * B + b;
           scalar_t* dhd = dhd_p + b * H;
           const scalar_t* dhr = dhr_p + b * H;
-          scalar_t* dAb = dA_p + row * H;
+          scalar_t* dAb = dA_p + (dA_one_step ? b : row) * H;
+          scalar_t* dghb = dgh_p + (dgh_one_step ? b : row) * H;
           const bool ok = valid(t, b);
           const scalar_t* d = zh.row(t, b);
           const scalar_t* dyb = dy_p + row * H;
@@ -171,29 +176,33 @@ struct Rnn {
           if (ab_p && ok) add_into(ab_p + b * H, dAb, H);
           if (ln) {
             if (ok) {
-              row_layer_norm_backward(dAb, gh_p + row * H, H, mh_p[row], rh_p[row], ln_h_gain, dgh_p + row * H,
+              row_layer_norm_backward(dAb, gh_p + row * H, H, mh_p[row], rh_p[row], ln_h_gain, dghb,
                                       alh_p + b * H, alh_p + (B + b) * H);
             } else {
-              std::fill(dgh_p + row * H, dgh_p + (row + 1) * H, scalar_t(0));
+              std::fill(dghb, dghb + H, scalar_t(0));
             }
           }
         }
       });
-      R_right.multiply(dgh_p + t * B * H, H, 0, dhr_p, H);  // dgh R
+      if (!rounded.multiply_step(R_right, dgh_p, t, dhr_p, H)) {
+        R_right.multiply(dgh_p + t * B * H, H, 0, dhr_p, H);  // dgh R
+      }
     }
 
     const int64_t TB = T * B;
     WeightGrads grads(a);
     Tensor dh0 = dh_dir + (rm ? dh_rec * a.recurrent_mask : dh_rec);
-    SharedA dG_prepared;  // without layer norm dgh is dA: R's and W's gradients share its preparation (lstm.cpp)
+    // without layer norm dgh is dA: R's and W's gradients share its preparation (lstm.cpp)
+    SharedA dG_prepared = rounded.shared();
     SharedA* shared_dG = ln ? nullptr : &dG_prepared;
     if (needs.dR) {
       Tensor h_in = rm ? hidden_prev * a.recurrent_mask : hidden_prev;
-      weight_gradient(a, grads.slot[kR], dgh.view({TB, H}), h_in.view({TB, H}), shared_dG);
+      weight_gradient(a, grads.slot[kR], rounded.on ? Tensor() : dgh.view({TB, H}), h_in.view({TB, H}),
+                      rounded.on ? &dG_prepared : shared_dG);
     } else {
       grads.slot[kR].zero_();
     }
-    Tensor dA2 = dA.view({TB, H});
+    Tensor dA2 = dA_one_step ? Tensor() : dA.view({TB, H});
     if (ln) {
       const Tensor d_ln_h = acc_ln_h.sum(1);
       grads.put(kLnHGain, d_ln_h[0]), grads.put(kLnHShift, d_ln_h[1]);
