@@ -665,9 +665,10 @@ def test_auto_leaves_float32_lstm_training_to_onednn_without_avx512(monkeypatch)
 @pytest.mark.parametrize("mode", ["lstm", "rnn_tanh"])
 def test_weight_gradients_sharing_one_rounding_equal_each_alone(mode, layer_norm):
     """Without layer norm R's and W's gradients both take the gates' gradient dG, rounded to bfloat16 once for
-    the two: each equals, bit for bit, the gradient computed with the other matrix frozen (dG rounded for it
-    alone), for every layer of a stack; with layer norm (two different gradients) nothing is shared. T·B odd:
-    the rounded rows' padding (poisoned buffers) must be written."""
+    the two (a step at a time: csrc/pass.h, RoundedSteps): each equals, bit for bit, the gradient computed with
+    the other matrix frozen (the backward then rounds only what the one gradient reads), for every layer of a
+    stack; with layer norm (two different gradients) nothing is shared. T·B odd: the rounded rows' padding
+    (poisoned buffers) must be written."""
     torch.manual_seed(0)
     module = make_module(mode, 24, 40, torch.float32, num_layers=2, backend="fused",
                          layer_norm=layer_norm).to(torch.bfloat16)
@@ -720,6 +721,8 @@ def test_bf16_backward_rounds_each_step_into_its_place(mode, options):
         w = module._pass_weights()[0]
     names = [k for k in ("W", "R", "W_hr") if getattr(w, k) is not None]
 
+    count = build.extension().bf16_round_part_count
+
     def run(reverse):
         matrices = {k: getattr(w, k).bfloat16().requires_grad_() for k in names}
         leaves = [(x if reverse else x.flip(0)).clone().requires_grad_()] + [s.clone().requires_grad_() for s in states]
@@ -727,7 +730,9 @@ def test_bf16_backward_rounds_each_step_into_its_place(mode, options):
                                          w._replace(**matrices), None, reverse, masks)
         out = [t for t in out if t is not None]
         dy = upstream[0] if reverse else upstream[0].flip(0)
+        start = count()
         grads = torch.autograd.grad(out, leaves + list(matrices.values()), [dy] + upstream[1:])
+        assert count() - start == 2 * T, "each step's dG rounded into its rows and its columns"
         if not reverse:  # back to the reverse pass's time order
             out, grads = [out[0].flip(0)] + out[1:], (grads[0].flip(0),) + grads[1:]
         return out, list(grads)

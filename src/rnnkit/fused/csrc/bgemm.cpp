@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "buffers.h"
@@ -145,7 +146,8 @@ constexpr int kNR = 4, kXR = 6;          // a block: 4 panels (64 columns) times
   /* The same in memory order, 16 bfloat16 values. */                                                         \
   inline __m256i round16(__m512 v) { return _mm512_cvtepi32_epi16(round32(v)); }                                \
                                                                                                                \
-  /* X's rows as bfloat16 into out, K zero-padded to whole pairs: one row per `ld` values. */                 \
+  /* X's rows as bfloat16 into columns [0, K) of out's rows, one row per `ld` values (the padding is */      \
+  /* round's, or bf16_rounded_buffer's). */                                                                    \
   void round_rows(const float* X, int64_t rows, int64_t ldx, int64_t K, int64_t ld, uint16_t* out) {           \
     for (int64_t r = 0; r < rows; ++r) {                                                                       \
       const float* x = X + r * ldx;                                                                            \
@@ -441,8 +443,20 @@ Bf16RoundedX bf16_rounded_buffer(int64_t rows, int64_t K) {
   return x;
 }
 
+namespace {
+
+std::atomic<int64_t>& round_parts() {
+  static std::atomic<int64_t> count{0};
+  return count;
+}
+
+}  // namespace
+
+int64_t bf16_round_part_count() { return round_parts().load(std::memory_order_relaxed); }
+
 void bf16_round_part(const float* X, int64_t rows, int64_t ldx, bool transposed, int64_t K, const Bf16RoundedX& out,
                      int64_t first_row, int64_t first_k) {
+  round_parts().fetch_add(1, std::memory_order_relaxed);
   TORCH_CHECK(first_row >= 0 && first_k >= 0 && first_row + rows <= out.rows && first_k + K <= out.K,
               "rnnkit fused: bf16_round_part: [", rows, ", ", K, "] at (", first_row, ", ", first_k,
               ") outside a rounding of [", out.rows, ", ", out.K, "]");

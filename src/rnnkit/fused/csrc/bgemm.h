@@ -53,7 +53,7 @@ void bf16_gemm_packed(const float* X, int64_t rows, int64_t ldx, const uint16_t*
                       float beta, float* C, int64_t ldc);
 
 // The same with X given transposed, read in place: X[r, k] = A[k, r] for float32 A [K, rows] (lda
-// per row of A). A weight gradient's dGᵀ · (h or x), dG [T·B, G·H] as the passes keep it.
+// per row of A): a weight gradient's dGᵀ · (h or x) where a pass keeps dG [T·B, G·H] whole (the GRU's).
 void bf16_gemm_packed_t(const float* A, int64_t rows, int64_t lda, const uint16_t* packed, int64_t N, int64_t K,
                         float beta, float* C, int64_t ldc);
 
@@ -79,10 +79,14 @@ Bf16RoundedX bf16_rounded_buffer(int64_t rows, int64_t K);
 void bf16_round_part(const float* X, int64_t rows, int64_t ldx, bool transposed, int64_t K, const Bf16RoundedX& out,
                      int64_t first_row, int64_t first_k);
 
+// How many bf16_round_part calls this process has made (tests: that the passes round dG a step at a time).
+int64_t bf16_round_part_count();
+
 // Rows [first_row, first_row + rows) of a rounding, as a rounding of their own (sharing X's storage).
 Bf16RoundedX bf16_rows_of(const Bf16RoundedX& X, int64_t first_row, int64_t rows);
 
-// C[r, n] = Σ_k X[r, k] · M[n, k] + beta · C[r, n] for X rounded by bf16_round, M [N, X.K] packed by
+// C[r, n] = Σ_k X[r, k] · M[n, k] + beta · C[r, n] for X rounded by bf16_round (or pieced by
+// bf16_round_part into a bf16_rounded_buffer, or rows of either by bf16_rows_of), M [N, X.K] packed by
 // bf16_pack / bf16_pack_(float_)transposed: bf16_gemm_packed(_t)'s result, bit for bit.
 void bf16_gemm_rounded(const Bf16RoundedX& X, const uint16_t* packed, int64_t N, float beta, float* C, int64_t ldc);
 

@@ -274,7 +274,7 @@ struct Lstm {
     const PackedRight<scalar_t> R_right = backward_operand<scalar_t>(a, kR, 0, B, Hr, GH, like);  // · R
     // A bfloat16 module's dG rounded a step at a time (pass.h); dA and dL/d(R h) then held for one
     // step where the roundings are all that read them after it
-    const RoundedSteps rounded = rounded_steps<scalar_t>(a, R_right, !ln, T, B, GH);
+    const RoundedSteps rounded = rounded_steps<scalar_t>(a, R_right, !ln, needs, T, B, GH);
     const bool dA_one_step = rounded.on && !ln, dgh_one_step = rounded.on;
     Tensor dA = new_buffer({dA_one_step ? 1 : T, B, GH}, like);  // dL/d pre-activations (after LN, before biases)
     Tensor dgh = ln ? new_buffer({dgh_one_step ? 1 : T, B, GH}, like) : dA;  // dL/d(R h)
@@ -452,9 +452,9 @@ struct Lstm {
     const int64_t TB = T * B;
     WeightGrads grads(a);
     Tensor dh0 = dh_dir + (rm ? dh_rec * a.recurrent_mask : dh_rec);
-    // Without layer norm R's and W's gradients both take dG (dgh is dA): a bfloat16 module rounds
-    // its transpose once for the two (13 MB of floats a layer at T 100, B 32, H 256), a float32 one
-    // packs it once into the own kernels' panels where it is too large to read in place
+    // Without layer norm R's and W's gradients both take dG (dgh is dA): a bfloat16 module has
+    // rounded its transpose once for the two, a step at a time (RoundedSteps), a float32 one packs
+    // it once into the own kernels' panels where it is too large to read in place
     SharedA dG_prepared = rounded.shared();
     SharedA* shared_dG = ln ? nullptr : &dG_prepared;
     if (needs.dR) {

@@ -476,6 +476,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_own_weight_gradients", &rnnkit::f32_own_weight_gradients,
         "whether a pass's float32 weight gradients run on the own kernels (avx512), not MKL's");
   m.def("f32_gemm_count", &rnnkit::f32_gemm_count, "products the own float32 kernels have taken (tests)");
+  m.def("bf16_round_part_count", &rnnkit::bf16_round_part_count,
+        "pieces of dG the bfloat16 backward has rounded a step at a time (tests)");
   m.def("fp32_gemm", [] { return std::string(rnnkit::f32_kernel()); },
         "the float32 GEMM kernels in use: avx512, avx2 (the kernels' own) or mkl");
   m.def("fp32_gemms", &rnnkit::f32_kernels, "the float32 GEMM kernels this CPU can run");

@@ -341,7 +341,8 @@ Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tens
                                  const Tensor& rstd, const GradNeeds& needs, WeightGrads& grads,
                                  SharedA* shared_dA) {
   if (!dA.defined()) {  // rounded to bfloat16 by the caller, as rows and transposed
-    TORCH_CHECK(shared_dA != nullptr && shared_dA->bf16_rows.data != nullptr && !a.ln_x_gain.defined(),
+    TORCH_CHECK(shared_dA != nullptr && !a.ln_x_gain.defined() && (!needs.dx || shared_dA->bf16_rows.data) &&
+                    (!needs.dW || shared_dA->bf16.data),
                 "rnnkit fused: input_projection_backward: no dA and no rounding of it");
     if (needs.dW) {
       weight_gradient(a, grads.slot[kW], Tensor(), a.x.view({a.T * a.B, a.I}), shared_dA);

@@ -158,9 +158,10 @@ PackedRight<scalar_t> backward_operand(const PassArgs& a, WeightSlot slot, int64
 }
 
 // Where two weight gradients take the same A (an LSTM's or RNN's dR and dW without layer norm: dG
-// both), A as their products read it, prepared by the first of them and read by the second: rounded
-// to bfloat16 and transposed (the bfloat16 products), or packed in the own float32 kernels' panels
-// (a float32 gradient too large to read A in place, f32_weight_gradient_packed).
+// both), A as their products read it, prepared by the first of them and read by the second: packed in
+// the own float32 kernels' panels (a float32 gradient too large to read A in place,
+// f32_weight_gradient_packed), or rounded to bfloat16 and transposed (the bfloat16 products; the GRU's
+// dG, where the LSTM and the RNN fill it a step at a time, below).
 // A caller may also fill `bf16` itself (and `bf16_rows`, A rounded as rows: dx's operand), where it
 // rounded A a step at a time as it wrote it, and then pass an undefined A (RoundedSteps below).
 struct SharedA {
@@ -168,60 +169,6 @@ struct SharedA {
   Bf16RoundedX bf16_rows;
   Tensor f32_panels;
 };
-
-// A bfloat16 module's backward on the CPU's bfloat16 products (lstm.cpp, rnn.cpp): dG, the gradient
-// entering the products with R (dA, or under layer norm LN_h's input gradient), rounded to bfloat16
-// once a step while it is in cache, into what each product that takes it reads: the step's rows
-// (its product with R; without layer norm dx = dA · W too, so every step's rows are kept) and their
-// place in dGᵀ (R's gradient; without layer norm W's too). The backward then holds dG for one step,
-// never [T, B, N] in float32: the products' roundings of it from memory afterwards took 5% of a
-// medium LSTM's bfloat16 training step (Zen 4). Off (`on` false) for float64 passes, half matrices
-// widened (no bfloat16 products), and T·B = 0.
-struct RoundedSteps {
-  bool on = false, all_rows = false;  // all_rows: every step's rows kept (dG is dA), else one step's
-  int64_t B = 0;
-  Bf16RoundedX rows, columns;  // [T·B (or B), N], [N, T·B]
-
-  // Rounds step t's dG [B, N] (float32 rows, unit stride) into both, then C = dG_t · R (R_right's
-  // product on the rounded rows; beta 0). False, with nothing done, where off.
-  template <typename scalar_t>
-  bool multiply_step(const PackedRight<scalar_t>& R_right, const scalar_t* dG, int64_t t, scalar_t* C,
-                     int64_t ldc) const {
-    if constexpr (std::is_same<scalar_t, float>::value) {
-      if (!on) return false;
-      const int64_t first = all_rows ? t * B : 0;
-      bf16_round_part(dG, B, rows.K, false, rows.K, rows, first, 0);
-      bf16_round_part(dG, rows.K, rows.K, true, B, columns, 0, t * B);
-      R_right.multiply(bf16_rows_of(rows, first, B), 0, C, ldc);
-      return true;
-    }
-    return false;
-  }
-
-  // The roundings for weight_gradient (dGᵀ) and input_projection_backward (every step's rows: dx),
-  // where dG is dA.
-  SharedA shared() const {
-    SharedA s;
-    s.bf16 = columns;
-    if (all_rows) s.bf16_rows = rows;
-    return s;
-  }
-};
-
-// `dG_is_dA`: no layer norm (every step's rows kept for dx). On where R_right takes rounded
-// operands (the CPU's bfloat16 products on bfloat16 R) and W is bfloat16 too.
-template <typename scalar_t>
-RoundedSteps rounded_steps(const PassArgs& a, const PackedRight<scalar_t>& R_right, bool dG_is_dA, int64_t T,
-                           int64_t B, int64_t N) {
-  RoundedSteps r;
-  if (std::is_same<scalar_t, float>::value && T * B > 0 && R_right.takes_rounded() &&
-      a.W.scalar_type() == at::kBFloat16) {
-    r.on = true, r.all_rows = dG_is_dA, r.B = B;
-    r.rows = bf16_rounded_buffer(dG_is_dA ? T * B : B, N);
-    r.columns = bf16_rounded_buffer(N, T * B);
-  }
-  return r;
-}
 
 // A weight's gradient out[N, K] = Aᵀ · B over the T·B rows of A [T·B, N] and B [T·B, K] (float32 or
 // float64; out row-major with unit stride). A half-precision module's on the CPU's bfloat16
@@ -253,6 +200,61 @@ void bf16_weight_gradient(const Tensor& out, const Tensor& A, const Tensor& B, B
 struct GradNeeds {
   bool dx = true, dW = true, dR = true, dW_hr = true;
 };
+
+// A bfloat16 module's backward on the CPU's bfloat16 products (lstm.cpp, rnn.cpp): dG, the gradient
+// entering the products with R (dA, or under layer norm LN_h's input gradient), rounded to bfloat16
+// once a step while it is in cache, into what each product that takes it reads: the step's rows
+// (its product with R; without layer norm dx = dA · W too, so every step's rows are kept where dx is
+// needed) and their place in dGᵀ (R's gradient; without layer norm W's too; only where one of those
+// is needed). The backward then holds dG for one step,
+// never [T, B, N] in float32: the products' roundings of it from memory afterwards took 5% of a
+// medium LSTM's bfloat16 training step (Zen 4). Off (`on` false) for float64 passes, half matrices
+// widened (no bfloat16 products), and T·B = 0.
+struct RoundedSteps {
+  bool on = false, all_rows = false;  // all_rows: every step's rows kept (dx = dA · W), else one step's
+  int64_t B = 0;
+  Bf16RoundedX rows, columns;  // [T·B (or B), N]; [N, T·B] (empty where no weight gradient reads it)
+
+  // Rounds step t's dG [B, N] (float32 rows, unit stride) into both, then C = dG_t · R (R_right's
+  // product on the rounded rows; beta 0). False, with nothing done, where off.
+  template <typename scalar_t>
+  bool multiply_step(const PackedRight<scalar_t>& R_right, const scalar_t* dG, int64_t t, scalar_t* C,
+                     int64_t ldc) const {
+    if constexpr (std::is_same<scalar_t, float>::value) {
+      if (!on) return false;
+      const int64_t first = all_rows ? t * B : 0;
+      bf16_round_part(dG, B, rows.K, false, rows.K, rows, first, 0);
+      if (columns.data != nullptr) bf16_round_part(dG, rows.K, rows.K, true, B, columns, 0, t * B);
+      R_right.multiply(bf16_rows_of(rows, first, B), 0, C, ldc);
+      return true;
+    }
+    return false;
+  }
+
+  // The roundings for weight_gradient (dGᵀ) and input_projection_backward (every step's rows: dx),
+  // where dG is dA.
+  SharedA shared() const {
+    SharedA s;
+    s.bf16 = columns;
+    if (all_rows) s.bf16_rows = rows;
+    return s;
+  }
+};
+
+// `dG_is_dA`: no layer norm (dx and W's gradient take dG too). On where R_right takes rounded
+// operands (the CPU's bfloat16 products on bfloat16 R) and W is bfloat16 too.
+template <typename scalar_t>
+RoundedSteps rounded_steps(const PassArgs& a, const PackedRight<scalar_t>& R_right, bool dG_is_dA,
+                           const GradNeeds& needs, int64_t T, int64_t B, int64_t N) {
+  RoundedSteps r;
+  if (std::is_same<scalar_t, float>::value && T * B > 0 && R_right.takes_rounded() &&
+      a.W.scalar_type() == at::kBFloat16) {
+    r.on = true, r.all_rows = dG_is_dA && needs.dx, r.B = B;
+    r.rows = bf16_rounded_buffer(r.all_rows ? T * B : B, N);
+    if (needs.dR || (dG_is_dA && needs.dW)) r.columns = bf16_rounded_buffer(N, T * B);
+  }
+  return r;
+}
 
 // The one gradient block of a pass's weights, [numel of the present weights] in WeightSlot order,
 // with a view per present slot that the backward writes into (so nothing is copied afterwards).

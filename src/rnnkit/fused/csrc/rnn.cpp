@@ -126,7 +126,7 @@ struct Rnn {
     const PackedRight<scalar_t> R_right = backward_operand<scalar_t>(a, kR, 0, B, H, H, like);  // · R
     // A bfloat16 module's dG rounded a step at a time (pass.h); dA and dgh then held for one step
     // where the roundings are all that read them after it
-    const RoundedSteps rounded = rounded_steps<scalar_t>(a, R_right, !ln, T, B, H);
+    const RoundedSteps rounded = rounded_steps<scalar_t>(a, R_right, !ln, needs, T, B, H);
     const bool dA_one_step = rounded.on && !ln, dgh_one_step = rounded.on;
     Tensor dA = new_buffer({dA_one_step ? 1 : T, B, H}, like);
     Tensor dgh = ln ? new_buffer({dgh_one_step ? 1 : T, B, H}, like) : dA;
