@@ -157,13 +157,12 @@ PackedRight<scalar_t> backward_operand(const PassArgs& a, WeightSlot slot, int64
   return PackedRight<scalar_t>(M.data_ptr<scalar_t>() + first_row * ld, ld, false, rows, N, K, like, a.T > 1);
 }
 
-// Where two weight gradients take the same A (an LSTM's or RNN's dR and dW without layer norm: dG
-// both), A as their products read it, prepared by the first of them and read by the second: packed in
-// the own float32 kernels' panels (a float32 gradient too large to read A in place,
-// f32_weight_gradient_packed), or rounded to bfloat16 and transposed (the bfloat16 products; the GRU's
-// dG, where the LSTM and the RNN fill it a step at a time, below).
-// A caller may also fill `bf16` itself (and `bf16_rows`, A rounded as rows: dx's operand), where it
-// rounded A a step at a time as it wrote it, and then pass an undefined A (RoundedSteps below).
+// Where two weight gradients take the same A (dR and dW without layer norm: dG both), A as their
+// products read it: packed in the own float32 kernels' panels by the first of them (a float32
+// gradient too large to read A in place, f32_weight_gradient_packed), or rounded to bfloat16 and
+// transposed (the bfloat16 products): by the first of them for the GRU; the LSTM and the RNN fill
+// `bf16`, and `bf16_rows` (A rounded as rows: dx's operand), a step at a time as they write dG and
+// then pass an undefined A (RoundedSteps below).
 struct SharedA {
   Bf16RoundedX bf16;
   Bf16RoundedX bf16_rows;
@@ -203,13 +202,12 @@ struct GradNeeds {
 
 // A bfloat16 module's backward on the CPU's bfloat16 products (lstm.cpp, rnn.cpp): dG, the gradient
 // entering the products with R (dA, or under layer norm LN_h's input gradient), rounded to bfloat16
-// once a step while it is in cache, into what each product that takes it reads: the step's rows
-// (its product with R; without layer norm dx = dA · W too, so every step's rows are kept where dx is
-// needed) and their place in dGᵀ (R's gradient; without layer norm W's too; only where one of those
-// is needed). The backward then holds dG for one step,
-// never [T, B, N] in float32: the products' roundings of it from memory afterwards took 5% of a
-// medium LSTM's bfloat16 training step (Zen 4). Off (`on` false) for float64 passes, half matrices
-// widened (no bfloat16 products), and T·B = 0.
+// once a step while it is in cache, into what each product that takes it reads: the step's rows (its
+// product with R; without layer norm dx = dA · W too, so every step's rows are kept where dx is
+// needed) and their place in dGᵀ (R's gradient, and without layer norm W's: kept where one of them is
+// needed). The backward then holds dG for one step, never [T, B, N] in float32: the products'
+// roundings of it from memory afterwards took 5% of a medium LSTM's bfloat16 training step (Zen 4).
+// Off (`on` false) for float64 passes, half matrices widened (no bfloat16 products), and T·B = 0.
 struct RoundedSteps {
   bool on = false, all_rows = false;  // all_rows: every step's rows kept (dx = dA · W), else one step's
   int64_t B = 0;
