@@ -418,28 +418,22 @@ void bf16_gemm_packed_t(const float* A, int64_t rows, int64_t lda, const uint16_
   multiply(A, rows, lda, true, packed, N, K, beta, C, ldc);
 }
 
-Bf16RoundedX bf16_round(const float* X, int64_t rows, int64_t ldx, bool transposed, int64_t K) {
-  const Bf16Kernels& k = in_use();
-  Bf16RoundedX x;
-  x.rows = rows, x.K = K, x.ld = 2 * pairs_of(K);
-  x.storage = cached_empty({std::max<int64_t>(1, rows * x.ld)}, at::kShort);
-  if (poison_flag()) x.storage.fill_(-1);  // 0xffff, a bfloat16 NaN: padding left unwritten shows
-  uint16_t* out = reinterpret_cast<uint16_t*>(x.storage.data_ptr<int16_t>());
-  if (rows > 0 && K > 0) k.round(X, rows, ldx, transposed, K, x.ld, out);
-  x.data = out;
-  return x;
-}
-
 Bf16RoundedX bf16_rounded_buffer(int64_t rows, int64_t K) {
   in_use();
   Bf16RoundedX x;
   x.rows = rows, x.K = K, x.ld = 2 * pairs_of(K);
   x.storage = cached_empty({std::max<int64_t>(1, rows * x.ld)}, at::kShort);
   uint16_t* out = reinterpret_cast<uint16_t*>(x.storage.data_ptr<int16_t>());
-  if (poison_flag()) x.storage.fill_(-1);  // as bf16_round's: what no part writes shows as NaN
+  if (poison_flag()) x.storage.fill_(-1);  // 0xffff, a bfloat16 NaN: what no rounding writes shows
   if (K < x.ld)
     for (int64_t r = 0; r < rows; ++r) std::fill(out + r * x.ld + K, out + (r + 1) * x.ld, uint16_t(0));
   x.data = out;
+  return x;
+}
+
+Bf16RoundedX bf16_round(const float* X, int64_t rows, int64_t ldx, bool transposed, int64_t K) {
+  Bf16RoundedX x = bf16_rounded_buffer(rows, K);  // the padding zeroed there
+  if (rows > 0 && K > 0) in_use().round_part(X, rows, ldx, transposed, K, x.ld, const_cast<uint16_t*>(x.data));
   return x;
 }
 
