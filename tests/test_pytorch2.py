@@ -908,6 +908,77 @@ def test_opcheck_fused_forward_and_backward(name, training, lengths):
         torch.library.opcheck(OPS.backward_op, backward_args(values))
 
 
+HALF_CALL_CASES = [  # (configuration, lengths): masks, layer norm, projection and clips, both GRUs, the RNN
+    ("lstm_zoneout_recurrent_dropout", None),
+    ("lstm_ln", torch.tensor([4, 1, 3])),
+    ("lstm_proj_clip", None),
+    ("gru_reset_before", torch.tensor([4, 1, 3])),
+    ("gru_ln", None),
+    ("rnn_relu_ln", torch.tensor([2, 4, 1])),
+]
+
+
+def half_call_args(name, lengths, dtype):
+    """(a half-precision call's forward arguments: every float tensor in ``dtype``; the same call as
+    the op took it before such calls, x, the states, the vectors and the masks in float32 holding
+    the same values beside the matrices in ``dtype``)."""
+    values = forward_args(name, True, lengths)
+    matrices = {arg_index(n) for n in ("W", "R", "W_hr")}
+    half = tuple(v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in values)
+    widened = tuple(v if i in matrices or not (isinstance(v, torch.Tensor) and v.is_floating_point()) else v.float()
+                    for i, v in enumerate(half))
+    return half, widened
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name, lengths", HALF_CALL_CASES, ids=[n for n, _ in HALF_CALL_CASES])
+def test_fused_half_call_equals_a_float32_call_rounded(name, lengths, dtype):
+    """A half-precision call (x in its matrices' bfloat16 / float16, as a half module's passes call
+    the op): its results are the float32 call's on the same values, rounded to x's dtype, bit for
+    bit: y, h_n, c_n, and in the backward dx, dh0, dc0 and the weights' gradient block; it keeps its
+    float32 y for the backward (the last saved slot), which reads that, not y's rounding."""
+    half, widened = half_call_args(name, lengths, dtype)
+    y, h_n, c_n, saved = OPS.forward_op(*half)
+    y_f, h_f, c_f, saved_f = OPS.forward_op(*widened)
+    for label, got, want in [("y", y, y_f), ("h_n", h_n, h_f), ("c_n", c_n, c_f)]:
+        assert got.dtype == dtype, f"{label}: {got.dtype}"
+        assert torch.equal(got, want.to(dtype)), label
+    assert len(saved) == len(saved_f) == build.extension().saved_count()
+    for k, (got, want) in enumerate(zip(saved[:-1], saved_f[:-1])):
+        assert got.dtype == want.dtype and torch.equal(got, want), f"saved[{k}]"
+    assert saved[-1].dtype == torch.float32 and torch.equal(saved[-1], y_f), "saved y"
+    assert saved_f[-1].numel() == 0  # a float32 call keeps no second y
+
+    dy, dh_n, dc_n = upstream([y_f, h_f, c_f], seed=4)
+    tail = lambda y_, saved_, cast: (y_, saved_, cast(dy), cast(dh_n), cast(dc_n) if half[2] is not None else None,  # noqa: E731
+                                     True, True, True, half[arg_index("W_hr")] is not None)
+    grads = OPS.backward_op(*half[:-1], *tail(y, saved, lambda t: t.to(dtype)))
+    # the float32 call's upstream gradients: the half ones' values
+    grads_f = OPS.backward_op(*widened[:-1], *tail(y_f, saved_f, lambda t: t.to(dtype).float()))
+    for label, got, want in zip(["dx", "dh0", "dc0", "dweights"], grads, grads_f):
+        assert got.dtype == dtype, f"{label}: {got.dtype}"
+        assert torch.equal(got, want.to(dtype)), label
+
+
+@pytest.mark.parametrize("name, lengths", HALF_CALL_CASES[:4], ids=[n for n, _ in HALF_CALL_CASES[:4]])
+def test_opcheck_fused_half_call(name, lengths):
+    """torch.library.opcheck on a bfloat16 call of both ops: the fake implementation's dtypes (results
+    in x's, saved tensors in float32, the float32 y among them) and shapes agree with the kernels'."""
+    half, _ = half_call_args(name, lengths, torch.bfloat16)
+    torch.library.opcheck(OPS.forward_op, half)
+    torch.library.opcheck(OPS.backward_op, backward_args(half))
+
+
+def test_fused_half_call_backward_needs_the_saved_y():
+    """A half-precision call's backward given a saved list without the float32 y (a float32 call's)
+    is an error naming it, not a backward on y's rounding."""
+    half, widened = half_call_args("rnn_relu_ln", None, torch.bfloat16)
+    values = backward_args(half)
+    saved_f = OPS.forward_op(*widened)[3]
+    with pytest.raises(RuntimeError, match=r"reads the float32 y its training forward saved"):
+        OPS.backward_op(*values[:-8], saved_f, *values[-7:])
+
+
 def arg_index(name: str) -> int:
     """The position of the fused forward op's argument ``name``, from its schema."""
     return [n.name for n in OPS.forward_op._schema.arguments].index(name)

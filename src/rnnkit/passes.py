@@ -438,13 +438,18 @@ def _reference_backward(scalars: PassScalars, x, h0, c0, weights, mask_args, dy,
     if all(g is None for g in upstream):  # no gradient reached the pass's outputs (they are not materialized): zeros
         return tuple(torch.zeros_like(t) if (need and t is not None) else None for t, need in zip(inputs, needs))
 
+    # a bfloat16 / float16 x is computed in float32, as the fused kernels compute it (its results
+    # rounded back to x's dtype); half-precision matrices beside a float32 x widened to it
+    dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    widen = lambda t: t if t is None or not t.is_floating_point() or t.dtype == dtype else t.to(dtype)  # noqa: E731
+    masks = PassMasks(*(widen(m) if isinstance(m, torch.Tensor) else m for m in masks))
+
     def recompute(*values):
         given = iter(values)
-        x, h0, c0, *weights = (next(given) if need and t is not None else t for t, need in zip(inputs, needs))
-        # half-precision matrices (fused, bfloat16 / float16 modules) widened to x's dtype: a graph back to them
-        w = PassWeights(*(t if t is None or t.dtype == x.dtype else t.to(x.dtype) for t in weights))
-        outputs = PASSES[scalars.mode](cell, x, h0, c0, w, steps, scalars.reverse, masks)
-        return tuple(o for o, g in zip(outputs, upstream) if g is not None)
+        x, h0, c0, *weights = (widen(next(given) if need and t is not None else t)
+                               for t, need in zip(inputs, needs))
+        outputs = PASSES[scalars.mode](cell, x, h0, c0, PassWeights(*weights), steps, scalars.reverse, masks)
+        return tuple(o.to(inputs[0].dtype) for o, g in zip(outputs, upstream) if g is not None)
 
     received = tuple(g for g in upstream if g is not None)
     with torch.enable_grad():

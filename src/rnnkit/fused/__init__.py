@@ -130,13 +130,6 @@ def use_fp32_gemm(name: str):
         build.extension().set_fp32_gemm(previous)
 
 
-def _float32(t):
-    return None if t is None else t.float()
-
-
-_MATRICES = ("W", "R", "W_hr")  # the slots the kernels read in half precision
-
-
 class FusedCPUBackend:
     """Compiled C++ passes on ATen for CPU tensors; differentiable."""
 
@@ -161,15 +154,9 @@ class FusedCPUBackend:
         return forward_ad_reason()
 
     def run_pass(self, cell, x, h0, c0, weights, lengths, reverse, masks):
-        if x.dtype in _NATIVE:
-            return run_pass(OPS, cell, x, h0, c0, weights, lengths, reverse, masks)
-        dtype = x.dtype
-        masks = masks._replace(**{k: _float32(v) if isinstance(v, torch.Tensor) else v
-                                  for k, v in masks._asdict().items()})
-        # the matrices as they are (the kernels read them in half precision), the vectors in float32
-        weights = weights._replace(**{k: (v if k in _MATRICES else _float32(v)) for k, v in weights._asdict().items()})
-        out = run_pass(OPS, cell, x.float(), h0.float(), _float32(c0), weights, lengths, reverse, masks)
-        return tuple(None if t is None else t.to(dtype) for t in out)
+        # bfloat16 / float16: x, the states, the weights and the masks as they are; the op computes in
+        # float32 and gives its results back in x's dtype (csrc/ops.cpp, HalfCall)
+        return run_pass(OPS, cell, x, h0, c0, weights, lengths, reverse, masks)
 
 
 __all__ = ["FusedCPUBackend", "BF16_KERNELS", "FP32_GEMMS", "bf16_kernel", "cached_buffer_bytes", "fp32_gemm",

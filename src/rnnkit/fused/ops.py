@@ -19,24 +19,28 @@ def _backward(*values):
 
 
 def _saved_shapes(args) -> List[Tuple[tuple, torch.dtype]]:
-    """What csrc/pass.h's Saved slots hold in a training forward (kInputRaw ... kProjClipped), for
-    the fake implementation; () shapes stand for the empty tensors of unused slots."""
+    """What csrc/pass.h's Saved slots hold in a training forward (kInputRaw ... kOutput), for the
+    fake implementation; () shapes stand for the empty tensors of unused slots. A half-precision
+    call (x in its bfloat16 / float16 matrices' dtype) keeps them in float32, its y too (kOutput)."""
     x, mode = args["x"], args["mode"]
+    half = x.dtype in (torch.bfloat16, torch.float16) and args["W"].dtype == x.dtype
+    dtype = torch.float32 if half else x.dtype
     T, B, H, Hr = output_shapes(args)
     GH = args["W"].shape[0]
     lstm, ln = mode == "lstm", args["ln_h_gain"] is not None
     ln_x = args["ln_x_gain"] is not None
     gate_width = {"lstm": GH, "gru": (4 * H if args["reset_after"] else 3 * H)}.get(mode, H)
     clipped = lstm and args["W_hr"] is not None and args["proj_clip"] is not None
-    empty = ((0,), x.dtype)
-    either = lambda on, shape, dtype=x.dtype: (shape, dtype) if on else empty  # noqa: E731
+    empty = ((0,), dtype)
+    either = lambda on, shape, kind=dtype: (shape, kind) if on else empty  # noqa: E731
     return [
         either(ln_x, (T * B, GH)), either(ln_x, (T * B, 1)), either(ln_x, (T * B, 1)),
-        ((T, B, gate_width), x.dtype),
+        ((T, B, gate_width), dtype),
         either(lstm, (T, B, H)),
         either(ln, (T, B, GH)), either(ln, (T, B)), either(ln, (T, B)),
         either(lstm and ln, (T, B)), either(lstm and ln, (T, B)),
         either(clipped, (T, B, Hr), torch.bool),
+        either(half, (T, B, Hr)),
     ]
 
 

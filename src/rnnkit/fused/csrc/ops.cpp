@@ -41,8 +41,97 @@ Tensor contiguous(const OptTensor& t) { return t.has_value() ? t->contiguous() :
       py::arg("zoneout_h"), py::arg("zoneout_c"), py::arg("cell_clip"), py::arg("proj_clip"),                     \
       py::arg("coupled_gates"), py::arg("reset_after"), py::arg("reverse")
 
+// A bfloat16 / float16 module's vectors (biases, peepholes, layer norm's gains and shifts) as the
+// float32 the cells read, widened from the module's tensors at every call (a step plan's: a copy
+// kept in the plan would miss their in-place updates, an optimizer's step, load_state_dict,
+// init.*_, which change neither the tensors nor their memory). One fresh buffer per call (returned:
+// it must outlive the pass), so calls on several threads share nothing; a few vectors of G·H
+// values, against a step's read of R (measured: 2-3 µs of a 30 µs bfloat16 layer-norm step at H = 64).
+Tensor widen_vectors(PassArgs& a) {
+  Tensor* const vectors[] = {&a.b_W, &a.b_R, &a.peephole, &a.ln_x_gain, &a.ln_x_shift, &a.ln_h_gain,
+                             &a.ln_h_shift, &a.ln_c_gain, &a.ln_c_shift};
+  int64_t total = 0;
+  for (const Tensor* t : vectors)
+    if (t->defined()) total += t->numel();
+  Tensor buffer = at::empty({total}, a.W.options().dtype(at::kFloat));
+  float* out = buffer.data_ptr<float>();
+  for (Tensor* t : vectors) {  // contiguous (make_step_plan checks it)
+    if (!t->defined()) continue;
+    const int64_t n = t->numel();
+    const at::ScalarType type = t->scalar_type();
+    if (type == at::kBFloat16 || type == at::kHalf) {
+      widen_rows(HalfRows{t->const_data_ptr(), n, type == at::kBFloat16}, 1, n, out);
+    } else {  // float32 beside half matrices: as it is
+      const Tensor f = t->to(at::kFloat);
+      std::copy(f.const_data_ptr<float>(), f.const_data_ptr<float>() + n, out);
+    }
+    *t = at::from_blob(out, t->sizes(), buffer.options());
+    out += n;
+  }
+  return buffer;
+}
+
+// A contiguous float32 copy of a bfloat16 / float16 tensor (any other as it is), and a float32
+// tensor rounded to `dtype` (nearest even, as Tensor::to: ATen's own vector conversion, in
+// parallel chunks).
+Tensor widened(const Tensor& t) {
+  if (!t.defined() || (t.scalar_type() != at::kBFloat16 && t.scalar_type() != at::kHalf)) return t;
+  const Tensor c = t.contiguous();
+  Tensor out = at::empty(c.sizes(), c.options().dtype(at::kFloat));
+  const int64_t K = c.dim() > 0 ? c.size(-1) : 1;
+  if (c.numel() > 0) {  // as rows of its last dimension (at::vec::convert has no vector form of it)
+    widen_rows(HalfRows{c.const_data_ptr(), K, c.scalar_type() == at::kBFloat16}, c.numel() / K, K,
+               out.data_ptr<float>());
+  }
+  return out;
+}
+
+Tensor rounded(const Tensor& t, at::ScalarType dtype) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "rnnkit fused: rounding a ", t.scalar_type(), " result");
+  const Tensor c = t.contiguous();
+  Tensor out = at::empty(c.sizes(), c.options().dtype(dtype));
+  const float* in = c.const_data_ptr<float>();
+  at::parallel_for(0, c.numel(), int64_t(1) << 15, [&](int64_t i0, int64_t i1) {
+    if (dtype == at::kBFloat16) {
+      at::vec::convert(in + i0, out.data_ptr<at::BFloat16>() + i0, i1 - i0);
+    } else {
+      at::vec::convert(in + i0, out.data_ptr<at::Half>() + i0, i1 - i0);
+    }
+  });
+  return out;
+}
+
+// A half-precision call: a bfloat16 / float16 module's pass hands the op x, the states, the vectors
+// and the masks in its matrices' dtype (rnnkit/fused/__init__.py), and takes its results in it (y,
+// h_n, c_n; dx, dh0, dc0 and the weights' gradient block). The kernels compute in float32 as they do
+// for a float32 x beside half matrices: what they read is widened here, once, and what they give
+// back rounded here, so the bits are those of converting in Python around a float32 call, without
+// its conversions' dispatches and autograd nodes (ten or more a layer: with the rounding of x again
+// for the bfloat16 products, ~1 ms of a small bfloat16 LSTM's 19 ms training step, Zen 4). The
+// training forward keeps its float32 y in saved[kOutput]: the backward reads y in float32 (the
+// RNN's tanh', the GRU's h_prev, R's gradient off the CPU's bfloat16 products), not its rounding.
+struct HalfCall {
+  bool on = false;
+  at::ScalarType dtype = at::kFloat;  // x's
+  Tensor vectors;                     // the widened vectors (the PassArgs' point into it)
+
+  // Widens a's half tensors (x, the states, the masks, the vectors) where x is in its matrices'
+  // half dtype; else nothing (float32 x beside half matrices takes float32 for all of them).
+  void widen(PassArgs& a) {
+    if (!a.half_weights() || a.x.scalar_type() != a.W.scalar_type()) return;
+    on = true, dtype = a.x.scalar_type();
+    for (Tensor* t : {&a.x, &a.h0, &a.c0, &a.recurrent_mask, &a.zoneout_h, &a.zoneout_c}) *t = widened(*t);
+    vectors = widen_vectors(a);
+  }
+  // A result in x's dtype (undefined: an empty one).
+  Tensor back(const Tensor& t, const Tensor& like) const {
+    const Tensor r = t.defined() ? t : at::empty({0}, like.options());
+    return on ? rounded(r, dtype) : r;
+  }
+};
+
 PassArgs pass_args(RNNKIT_PASS_PARAMETERS, const Tensor& W_scale = Tensor(), const Tensor& R_scale = Tensor(),
-                   const Tensor& W_hr_scale = Tensor()) {
+                   const Tensor& W_hr_scale = Tensor(), HalfCall* half = nullptr) {
   PassArgs a;
   a.W_scale = contiguous(W_scale), a.R_scale = contiguous(R_scale), a.W_hr_scale = contiguous(W_hr_scale);
   a.mode = mode;
@@ -58,6 +147,7 @@ PassArgs pass_args(RNNKIT_PASS_PARAMETERS, const Tensor& W_scale = Tensor(), con
   a.zoneout_h_p = zoneout_h, a.zoneout_c_p = zoneout_c;
   a.cell_clip = cell_clip.value_or(0), a.proj_clip = proj_clip.value_or(0);
   a.coupled = coupled_gates, a.reset_after = reset_after, a.reverse = reverse;
+  if (half != nullptr) half->widen(a);
   a.finish();
   return a;
 }
@@ -72,44 +162,55 @@ ForwardResult forward(const PassArgs& a, bool training) {
 Tensor or_empty(const Tensor& t, const Tensor& like) { return t.defined() ? t : at::empty({0}, like.options()); }
 
 // -> (y, h_n, c_n, saved): c_n empty unless LSTM; saved has Saved::kNumSaved entries when
-// training (empty where nothing is kept), none otherwise.
+// training (empty where nothing is kept), none otherwise. A half-precision call (HalfCall): y,
+// h_n, c_n in x's dtype, saved float32.
 py::tuple pass_forward(RNNKIT_PASS_PARAMETERS, bool training) {
   const at::NoGradGuard no_grad;  // a kernel: below autograd, whoever calls it
-  const PassArgs a = pass_args(RNNKIT_PASS_ARGUMENTS);
-  ForwardResult out;
+  HalfCall half;
+  std::array<Tensor, 3> results;
+  std::vector<Tensor> saved;
   {
     py::gil_scoped_release no_gil;
-    out = forward(a, training);
+    const PassArgs a = pass_args(RNNKIT_PASS_ARGUMENTS, Tensor(), Tensor(), Tensor(), &half);
+    ForwardResult out = forward(a, training);
+    if (half.on && training) out[3 + kOutput] = out[0];
+    for (size_t i = 3; i < out.size(); ++i) saved.push_back(or_empty(out[i], a.x));
+    for (size_t i = 0; i < 3; ++i) results[i] = half.back(out[i], a.x);
   }
-  std::vector<Tensor> saved;
-  for (size_t i = 3; i < out.size(); ++i) saved.push_back(or_empty(out[i], a.x));
-  return py::make_tuple(out[0], out[1], or_empty(out[2], a.x), saved);
+  return py::make_tuple(results[0], results[1], results[2], saved);
 }
 
 // -> (dx, dh0, dc0, dweights): dx empty unless need_dx, dc0 empty unless LSTM, dweights the
-// gradient block of the present weights in the packed buffer's order.
+// gradient block of the present weights in the packed buffer's order. A half-precision call
+// (HalfCall): all four in x's dtype; y is read from saved[kOutput] (float32), dy, dh_n, dc_n widened.
 py::tuple pass_backward(RNNKIT_PASS_PARAMETERS, const Tensor& y, const std::vector<Tensor>& saved, const Tensor& dy,
                         const Tensor& dh_n, const OptTensor& dc_n, bool need_dx, bool need_dW, bool need_dR,
                         bool need_dW_hr) {
   const at::NoGradGuard no_grad;
-  const PassArgs a = pass_args(RNNKIT_PASS_ARGUMENTS);
   TORCH_CHECK(saved.size() == size_t(kNumSaved), "rnnkit fused: saved: expected ", int(kNumSaved), " tensors, got ",
               saved.size());
   GradNeeds needs;
   needs.dx = need_dx, needs.dW = need_dW, needs.dR = need_dR, needs.dW_hr = need_dW_hr;
-  const Tensor dc = dc_n.has_value() ? *dc_n : Tensor();
-  BackwardResult g;
+  std::array<Tensor, 4> results;
   {
     py::gil_scoped_release no_gil;
+    HalfCall half;
+    const PassArgs a = pass_args(RNNKIT_PASS_ARGUMENTS, Tensor(), Tensor(), Tensor(), &half);
+    const Tensor& y_f = half.on ? saved[kOutput] : y;
+    TORCH_CHECK(y_f.sizes() == y.sizes(), "rnnkit fused: a ", half.dtype, " call's backward reads the float32 y its "
+                "training forward saved (saved[", int(kOutput), "]): expected shape ", y.sizes(), ", got ", y_f.sizes());
+    const Tensor dc = dc_n.has_value() ? widened(*dc_n) : Tensor();
+    BackwardResult g;
     if (a.mode == "lstm") {
-      g = lstm_backward(a, y, saved, dy, dh_n, dc, needs);
+      g = lstm_backward(a, y_f, saved, widened(dy), widened(dh_n), dc, needs);
     } else if (a.mode == "gru") {
-      g = gru_backward(a, y, saved, dy, dh_n, dc, needs);
+      g = gru_backward(a, y_f, saved, widened(dy), widened(dh_n), dc, needs);
     } else {
-      g = rnn_backward(a, y, saved, dy, dh_n, dc, needs);
+      g = rnn_backward(a, y_f, saved, widened(dy), widened(dh_n), dc, needs);
     }
+    results = {half.back(g.dx, a.x), half.back(g.dh0, a.x), half.back(g.dc0, a.x), half.back(g.dweights, a.x)};
   }
-  return py::make_tuple(or_empty(g.dx, a.x), g.dh0, or_empty(g.dc0, a.x), g.dweights);
+  return py::make_tuple(results[0], results[1], results[2], results[3]);
 }
 
 // -> (y, h_n, c_n) of an inference pass with int8 W, R (and W_hr), each with a float scale per
@@ -177,7 +278,7 @@ class StepPlan {
     const int64_t Hr = base_.R.size(1);
     const int64_t H = base_.W_hr.defined() ? base_.W_hr.size(1) : (lstm ? W.size(0) / (base_.coupled ? 3 : 4) : Hr);
     PassArgs a = base_;
-    const Tensor widened = half ? widen_vectors(a) : Tensor();  // a's half vectors point into it
+    const Tensor vectors = half ? widen_vectors(a) : Tensor();  // a's half vectors point into it
     a.x = compute(input.reshape({T, B, input.size(-1)})).contiguous();
     if (hx.is_none()) {
       a.h0 = at::zeros({B, Hr}, a.x.options());
@@ -241,35 +342,6 @@ class StepPlan {
     return out;
   }
 
-  // A bfloat16 / float16 module's vectors (biases, peepholes, layer norm's gains and shifts) as the
-  // float32 the cells read, widened from the module's tensors at every call: a copy kept in the plan
-  // would miss their in-place updates (an optimizer's step, load_state_dict, init.*_), which change
-  // neither the tensors nor their memory. One fresh buffer per call (returned: it must outlive the
-  // pass), so calls on several threads share nothing; a few vectors of G·H values, against a step's
-  // read of R (measured: 2-3 µs of a 30 µs bfloat16 layer-norm step at H = 64).
-  static Tensor widen_vectors(PassArgs& a) {
-    Tensor* const vectors[] = {&a.b_W, &a.b_R, &a.peephole, &a.ln_x_gain, &a.ln_x_shift, &a.ln_h_gain,
-                               &a.ln_h_shift, &a.ln_c_gain, &a.ln_c_shift};
-    int64_t total = 0;
-    for (const Tensor* t : vectors)
-      if (t->defined()) total += t->numel();
-    Tensor buffer = at::empty({total}, a.W.options().dtype(at::kFloat));
-    float* out = buffer.data_ptr<float>();
-    for (Tensor* t : vectors) {  // contiguous (make_step_plan checks it)
-      if (!t->defined()) continue;
-      const int64_t n = t->numel();
-      const at::ScalarType type = t->scalar_type();
-      if (type == at::kBFloat16 || type == at::kHalf) {
-        widen_rows(HalfRows{t->const_data_ptr(), n, type == at::kBFloat16}, 1, n, out);
-      } else {  // float32 beside half matrices: as it is
-        const Tensor f = t->to(at::kFloat);
-        std::copy(f.const_data_ptr<float>(), f.const_data_ptr<float>() + n, out);
-      }
-      *t = at::from_blob(out, t->sizes(), buffer.options());
-      out += n;
-    }
-    return buffer;
-  }
 
   PassArgs base_;
 };

@@ -49,6 +49,7 @@ enum Saved : int {
   kRecurrentRaw, kRecurrentMean, kRecurrentRstd,  // R h before LN_h [T, B, G·H], its statistics [T, B]
   kCellMean, kCellRstd,               // LSTM: LN_c statistics [T, B]
   kProjClipped,                       // LSTM: |W_hr m| > proj_clip [T, B, P] (bool; with a proj clip)
+  kOutput,                            // a half-precision call's y in float32 [T, B, Hr] (ops.cpp, HalfCall)
   kNumSaved
 };
 
