@@ -1298,3 +1298,24 @@ def test_forward_ad_tangents_after_a_plain_call(make, steps):
     quantized = rnnkit.quantize(module)
     with fwAD.dual_level(), pytest.raises(RuntimeError, match="int8 module is for inference"):
         quantized(fwAD.make_dual(x, tangent))
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_a_tensor_leaked_from_a_finished_transform_is_taken_as_its_value(backend):
+    """An input that escaped a finished torch.func transform (a dead wrapper) goes through
+    Function.apply's unwrapping, not the direct C++ apply plain tensors take (passes._plain): the
+    call and its gradients are those of the plain tensor."""
+    torch.manual_seed(0)
+    layer = rnnkit.LSTM(3, 4, num_layers=2, backend=backend)
+    plain = torch.randn(5, 2, 3)
+    leaked = []
+    torch.func.grad(lambda t: leaked.append(t) or t.sum())(plain.clone())
+    assert torch._C._functorch.is_functorch_wrapped_tensor(leaked[0])
+    grads = []
+    for x in (plain, leaked[0]):
+        layer.zero_grad()
+        y, (h, c) = layer(x)
+        loss_of((y, (h, c))).backward()
+        grads.append([p.grad.clone() for p in layer.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
