@@ -857,6 +857,7 @@ OP_CONFIGS = {
     "gru_ln": lambda: rnnkit.GRU(4, 6, layer_norm=True),
     "rnn_tanh": lambda: rnnkit.RNN(4, 6),
     "rnn_relu_ln": lambda: rnnkit.RNN(4, 6, nonlinearity="relu", layer_norm=True),
+    "lstm_odd_input": lambda: rnnkit.LSTM(5, 6, peephole=True),
 }
 
 
@@ -915,6 +916,7 @@ HALF_CALL_CASES = [  # (configuration, lengths): masks, layer norm, projection a
     ("gru_reset_before", torch.tensor([4, 1, 3])),
     ("gru_ln", None),
     ("rnn_relu_ln", torch.tensor([2, 4, 1])),
+    ("lstm_odd_input", None),  # an odd I: a bfloat16 x widened (the products take whole pairs as they are)
 ]
 
 
@@ -936,9 +938,15 @@ def test_fused_half_call_equals_a_float32_call_rounded(name, lengths, dtype):
     """A half-precision call (x in its matrices' bfloat16 / float16, as a half module's passes call
     the op): its results are the float32 call's on the same values, rounded to x's dtype, bit for
     bit: y, h_n, c_n, and in the backward dx, dh0, dc0 and the weights' gradient block; it keeps its
-    float32 y for the backward (the last saved slot), which reads that, not y's rounding."""
+    float32 y for the backward (the last saved slot), which reads that, not y's rounding. With the
+    kernels' buffers NaN-poisoned: x's float32 buffer, filled only where something reads x in float32
+    (the bfloat16 products take a bfloat16 x of even I as it is), is never read unfilled."""
     half, widened = half_call_args(name, lengths, dtype)
-    y, h_n, c_n, saved = OPS.forward_op(*half)
+    build.set_poison(True)
+    try:
+        y, h_n, c_n, saved = OPS.forward_op(*half)
+    finally:
+        build.set_poison(False)
     y_f, h_f, c_f, saved_f = OPS.forward_op(*widened)
     for label, got, want in [("y", y, y_f), ("h_n", h_n, h_f), ("c_n", c_n, c_f)]:
         assert got.dtype == dtype, f"{label}: {got.dtype}"
@@ -952,7 +960,11 @@ def test_fused_half_call_equals_a_float32_call_rounded(name, lengths, dtype):
     dy, dh_n, dc_n = upstream([y_f, h_f, c_f], seed=4)
     tail = lambda y_, saved_, cast: (y_, saved_, cast(dy), cast(dh_n), cast(dc_n) if half[2] is not None else None,  # noqa: E731
                                      True, True, True, half[arg_index("W_hr")] is not None)
-    grads = OPS.backward_op(*half[:-1], *tail(y, saved, lambda t: t.to(dtype)))
+    build.set_poison(True)
+    try:
+        grads = OPS.backward_op(*half[:-1], *tail(y, saved, lambda t: t.to(dtype)))
+    finally:
+        build.set_poison(False)
     # the float32 call's upstream gradients: the half ones' values
     grads_f = OPS.backward_op(*widened[:-1], *tail(y_f, saved_f, lambda t: t.to(dtype).float()))
     for label, got, want in zip(["dx", "dh0", "dc0", "dweights"], grads, grads_f):

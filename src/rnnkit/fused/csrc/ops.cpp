@@ -120,7 +120,10 @@ struct HalfCall {
   void widen(PassArgs& a) {
     if (!a.half_weights() || a.x.scalar_type() != a.W.scalar_type()) return;
     on = true, dtype = a.x.scalar_type();
-    for (Tensor* t : {&a.x, &a.h0, &a.c0, &a.recurrent_mask, &a.zoneout_h, &a.zoneout_c}) *t = widened(*t);
+    // x widened where something reads it in float32 (PassArgs::x_values): the bfloat16 products take it as it is
+    a.x_half = a.x, a.x_deferred = true;
+    a.x = new_buffer(a.x.sizes(), at::empty({0}, a.x.options().dtype(at::kFloat)));
+    for (Tensor* t : {&a.h0, &a.c0, &a.recurrent_mask, &a.zoneout_h, &a.zoneout_c}) *t = widened(*t);
     vectors = widen_vectors(a);
   }
   // A result in x's dtype (undefined: an empty one).

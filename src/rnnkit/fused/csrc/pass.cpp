@@ -106,6 +106,25 @@ void PassArgs::check_sizes() const {
   expect("zoneout_c", zoneout_c, {T, B, H});
 }
 
+const Tensor& PassArgs::x_values() const {
+  if (x_deferred) {
+    if (x.numel() > 0) {
+      widen_rows(HalfRows{x_half.const_data_ptr(), I, x_half.scalar_type() == at::kBFloat16}, T * B, I,
+                 x.data_ptr<float>());
+    }
+    x_deferred = false;  // filled once, on the pass's own thread
+  }
+  return x;
+}
+
+Tensor PassArgs::bf16_x_rows() const {
+  if (!x_half.defined() || x_half.scalar_type() != at::kBFloat16 || W.scalar_type() != at::kBFloat16 ||
+      !bf16_products() || I % 2 != 0 || T * B == 0) {
+    return Tensor();
+  }
+  return x_half.view({T * B, I});
+}
+
 HalfRows PassArgs::half_rows(WeightSlot slot, int64_t first_row) const {
   const Tensor& w = weight(slot);
   HalfRows rows;
@@ -236,7 +255,8 @@ void InputSteps::compute_chunk(int64_t s) {
   const bool own_loops = a_.quantized() || half || bf16_W_.defined() || f32_W_.defined() ||
                          (rows <= kSmallBatch && out_.scalar_type() == at::kFloat);
   if (own_loops) {  // float32 rows (int8 weights take float32 x): plain pointers, no ATen views a step
-    const float* x2 = a_.x.data_ptr<float>() + first_ * B * a_.I;  // x is [T, B, I], contiguous
+    const Tensor bf16_x = bf16_W_.defined() ? a_.bf16_x_rows() : Tensor();  // a bfloat16 x as it is
+    const float* x2 = bf16_x.defined() ? nullptr : a_.x_values().data_ptr<float>() + first_ * B * a_.I;  // [T, B, I]
     float* out = out_.data_ptr<float>() + row0 * a_.GH;
     float* raw = ln_ && raw_.defined() ? raw_.data_ptr<float>() + row0 * a_.GH : out;  // inference: the step's rows
     if (a_.quantized() && !packed_W_.defined()) {  // int8 W, a few rows once: W as it is
@@ -245,8 +265,15 @@ void InputSteps::compute_chunk(int64_t s) {
       qgemm_nt_packed(x2, rows, a_.I, packed_W_.data_ptr<int8_t>(), a_.W_scale.data_ptr<float>(), a_.GH, a_.I, 0, raw,
                       a_.GH);
     } else if (bf16_W_.defined()) {  // bfloat16 W packed: the CPU's bfloat16 dot products
-      bf16_gemm_packed(x2, rows, a_.I, reinterpret_cast<const uint16_t*>(bf16_W_.data_ptr<float>()), a_.GH, a_.I, 0,
-                       raw, a_.GH);
+      const uint16_t* W_panels = reinterpret_cast<const uint16_t*>(bf16_W_.data_ptr<float>());
+      if (bf16_x.defined()) {  // x's bfloat16 rows as they are: what rounding their widening gives
+        Bf16RoundedX rows_x;
+        rows_x.data = reinterpret_cast<const uint16_t*>(bf16_x.const_data_ptr<at::BFloat16>()) + first_ * B * a_.I;
+        rows_x.rows = rows, rows_x.K = a_.I, rows_x.ld = a_.I;
+        bf16_gemm_rounded(rows_x, W_panels, a_.GH, 0, raw, a_.GH);
+      } else {
+        bf16_gemm_packed(x2, rows, a_.I, W_panels, a_.GH, a_.I, 0, raw, a_.GH);
+      }
     } else if (f32_W_.defined()) {  // float32 W packed: the own kernels
       f32_gemm_packed(x2, rows, a_.I, f32_W_.data_ptr<float>(), a_.GH, a_.I, 0, raw, a_.GH);
     } else if (half) {  // bfloat16 / float16 W, a few rows: read once for four rows at a time
@@ -262,7 +289,7 @@ void InputSteps::compute_chunk(int64_t s) {
         for (int64_t j = 0; j < a_.GH; ++j) out[r * a_.GH + j] += bias[j];
     }
   } else {
-    const Tensor x2 = a_.x.narrow(0, first_, count).view({rows, a_.I});
+    const Tensor x2 = a_.x_values().narrow(0, first_, count).view({rows, a_.I});
     Tensor out = out_.narrow(0, row0, rows);
     Tensor raw = ln_ && raw_.defined() ? raw_.narrow(0, row0, rows) : out;  // inference: the step's rows
     if (!ln_ && bias_.defined()) {
@@ -286,9 +313,13 @@ void bf16_weight_gradient(const Tensor& out, const Tensor& A, const Tensor& B, B
   TORCH_CHECK(x.K == rows && x.rows == out.size(0) && (!A.defined() || (A.size(0) == rows && A.size(1) == x.rows)),
               "rnnkit fused: bf16_weight_gradient: a rounding of Aᵀ [", x.rows, ", ", x.K, "] for B [", rows, ", ", K,
               "] and out [", out.size(0), ", ", out.size(1), "]");
-  Tensor packed = cached_empty({bf16_packed_bytes(K, rows) / int64_t(sizeof(float))}, B);
+  Tensor packed = cached_empty({bf16_packed_bytes(K, rows) / int64_t(sizeof(float))}, out);
   uint16_t* panels = reinterpret_cast<uint16_t*>(packed.data_ptr<float>());
-  bf16_pack_float_transposed(B.data_ptr<float>(), B.stride(0), K, rows, panels);
+  if (B.scalar_type() == at::kBFloat16) {  // bfloat16 B (a half-precision call's x) as it is
+    bf16_pack_transposed(HalfRows{B.const_data_ptr(), B.stride(0), true}, K, rows, panels);
+  } else {
+    bf16_pack_float_transposed(B.data_ptr<float>(), B.stride(0), K, rows, panels);
+  }
   bf16_gemm_rounded(x, panels, K, 0, out.data_ptr<float>(), out.stride(0));
 }
 
@@ -313,6 +344,9 @@ void f32_weight_gradient_packed(const Tensor& out, const Tensor& A, const Tensor
 }
 
 void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, const Tensor& B, SharedA* shared_A) {
+  TORCH_CHECK(B.scalar_type() != at::kBFloat16 || (a.W.scalar_type() == at::kBFloat16 && bf16_products() &&
+                                                   B.size(0) > 0),
+              "rnnkit fused: weight_gradient: a bfloat16 B is for the bfloat16 products");
   if (!A.defined()) {  // rounded by the caller
     TORCH_CHECK(shared_A != nullptr && shared_A->bf16.data != nullptr,
                 "rnnkit fused: weight_gradient: no A and no rounding of it");
@@ -345,7 +379,9 @@ Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tens
                     (!needs.dW || shared_dA->bf16.data),
                 "rnnkit fused: input_projection_backward: no dA and no rounding of it");
     if (needs.dW) {
-      weight_gradient(a, grads.slot[kW], Tensor(), a.x.view({a.T * a.B, a.I}), shared_dA);
+      const Tensor x_rows = a.bf16_x_rows();
+      weight_gradient(a, grads.slot[kW], Tensor(), x_rows.defined() ? x_rows : a.x_values().view({a.T * a.B, a.I}),
+                      shared_dA);
     } else {
       grads.slot[kW].zero_();
     }
@@ -374,8 +410,9 @@ Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tens
     grads.put(kLnXGain, sums[0]);
     grads.put(kLnXShift, sums[1]);
   }
-  const Tensor x2 = a.x.view({a.T * a.B, a.I});
   if (needs.dW) {
+    const Tensor bf16_x = a.bf16_x_rows();  // a bfloat16 x as the bfloat16 products take it, else x's values
+    const Tensor x2 = bf16_x.defined() ? bf16_x : a.x_values().view({a.T * a.B, a.I});
     // [G·H, I]; with layer norm dA was rewritten above: a rounding taken before it is not dA's
     weight_gradient(a, grads.slot[kW], dA, x2, a.ln_x_gain.defined() ? nullptr : shared_dA);
   } else {

@@ -70,6 +70,11 @@ struct Zoneout {
 struct PassArgs {
   std::string mode;  // "lstm", "gru", "rnn_tanh", "rnn_relu"
   Tensor x, h0, c0;
+  // A half-precision call's x as given (ops.cpp, HalfCall), bfloat16 / float16 [T, B, I]; `x` is
+  // then a float32 buffer of its shape that x_values() fills on first use: the CPU's bfloat16
+  // products read a bfloat16 x_half as it is (W x, W's gradient: bf16_x_rows), so the values are
+  // widened only where something reads x in float32.
+  Tensor x_half;
   Tensor W, R, b_W, b_R, W_hr, peephole;
   Tensor ln_x_gain, ln_x_shift, ln_h_gain, ln_h_shift, ln_c_gain, ln_c_shift;
   Tensor lengths, recurrent_mask, zoneout_h, zoneout_c;
@@ -83,6 +88,13 @@ struct PassArgs {
 
   void finish();
   void check_sizes() const;
+  // x's values [T, B, I] in the pass's dtype: x, filled from x_half first where it was deferred.
+  // Called outside parallel regions (the step loops' InputSteps, the backward's input projection).
+  const Tensor& x_values() const;
+  // x_half's rows [T·B, I] as the bfloat16 products take them as operands (bfloat16 bits, I even:
+  // whole pairs with no padding), where they do: else an undefined tensor (then x_values()).
+  Tensor bf16_x_rows() const;
+  mutable bool x_deferred = false;  // x not filled yet (see x_half)
   const Tensor& weight(WeightSlot slot) const;
   bool layer_norm() const { return ln_h_gain.defined(); }
   bool quantized() const { return W.scalar_type() == at::kChar; }
