@@ -472,8 +472,10 @@ def test_half_stacks_train(kind, dtype, kernel):
 
 
 def test_the_kernels_refuse_half_matrices_where_they_cannot_take_them():
-    """Half matrices take float32 inputs, states and vectors, and all one dtype: float64 inputs,
-    mismatched matrices or half vectors are refused with the reason, never computed wrongly."""
+    """Half matrices take float32 inputs, states and vectors, or all of them in the matrices' dtype
+    (a half-precision call), and all one dtype: float64 inputs, mismatched matrices, half vectors
+    beside a float32 x or float32 ones beside a half x are refused with the reason, never computed
+    wrongly."""
     from rnnkit.passes import PassScalars
 
     lstm = rnnkit.LSTM(4, 6, backend="fused")
@@ -487,12 +489,14 @@ def test_the_kernels_refuse_half_matrices_where_they_cannot_take_them():
         return fused_ops.OPS.forward_impl(x, h0.to(x.dtype), c0.to(x.dtype), *weights, None, None, None, None,
                                           *scalars, training)
 
-    with pytest.raises(RuntimeError, match="float32 inputs"):
+    with pytest.raises(RuntimeError, match="x is float32 or BFloat16, got x Double"):
         forward(x.double(), half, False)
     with pytest.raises(RuntimeError, match="R: expected BFloat16"):
         forward(x, half._replace(R=w.R.detach().half()), False)
     with pytest.raises(RuntimeError, match="biases, gains, states and masks are float32"):
         forward(x, half._replace(b_W=w.b_W.detach().bfloat16()), False)
+    with pytest.raises(RuntimeError, match="b_W: expected BFloat16 like x and W"):
+        forward(x.bfloat16(), half, False)  # its float32 vectors beside a bfloat16 x
 
 
 def _bf16_dropout_mask(shape, p, like, draw=masks._dropout_mask):

@@ -981,6 +981,45 @@ def test_opcheck_fused_half_call(name, lengths):
     torch.library.opcheck(OPS.backward_op, backward_args(half))
 
 
+@pytest.mark.parametrize("slot", ["h0", "c0", "recurrent_mask", "b_R", "ln_h_gain"])
+def test_fused_half_call_refuses_a_tensor_in_another_dtype(slot):
+    """A half-precision call takes every tensor in its matrices' dtype: a float32 state, mask or
+    vector beside them is an error naming it (its gradient would come back rounded, and the fake
+    implementation would give dh0 h0's dtype where the kernels give x's)."""
+    name = "lstm_ln" if slot == "ln_h_gain" else "lstm_zoneout_recurrent_dropout"
+    half = list(half_call_args(name, None, torch.bfloat16)[0])
+    half[arg_index(slot)] = half[arg_index(slot)].float()
+    with pytest.raises(RuntimeError, match=f"{slot}: expected BFloat16 like x and W .* got Float"):
+        OPS.forward_op(*half)
+
+
+@pytest.mark.parametrize("name", ["lstm_peephole", "gru"])
+def test_bf16_fused_double_backward_recomputes_in_float32(name):
+    """create_graph on a bfloat16 module's fused passes recomputes each pass with the reference
+    backend in float32 on the module's values (passes._reference_backward): its first-order gradient
+    and a gradient penalty's weight gradients agree with the float32 reference module's on the same
+    values within bfloat16's tolerance (measured 2-5e-3: the fused forward's bfloat16 products and
+    the roundings of y, the first-order gradient and the weights' gradients to bfloat16)."""
+    from rnnkit.testing import assert_close
+    torch.manual_seed(0)
+    make = {"lstm_peephole": lambda **k: rnnkit.LSTM(4, 6, peephole=True, **k),
+            "gru": lambda **k: rnnkit.GRU(4, 6, **k)}[name]
+    half = make(backend="fused").bfloat16()
+    reference = make(backend="reference")
+    reference.load_state_dict({k: v.float() for k, v in half.state_dict().items()})
+    x = torch.randn(7, 3, 4).bfloat16()
+    results = []
+    for layer, given in ((half, x.clone()), (reference, x.float())):
+        given.requires_grad_(True)
+        y, _ = layer(given)
+        g, = torch.autograd.grad((y.float() ** 2).sum(), given, create_graph=True)
+        grads = torch.autograd.grad((g.float() ** 2).sum(), list(layer.parameters()))
+        assert g.dtype == given.dtype and all(p.dtype == given.dtype for p in grads)
+        results.append([g, *grads])
+    for (label, _), got, want in zip([("dx", None), *layer.named_parameters()], *results):
+        assert_close(got.float(), want, f"{name} {label}", dtype=torch.bfloat16)
+
+
 def test_fused_half_call_backward_needs_the_saved_y():
     """A half-precision call's backward given a saved list without the float32 y (a float32 call's)
     is an error naming it, not a backward on y's rounding."""

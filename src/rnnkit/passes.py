@@ -157,7 +157,7 @@ def _fake_backward(*values):
     dx = torch.empty_like(x) if args["need_dx"] else x.new_empty(0)
     dc0 = torch.empty_like(c0) if c0 is not None else x.new_empty(0)
     numel = sum(args[slot].numel() for slot in SLOTS if args[slot] is not None)
-    return dx, torch.empty_like(h0), dc0, x.new_empty(numel)  # in x's dtype (half-precision matrices: float32)
+    return dx, torch.empty_like(h0), dc0, x.new_empty(numel)  # each like its input; the block in x's dtype
 
 
 def _vmap_by_loop(op) -> Callable:

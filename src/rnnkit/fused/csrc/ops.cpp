@@ -42,7 +42,7 @@ Tensor contiguous(const OptTensor& t) { return t.has_value() ? t->contiguous() :
       py::arg("coupled_gates"), py::arg("reset_after"), py::arg("reverse")
 
 // A bfloat16 / float16 module's vectors (biases, peepholes, layer norm's gains and shifts) as the
-// float32 the cells read, widened from the module's tensors at every call (a step plan's: a copy
+// float32 the cells read, widened from the module's tensors at every call (HalfCall's; a step plan's: a copy
 // kept in the plan would miss their in-place updates, an optimizer's step, load_state_dict,
 // init.*_, which change neither the tensors nor their memory). One fresh buffer per call (returned:
 // it must outlive the pass), so calls on several threads share nothing; a few vectors of G·H
@@ -55,7 +55,7 @@ Tensor widen_vectors(PassArgs& a) {
     if (t->defined()) total += t->numel();
   Tensor buffer = at::empty({total}, a.W.options().dtype(at::kFloat));
   float* out = buffer.data_ptr<float>();
-  for (Tensor* t : vectors) {  // contiguous (make_step_plan checks it)
+  for (Tensor* t : vectors) {  // contiguous (make_step_plan checks it; pass_args makes them so)
     if (!t->defined()) continue;
     const int64_t n = t->numel();
     const at::ScalarType type = t->scalar_type();
@@ -116,10 +116,22 @@ struct HalfCall {
   Tensor vectors;                     // the widened vectors (the PassArgs' point into it)
 
   // Widens a's half tensors (x, the states, the masks, the vectors) where x is in its matrices'
-  // half dtype; else nothing (float32 x beside half matrices takes float32 for all of them).
+  // half dtype, each of which must then be in it too (the fake implementation gives dh0 h0's dtype,
+  // and a float32 vector's gradient would come back rounded in the block); else nothing (a float32
+  // x beside half matrices takes float32 for all of them: PassArgs::finish checks it).
   void widen(PassArgs& a) {
     if (!a.half_weights() || a.x.scalar_type() != a.W.scalar_type()) return;
     on = true, dtype = a.x.scalar_type();
+    const std::pair<const char*, const Tensor*> given[] = {
+        {"h0", &a.h0}, {"c0", &a.c0}, {"recurrent_mask", &a.recurrent_mask}, {"zoneout_h_mask", &a.zoneout_h},
+        {"zoneout_c_mask", &a.zoneout_c}, {"b_W", &a.b_W}, {"b_R", &a.b_R}, {"peephole", &a.peephole},
+        {"ln_x_gain", &a.ln_x_gain}, {"ln_x_shift", &a.ln_x_shift}, {"ln_h_gain", &a.ln_h_gain},
+        {"ln_h_shift", &a.ln_h_shift}, {"ln_c_gain", &a.ln_c_gain}, {"ln_c_shift", &a.ln_c_shift}};
+    for (const auto& [name, t] : given) {
+      TORCH_CHECK(!t->defined() || t->scalar_type() == dtype, "rnnkit fused: ", name, ": expected ", dtype,
+                  " like x and W (a half-precision call takes every tensor in the matrices' dtype), got ",
+                  t->scalar_type());
+    }
     // x widened where something reads it in float32 (PassArgs::x_values): the bfloat16 products take it as it is
     a.x_half = a.x, a.x_deferred = true;
     a.x = new_buffer(a.x.sizes(), at::empty({0}, a.x.options().dtype(at::kFloat)));

@@ -53,8 +53,9 @@ void PassArgs::finish() {
     check("W", W, W_scale), check("R", R, R_scale), check("W_hr", W_hr, W_hr_scale);
   }
   if (half_weights()) {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "rnnkit fused: ", W.scalar_type(),
-                " weights take float32 inputs and states, got x ", x.scalar_type());
+    // (a half-precision call's x, in the matrices' dtype, reaches here widened: ops.cpp, HalfCall)
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "rnnkit fused: with ", W.scalar_type(), " matrices x is float32 or ",
+                W.scalar_type(), ", got x ", x.scalar_type());
     for (const auto& [name, w] : {std::pair<const char*, const Tensor*>{"R", &R}, {"W_hr", &W_hr}}) {
       TORCH_CHECK(!w->defined() || w->scalar_type() == W.scalar_type(), "rnnkit fused: ", name, ": expected ",
                   W.scalar_type(), " like W, got ", w->scalar_type());
@@ -62,7 +63,8 @@ void PassArgs::finish() {
     for (const Tensor* t : {&b_W, &b_R, &peephole, &ln_x_gain, &ln_x_shift, &ln_h_gain, &ln_h_shift, &ln_c_gain,
                             &ln_c_shift, &h0, &c0, &recurrent_mask, &zoneout_h, &zoneout_c}) {
       TORCH_CHECK(!t->defined() || t->scalar_type() == at::kFloat, "rnnkit fused: with ", W.scalar_type(),
-                  " matrices, the biases, gains, states and masks are float32, got ", t->scalar_type());
+                  " matrices and a float32 x, the biases, gains, states and masks are float32, got ",
+                  t->scalar_type());
     }
   }
   // The passes read layer norm's gains and shifts as x's dtype (no per-row check), so here once

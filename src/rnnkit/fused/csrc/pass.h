@@ -41,7 +41,7 @@ enum WeightSlot : int {
 
 // Slots of the saved list (an empty tensor where a configuration keeps nothing); no two alias each
 // other (they are the outputs of a custom op). The output y is saved by the caller and handed back
-// to the backward beside this list.
+// to the backward beside this list (a half-precision call's backward reads kOutput instead).
 enum Saved : int {
   kInputRaw, kInputMean, kInputRstd,  // W x before LN_x [T·B, G·H], its row statistics [T·B, 1]
   kGates,                             // post-activation gates [T, B, ·]
@@ -99,7 +99,8 @@ struct PassArgs {
   bool layer_norm() const { return ln_h_gain.defined(); }
   bool quantized() const { return W.scalar_type() == at::kChar; }
   // A bfloat16 / float16 module: W, R (and W_hr) in that dtype, read by the GEMMs as they are
-  // (gemm.h, bgemm.h); x, the states, every other weight and the gradients float32.
+  // (gemm.h, bgemm.h); x, the states, every other weight and the gradients float32 here (a
+  // half-precision call's widened by ops.cpp's HalfCall, its x kept in x_half).
   bool half_weights() const { return W.scalar_type() == at::kBFloat16 || W.scalar_type() == at::kHalf; }
   // σ and tanh in their quick forms (simd.h: within 2.5 float32 ulp, not 1.5) in a forward pass:
   // int8 inference, and a bfloat16 module's call without a gradient on the bfloat16 kernels, whose
