@@ -389,10 +389,13 @@ void unpacked_one_row(const RowsX& qx, const QuantizedRows& M, int64_t N, int64_
   const __mmask64 tail = K % 64 == 0 ? ~__mmask64(0) : (__mmask64(1) << (K % 64)) - 1;
   // |x| and its signs, 64 bytes a chunk (never read past K), in this thread's buffers: the loop's
   // threads read them through the pointers (their own thread_locals are others)
-  thread_local std::vector<__m512i> a_buffer;
+  // (bytes aligned by hand: a std::vector<__m512i> instantiated outside this target region, in a
+  // build for AVX2, allocated with 32-byte alignment, and the aligned stores below faulted)
+  thread_local std::vector<int8_t> a_buffer;
   thread_local std::vector<__mmask64> negative_buffer;
-  a_buffer.resize(chunks), negative_buffer.resize(chunks);
-  __m512i* const a = a_buffer.data();
+  a_buffer.resize(64 * chunks + 64), negative_buffer.resize(chunks);
+  const uintptr_t a_address = reinterpret_cast<uintptr_t>(a_buffer.data());
+  __m512i* const a = reinterpret_cast<__m512i*>(a_buffer.data() + (64 - a_address % 64) % 64);
   __mmask64* const negative = negative_buffer.data();
   for (int64_t c = 0; c < chunks; ++c) {
     const __mmask64 m = c + 1 < chunks ? ~__mmask64(0) : tail;
