@@ -373,6 +373,16 @@ void weight_gradient(const PassArgs& a, const Tensor& out, const Tensor& A, cons
   bf16_weight_gradient(out, A, B, shared_A ? &shared_A->bf16 : nullptr);
 }
 
+namespace {
+
+// x [T·B, I] as W's gradient takes it: a bfloat16 x as the bfloat16 products read it, else x's values.
+Tensor weight_gradient_x(const PassArgs& a) {
+  const Tensor rows = a.bf16_x_rows();
+  return rows.defined() ? rows : a.x_values().view({a.T * a.B, a.I});
+}
+
+}  // namespace
+
 Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tensor& raw, const Tensor& mean,
                                  const Tensor& rstd, const GradNeeds& needs, WeightGrads& grads,
                                  SharedA* shared_dA) {
@@ -381,9 +391,7 @@ Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tens
                     (!needs.dW || shared_dA->bf16.data),
                 "rnnkit fused: input_projection_backward: no dA and no rounding of it");
     if (needs.dW) {
-      const Tensor x_rows = a.bf16_x_rows();
-      weight_gradient(a, grads.slot[kW], Tensor(), x_rows.defined() ? x_rows : a.x_values().view({a.T * a.B, a.I}),
-                      shared_dA);
+      weight_gradient(a, grads.slot[kW], Tensor(), weight_gradient_x(a), shared_dA);
     } else {
       grads.slot[kW].zero_();
     }
@@ -413,10 +421,8 @@ Tensor input_projection_backward(const PassArgs& a, const Tensor& dA, const Tens
     grads.put(kLnXShift, sums[1]);
   }
   if (needs.dW) {
-    const Tensor bf16_x = a.bf16_x_rows();  // a bfloat16 x as the bfloat16 products take it, else x's values
-    const Tensor x2 = bf16_x.defined() ? bf16_x : a.x_values().view({a.T * a.B, a.I});
     // [G·H, I]; with layer norm dA was rewritten above: a rounding taken before it is not dA's
-    weight_gradient(a, grads.slot[kW], dA, x2, a.ln_x_gain.defined() ? nullptr : shared_dA);
+    weight_gradient(a, grads.slot[kW], dA, weight_gradient_x(a), a.ln_x_gain.defined() ? nullptr : shared_dA);
   } else {
     grads.slot[kW].zero_();
   }
