@@ -46,6 +46,26 @@ def test_own_gemm_matches_float64(kernel, rows, transposed):
 
 @pytest.mark.skipif(not OWN, reason="no own float32 GEMM kernels on this CPU (AVX2 + FMA or AVX-512 needed)")
 @pytest.mark.parametrize("kernel", OWN or ["none"])
+def test_own_gemm_of_many_rows_and_a_deep_sum_runs_by_chunks_of_rows(kernel):
+    """Past one pass over K (512) and C over a tile of panels beyond 256 KB (a backward's dx = dA · W),
+    the product takes its rows in chunks, each through every pass over K (fgemm.cpp, chunk_blocks):
+    every row of every chunk, the last one short, is written (the result buffer is NaN-poisoned), as
+    the product of its own rows would give it, bit for bit."""
+    torch.manual_seed(0)
+    extension = build.extension()
+    # rows: 2 chunks of 85 + 82 row blocks (8 panels a tile); 2 of 170 + 47 (4 panels); 2 of 341 + 159 (2 panels)
+    for rows, N, K in [(1000, 300, 1100), (1300, 64, 1025), (3000, 17, 600)]:
+        X, M = torch.randn(rows, K), torch.randn(N, K)
+        with fused.use_fp32_gemm(kernel):
+            packed = extension.f32_pack(M, False)
+            whole = extension.f32_gemm_packed(X, packed, N).clone()  # the result is a cached buffer: cloned
+            pieces = torch.cat([extension.f32_gemm_packed(X[r:r + 37], packed, N).clone() for r in range(0, rows, 37)])
+        assert torch.equal(whole, pieces), f"{rows}x{K}x{N}: a row's value depends on the chunk it ran in"
+        assert_close(whole, (X.double() @ M.double().t()).float(), f"{rows}x{K}x{N}")
+
+
+@pytest.mark.skipif(not OWN, reason="no own float32 GEMM kernels on this CPU (AVX2 + FMA or AVX-512 needed)")
+@pytest.mark.parametrize("kernel", OWN or ["none"])
 def test_own_gemm_reads_strided_rows_and_leaves_the_rest(kernel):
     """X rows with a leading dimension past K (a slice of a wider buffer)."""
     wide = torch.randn(9, 40)
