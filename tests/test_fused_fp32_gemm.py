@@ -84,12 +84,14 @@ def test_own_weight_gradient_matches_float64(kernel, rows, binding):
     are the GEMM's rows (1, a block and a tail, several blocks), B's columns whole panels read in place
     and a tail copied into a padded panel. As (Bᵀ · A)ᵀ (f32_gemm_at_b_packed, the larger ones): A
     packed into panels (N a tail of a panel or several), Bᵀ read from B in place as the product's
-    rows, the [K, N] product transposed into the result in 16 x 16 blocks. N, K of 1, 15, 16, 17, 37,
-    64, 100; A and B slices of wider buffers, as a GRU's gate columns; NaN-poisoned scratch."""
+    rows, the [K, N] product transposed into the result in 16 x 16 blocks. N, K of 1-4, 15, 16, 17,
+    27, 37, 40, 64, 100 (blocks of every height, 1 to 6 rows); A and B slices of wider buffers, as a
+    GRU's gate columns; NaN-poisoned scratch."""
     torch.manual_seed(rows)
     extension = build.extension()
     product = getattr(extension, binding)
-    for N, K in [(1, 1), (5, 15), (13, 16), (37, 17), (6, 64), (64, 100), (100, 37)]:
+    for N, K in [(1, 1), (2, 2), (3, 3), (4, 4), (5, 15), (13, 16), (37, 17), (6, 64), (64, 100), (100, 37),
+                 (27, 40)]:
         A = torch.randn(rows, N + 9)[:, 4:4 + N]
         B = torch.randn(rows, K + 3)[:, 1:1 + K]
         before = (A.clone(), B.clone())
