@@ -111,10 +111,10 @@ constexpr int64_t kAhead = 24;           // strided blocks: X's column prefetche
 
 // Row blocks per chunk of a product on packed panels (drive<false>): all of them for one pass over
 // K; for more (K > kDepth), chunks whose C over one tile of panels fills ~kTileBytes, each chunk
-// taking its tiles one at a time through every pass over K, so that C stays in L2 across the passes
-// where the passes over all of C read and wrote all of it again (the same sums in the same order:
-// each C value adds its K in passes from the first to the last). M is read once per chunk, X once
-// per tile. Measured (GFLOP/s, AMD EPYC Zen 4, 1 thread, the other order -> this one):
+// taking its tiles one at a time through every pass over K. So C stays in L2 across the passes,
+// where taking every row through one pass before the next read and wrote all of C once per pass.
+// The sums are the same, in the same order: each C value adds its K in passes from the first to the
+// last. M is read once per chunk, X once per tile. Measured (GFLOP/s, AMD EPYC Zen 4, 1 thread, the other order -> this one):
 // a backward's dx = dA · W, 6400 x 2048 x 512 (fastrnns) 100-103 -> 113, 3200 x 1024 x 256 (medium)
 // 101-108 -> 111-112, 800 x 4096 x 1024 (wide) 110-113 -> 113; a wide forward's chunk W·x, 128 x
 // 1024 x 4096, 106-113 -> 111. The weight gradients' strided products (drive<true>) keep the passes
