@@ -701,6 +701,9 @@ def test_expected_bf16_kernel():
     from rnnkit.app.machine import expected_bf16_kernel
 
     assert expected_bf16_kernel(["avx2", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"], "AVX512") == "avx512-bf16"
+    amx = ["avx2", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"]
+    assert expected_bf16_kernel(amx, "AVX512") == "amx-bf16"
+    assert expected_bf16_kernel(amx[:-1], "AVX512") == "avx512-bf16"
     assert expected_bf16_kernel(["avx2", "avx512f", "avx512bw", "avx512vl"], "AVX512") == "none"
     assert expected_bf16_kernel(["avx2", "fma"], "AVX2") == "none"
     assert expected_bf16_kernel(None, "AVX2") == "none"

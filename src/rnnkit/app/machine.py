@@ -43,7 +43,11 @@ def expected_bf16_kernel(flags: Optional[List[str]], torch_capability: str) -> s
     """The bfloat16 GEMM kernels `rnnkit.fused.bf16_kernel()` will report once the fused kernels are
     built, without building them."""
     del torch_capability  # compiled for their instruction set whatever torch dispatches to (bgemm.cpp)
-    return "avx512-bf16" if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags or ()) else "none"
+    present = set(flags or ())
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= present:
+        return "none"
+    # AMX also needs the kernel's permission (Linux 5.16 and later grant it): asked when the kernels load
+    return "amx-bf16" if {"amx_tile", "amx_bf16"} <= present else "avx512-bf16"
 
 
 def expected_fp32_gemm(flags: Optional[List[str]], torch_capability: str) -> str:
