@@ -752,7 +752,8 @@ def test_machine_reads_the_cpu_model_and_its_simd_features(monkeypatch):
 def test_expected_fp32_gemm():
     from rnnkit.app.machine import expected_fp32_gemm
 
-    assert expected_fp32_gemm(["avx2", "fma", "avx512f", "avx512bw"], "AVX512") == "avx512"
+    assert expected_fp32_gemm(["avx2", "fma", "avx512f", "avx512bw"], "AVX512", "AuthenticAMD") == "avx512"
+    assert expected_fp32_gemm(["avx2", "fma", "avx512f", "avx512bw"], "AVX512", "GenuineIntel") == "avx512-mkl"
     assert expected_fp32_gemm(["avx2", "fma"], "AVX2") == "avx2"
     assert expected_fp32_gemm(["avx2"], "AVX2") == "mkl"  # no FMA: the own AVX2 kernel does not run
     assert expected_fp32_gemm(None, "DEFAULT") == "mkl"

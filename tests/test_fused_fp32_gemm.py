@@ -236,9 +236,13 @@ def test_choosing_a_kernel_that_cannot_run_says_which_can():
 
 
 def test_auto_takes_the_own_kernels_on_the_widest_vectors_and_mkl_elsewhere():
-    """The CPU's choice, as measured (docs/reference/backends.md): the own kernels on AVX-512, else
-    on AVX2 + FMA, else MKL."""
-    expected = "avx512" if "avx512" in FP32_GEMMS else "avx2" if "avx2" in FP32_GEMMS else "mkl"
+    """The CPU's choice, as measured (docs/reference/backends.md): the own kernels on AVX-512 (the
+    weight gradients too on AMD's CPUs, MKL's elsewhere), else on AVX2 + FMA, else MKL."""
+    from rnnkit.app import machine
+
+    amd = machine.cpu_vendor() == "AuthenticAMD"
+    expected = (("avx512" if amd else "avx512-mkl") if "avx512" in FP32_GEMMS else "avx2" if "avx2" in FP32_GEMMS
+                else "mkl")
     with fused.use_fp32_gemm("auto"):
         assert fused.fp32_gemm() == expected
 
@@ -248,8 +252,8 @@ def test_auto_takes_the_own_kernels_on_the_widest_vectors_and_mkl_elsewhere():
 def test_avx2_leaves_the_weight_gradients_to_mkl(mode):
     """Under "avx2" a training pass's products with a weight matrix run on the own kernel and its
     weight gradients on MKL's (f32_own_weight_gradients): a backward takes exactly the products
-    with R each step and dx there, and under "avx512" (where this CPU has it) the weight gradients
-    besides; the gradients agree within float32 sums' rounding either way."""
+    with R each step and dx there (so does "avx512-mkl"), and under "avx512" (where this CPU has it)
+    the weight gradients besides; the gradients agree within float32 sums' rounding either way."""
     T = 9
     options = {"reset_after": True} if mode == "gru" else {}  # reset_after=False: two products a step
     module = make_module(mode, 48, 64, torch.float32, **options).train()
@@ -257,7 +261,7 @@ def test_avx2_leaves_the_weight_gradients_to_mkl(mode):
     count = build.extension().f32_gemm_count
     steps_products = 1  # per backward step: dG · R (a GRU's three gates in one)
     results = {}
-    for kernel in [k for k in ("avx2", "avx512") if k in FP32_GEMMS]:
+    for kernel in [k for k in ("avx2", "avx512-mkl", "avx512") if k in FP32_GEMMS]:
         x = torch.randn(T, 16, 48, generator=torch.Generator().manual_seed(1)).requires_grad_()
         module.zero_grad()
         with fused.use_fp32_gemm(kernel):
@@ -267,6 +271,10 @@ def test_avx2_leaves_the_weight_gradients_to_mkl(mode):
             results[kernel] = (count() - start, [x.grad] + [p.grad.clone() for p in module.parameters()])
     products, grads = results["avx2"]
     assert products == T * steps_products + 1, products  # each step's · R and dx; no weight gradient
+    if "avx512-mkl" in results:
+        assert results["avx512-mkl"][0] == products, results["avx512-mkl"][0]
+        for got, want in zip(grads, results["avx512-mkl"][1]):
+            assert_close(got, want, "avx2 against avx512-mkl")
     if "avx512" in results:
         own, own_grads = results["avx512"]
         assert own >= products + 2, (own, products)  # dW and dR as well

@@ -17,6 +17,7 @@
 // GCC's per-function targets (#pragma GCC target); clang ignores the pragma, so it builds "mkl" only.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define RNNKIT_F32_KERNELS 1
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -285,7 +286,20 @@ namespace {
 bool has_avx512() { return __builtin_cpu_supports("avx512f"); }
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
+// Where MKL's sgemm takes a pass's weight gradients faster than the own strided blocks: every x86
+// CPU but AMD's, where MKL runs code paths slower than its own vendor's (GFLOP/s, 1 thread, the
+// grid's dW / dR, benchmarks/fp32_gemm.py --weight-gradients: Zen 4 own 100-113, MKL 83-96;
+// Emerald Rapids own 53-118 (58-104 from medium on), MKL 120-143).
+bool mkl_weight_gradients_faster() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return true;
+  char vendor[13] = {};
+  std::memcpy(vendor, &b, 4), std::memcpy(vendor + 4, &d, 4), std::memcpy(vendor + 8, &c, 4);
+  return std::strcmp(vendor, "AuthenticAMD") != 0;
+}
+
 const F32Kernels kKernels[] = {
+    {"avx512-mkl", avx512::packed, avx512::strided, has_avx512, mkl_weight_gradients_faster(), false},
     {"avx512", avx512::packed, avx512::strided, has_avx512, true, true},
     {"avx2", avx2::packed, avx2::strided, has_avx2, true, false},
     {"mkl", nullptr, nullptr, runs_everywhere, true, false},

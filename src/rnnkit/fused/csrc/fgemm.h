@@ -20,7 +20,8 @@
 namespace rnnkit {
 
 // The float32 GEMM kernels in use: "avx512", "avx2" (the kernels' own, on the CPU's widest
-// vectors) or "mkl" (MKL's packed sgemm, as torch links it). The CPU's choice, or
+// vectors), "avx512-mkl" (avx512's products, MKL's weight gradients: the choice on AVX-512 CPUs
+// other than AMD's) or "mkl" (MKL's packed sgemm, as torch links it). The CPU's choice, or
 // $RNNKIT_FP32_GEMM's (read once, at the first use).
 const char* f32_kernel();
 
@@ -28,7 +29,7 @@ const char* f32_kernel();
 bool f32_own_products();
 
 // Whether the weight gradients run on the own kernels too (f32_gemm_at_b, f32_gemm_packed_xt):
-// "avx512" only; with "avx2" or "mkl" they are MKL's.
+// "avx512" only; with "avx512-mkl", "avx2" or "mkl" they are MKL's.
 bool f32_own_weight_gradients();
 
 // The kernels this build and CPU can run ("mkl" always among them).
