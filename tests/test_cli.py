@@ -713,6 +713,9 @@ def test_expected_int8_kernel():
     from rnnkit.app.machine import expected_int8_kernel
 
     assert expected_int8_kernel(["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"], "AVX512") == "avx512-vnni"
+    amx = ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"]
+    assert expected_int8_kernel(amx, "AVX512") == "amx-int8"
+    assert expected_int8_kernel(amx[:-1], "AVX512") == "avx512-vnni"
     assert expected_int8_kernel(["avx2", "fma", "avx512f", "avx512_vnni"], "AVX512") == "avx2"  # no VL: no 256-bit vpdpbusd
     assert expected_int8_kernel(["avx2", "fma", "avx_vnni"], "AVX2") == "avx-vnni"
     assert expected_int8_kernel(["avx2", "fma"], "AVX2") == "avx2"

@@ -369,6 +369,8 @@ _QUANTIZED = {float_nn.LSTM: LSTM, float_nn.GRU: GRU, float_nn.RNN: RNN, float_n
 #: The int8 GEMM kernels (csrc/qgemm.cpp), by the names `int8_kernel` and $RNNKIT_INT8_KERNEL use.
 #: Every one sums the same products exactly in int32: they give the same outputs bit for bit.
 INT8_KERNELS = {
+    "amx-int8": "AMX-INT8 (Sapphire Rapids and later Xeons): tdpbssd on tiles of 16 rows x 64 k of the quantized "
+                "x and the packed int8 weights, the same exact int32 sums (a call of one row: avx512-vnni's)",
     "avx512-vnni": "AVX512-VNNI: vpdpbusd on x + 128 as unsigned bytes, less 128·Σw (a one-step call's few rows: "
                    "512-bit, on |x| and ±w for one row)",
     "avx-vnni": "AVX-VNNI: vpdpbusd (VEX) on x + 128 as unsigned bytes, less 128·Σw",
@@ -380,7 +382,7 @@ INT8_KERNELS = {
 
 def int8_kernel() -> str:
     """The int8 GEMM kernels `quantize`'s modules run on (a key of `INT8_KERNELS`): the fastest
-    this CPU has (AVX512-VNNI, then AVX-VNNI, then AVX2), or the one $RNNKIT_INT8_KERNEL names
+    this CPU has (AMX-INT8, then AVX512-VNNI, then AVX-VNNI, then AVX2), or the one $RNNKIT_INT8_KERNEL names
     (read at the first int8 product; a ValueError if this CPU cannot run it). Loads the fused
     kernels, building them on first use."""
     from .fused import build

@@ -73,5 +73,6 @@ def expected_int8_kernel(flags: Optional[List[str]], torch_capability: str) -> s
         return "scalar"
     present = set(flags or ())
     if {"avx512_vnni", "avx512vl", "avx512bw"} <= present:
-        return "avx512-vnni"
+        # AMX also needs the kernel's permission (Linux 5.16 and later grant it): asked when the kernels load
+        return "amx-int8" if {"amx_tile", "amx_int8"} <= present else "avx512-vnni"
     return "avx-vnni" if "avx_vnni" in present else "avx2"
