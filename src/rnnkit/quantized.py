@@ -370,7 +370,7 @@ _QUANTIZED = {float_nn.LSTM: LSTM, float_nn.GRU: GRU, float_nn.RNN: RNN, float_n
 #: Every one sums the same products exactly in int32: they give the same outputs bit for bit.
 INT8_KERNELS = {
     "amx-int8": "AMX-INT8 (Sapphire Rapids and later Xeons): tdpbssd on tiles of 16 rows x 64 k of the quantized "
-                "x and the packed int8 weights, the same exact int32 sums (a call of one row: avx512-vnni's)",
+                "x and the packed int8 weights, the same exact int32 sums (products of up to 3 rows: avx512-vnni's)",
     "avx512-vnni": "AVX512-VNNI: vpdpbusd on x + 128 as unsigned bytes, less 128·Σw (a one-step call's few rows: "
                    "512-bit, on |x| and ±w for one row)",
     "avx-vnni": "AVX-VNNI: vpdpbusd (VEX) on x + 128 as unsigned bytes, less 128·Σw",

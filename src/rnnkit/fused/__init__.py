@@ -72,8 +72,8 @@ def release_cached_buffers() -> None:
 
 BF16_KERNELS = {
     "amx-bf16": "AMX-BF16 (Sapphire Rapids and later Xeons): tdpbf16ps on tiles of 16 rows x 32 k of the bfloat16 "
-                "operands, float32 sums, for every product a vdpbf16ps kernel takes (the same packed weights and "
-                "rounded inputs); the rest as avx512-bf16",
+                "operands, float32 sums, for the products of 2 rows or more a vdpbf16ps kernel takes (the same packed "
+                "weights and rounded inputs); the rest as avx512-bf16",
     "avx512-bf16": "AVX512_BF16: vdpbf16ps on bfloat16 weights and inputs (h rounded to bfloat16 as R's operand), "
                    "float32 sums, for every pass's GEMMs (a batch of one included); one step of up to 8 rows "
                    "reads the bfloat16 weights as they are; calls without a gradient take int8's quicker σ and tanh",
