@@ -15,7 +15,8 @@ With ``--weight-gradients``: each grid shape's two LSTM weight gradients Aᵀ ·
 MKL (``torch.mm(A.t(), B)``) against the own kernels reading both in place (``f32_gemm_at_b``)
 and as (Bᵀ · A)ᵀ on A packed into panels (``f32_gemm_at_b_packed``: the packing, Bᵀ read in place
 and the result's transpose timed), and which a pass takes (``f32_at_b_in_place``: in place while A is at most 2²¹
-floats, packed beyond; MKL where the kernel in use does not take the weight gradients: ``avx2``, ``mkl``).
+floats, packed beyond; MKL where the kernel in use does not take the weight gradients: ``avx512-mkl``,
+``avx2``, ``mkl``).
 """
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ def weight_gradients(args: argparse.Namespace, extension, own: list[str]) -> lis
 def main(argv=None) -> int:
     args = arguments(__doc__, argv, weight_gradients=True)
     extension = build.extension()
-    own = [name for name in fp32_gemms() if name != "mkl"]
+    own = [name for name in fp32_gemms() if name not in ("mkl", "avx512-mkl")]  # avx512-mkl: avx512's kernels
     if not own:
         print("no own float32 kernels on this CPU: nothing to compare", file=sys.stderr)
         return 1

@@ -520,26 +520,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "bf16_gemm_packed",
       [](const at::Tensor& X, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& C) {
-        TORCH_CHECK(X.dim() == 2 && X.scalar_type() == at::kFloat && X.stride(1) == 1,
-                    "bf16_gemm_packed: X: expected float32 [rows, K] with unit stride, got ", X.scalar_type(), " ",
-                    X.sizes());
+        const bool rounded = X.scalar_type() == at::kBFloat16;  // X rounded already: bf16_gemm_rounded's product
+        TORCH_CHECK(X.dim() == 2 && (X.scalar_type() == at::kFloat || (rounded && X.size(1) % 2 == 0)) &&
+                        X.stride(1) == 1 && (!rounded || X.stride(0) % 2 == 0),
+                    "bf16_gemm_packed: X: expected float32 [rows, K] with unit stride, or bfloat16 with an even K "
+                    "and row stride, got ", X.scalar_type(), " ", X.sizes(), " strides ", X.strides());
         const int64_t K = X.size(1);
         TORCH_CHECK(N >= 0 && packed.scalar_type() == at::kShort && packed.is_contiguous() &&
                         packed.numel() * 2 == rnnkit::bf16_packed_bytes(N, K),
                     "bf16_gemm_packed: packed: expected bf16_pack of an M with N = ", N, " and K = ", K);
         TORCH_CHECK(rnnkit::bf16_products(), "bf16_gemm_packed: no bfloat16 GEMM kernels in use ('none')");
-        at::Tensor out = C.has_value() ? *C : rnnkit::cached_empty({X.size(0), N}, X);  // NaN under set_poison
+        at::Tensor out = C.has_value() ? *C : rnnkit::cached_empty({X.size(0), N}, at::kFloat);  // NaN under set_poison
         TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == X.size(0) && out.size(1) == N &&
                         out.stride(1) == 1,
                     "bf16_gemm_packed: C: expected float32 [", X.size(0), ", ", N, "] with unit stride, got ",
                     out.scalar_type(), " ", out.sizes());
-        rnnkit::bf16_gemm_packed(X.data_ptr<float>(), X.size(0), X.stride(0),
-                                 reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>()), N, K,
-                                 C.has_value() ? 1.0f : 0.0f, out.data_ptr<float>(), out.stride(0));
+        const float beta = C.has_value() ? 1.0f : 0.0f;
+        const uint16_t* panels = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
+        if (rounded) {
+          rnnkit::Bf16RoundedX x;
+          x.data = reinterpret_cast<const uint16_t*>(X.data_ptr()), x.rows = X.size(0), x.K = K, x.ld = X.stride(0);
+          rnnkit::bf16_gemm_rounded(x, panels, N, beta, out.data_ptr<float>(), out.stride(0));
+        } else {
+          rnnkit::bf16_gemm_packed(X.data_ptr<float>(), X.size(0), X.stride(0), panels, N, K, beta,
+                                   out.data_ptr<float>(), out.stride(0));
+        }
         return out;
       },
       py::arg("X"), py::arg("packed"), py::arg("N"), py::arg("C") = py::none(),
-      "X · Mᵀ (+ C, in place, where C is given) on M packed by bf16_pack, X rounded to bfloat16 as it is read");
+      "X · Mᵀ (+ C, in place, where C is given) on M packed by bf16_pack, X rounded to bfloat16 as it is read "
+      "(or given in bfloat16)");
   // The weight-gradient bindings: Aᵀ · B for float32 A [rows, N] and B [rows, K] with unit-stride
   // rows, into a new [N, K] (NaN under set_poison before the product writes it), where `usable`
   // says the kernels are in use (else `unusable`, the error's text).
