@@ -120,6 +120,12 @@ def test_bf16_gemm_packed_matches_float64_on_rounded_operands(kernel):
             C0 = torch.randn(rows, N)
             summed = ext.bf16_gemm_packed(X, packed, N, C0.clone())
             assert_close(summed, (C0.double() + expected).float(), f"{rows} x {K} x {N}, added to C")
+            threads = torch.get_num_threads()
+            try:  # each output is one thread's whole sum: the same bits however the panels are split
+                torch.set_num_threads(2)
+                assert torch.equal(ext.bf16_gemm_packed(X, packed, N), got), f"{rows} x {K} x {N}, 2 threads"
+            finally:
+                torch.set_num_threads(threads)
             for first, count in [(0, 2), (rows // 2, min(rows - rows // 2, 17)), (rows - 2, 2)] if rows >= 4 else []:
                 part = ext.bf16_gemm_packed(X[first:first + count].contiguous(), packed, N)
                 assert torch.equal(part, got[first:first + count]), f"{rows} x {K} x {N}: rows {first}+{count}"
