@@ -757,6 +757,8 @@ def test_expected_fp32_gemm():
 
     assert expected_fp32_gemm(["avx2", "fma", "avx512f", "avx512bw"], "AVX512", "AuthenticAMD") == "avx512"
     assert expected_fp32_gemm(["avx2", "fma", "avx512f", "avx512bw"], "AVX512", "GenuineIntel") == "avx512-mkl"
+    assert expected_fp32_gemm(["avx2", "fma", "avx512f", "avx512bw"], "AVX512", "HygonGenuine") == "avx512"
+    assert expected_fp32_gemm(["avx2", "fma", "avx512f", "avx512bw"], "AVX512", "") == "avx512"  # unknown
     assert expected_fp32_gemm(["avx2", "fma"], "AVX2") == "avx2"
     assert expected_fp32_gemm(["avx2"], "AVX2") == "mkl"  # no FMA: the own AVX2 kernel does not run
     assert expected_fp32_gemm(None, "DEFAULT") == "mkl"

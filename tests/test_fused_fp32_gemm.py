@@ -237,11 +237,11 @@ def test_choosing_a_kernel_that_cannot_run_says_which_can():
 
 def test_auto_takes_the_own_kernels_on_the_widest_vectors_and_mkl_elsewhere():
     """The CPU's choice, as measured (docs/reference/backends.md): the own kernels on AVX-512 (the
-    weight gradients too on AMD's CPUs, MKL's elsewhere), else on AVX2 + FMA, else MKL."""
+    weight gradients MKL's on Intel's CPUs, the own elsewhere), else on AVX2 + FMA, else MKL."""
     from rnnkit.app import machine
 
-    amd = machine.cpu_vendor() == "AuthenticAMD"
-    expected = (("avx512" if amd else "avx512-mkl") if "avx512" in FP32_GEMMS else "avx2" if "avx2" in FP32_GEMMS
+    intel = machine.cpu_vendor() == "GenuineIntel"
+    expected = (("avx512-mkl" if intel else "avx512") if "avx512" in FP32_GEMMS else "avx2" if "avx2" in FP32_GEMMS
                 else "mkl")
     with fused.use_fp32_gemm("auto"):
         assert fused.fp32_gemm() == expected

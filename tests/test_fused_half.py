@@ -115,8 +115,11 @@ def test_bf16_gemm_packed_matches_float64_on_rounded_operands(kernel):
             expected = X.bfloat16().double() @ M.double().t()
             got = ext.bf16_gemm_packed(X, packed, N)
             assert_close(got, expected.float(), f"{rows} x {K} x {N}")
-            if K % 2 == 0:  # X given rounded (bf16_gemm_rounded's product): the same bits
+            if K % 2 == 0:  # X given rounded (bf16_gemm_rounded's product): the same bits, rows at any stride
                 assert torch.equal(ext.bf16_gemm_packed(X.bfloat16(), packed, N), got), f"{rows} x {K} x {N}"
+                wide = torch.full((rows, K + 46), float("nan")).bfloat16()  # NaN between the rows: never read
+                wide[:, 6:6 + K] = X.bfloat16()
+                assert torch.equal(ext.bf16_gemm_packed(wide[:, 6:6 + K], packed, N), got), f"{rows} x {K} x {N}, ld"
             C0 = torch.randn(rows, N)
             summed = ext.bf16_gemm_packed(X, packed, N, C0.clone())
             assert_close(summed, (C0.double() + expected).float(), f"{rows} x {K} x {N}, added to C")
@@ -130,6 +133,16 @@ def test_bf16_gemm_packed_matches_float64_on_rounded_operands(kernel):
                 part = ext.bf16_gemm_packed(X[first:first + count].contiguous(), packed, N)
                 assert torch.equal(part, got[first:first + count]), f"{rows} x {K} x {N}: rows {first}+{count}"
             assert torch.equal(X, before[0]) and torch.equal(M, before[1])
+
+
+@pytest.mark.skipif(BF16_KERNELS == ["none"], reason="no bfloat16 GEMM kernels on this CPU")
+def test_bf16_gemm_packed_refuses_rows_closer_than_k():
+    """A bfloat16 X whose rows overlap (row stride 0, or under K) is refused, not read past its rows."""
+    ext = build.extension()
+    packed = ext.bf16_pack(torch.randn(16, 64).bfloat16())
+    for X in (torch.randn(1, 64).bfloat16().expand(3, 64), torch.randn(4096).bfloat16().as_strided((3, 64), (8, 1))):
+        with pytest.raises(RuntimeError, match="an even row stride of at least K"):
+            ext.bf16_gemm_packed(X, packed, 16)
 
 
 def rounded_module(mode, options, dtype, T, B):

@@ -61,8 +61,8 @@ def expected_fp32_gemm(flags: Optional[List[str]], torch_capability: str, vendor
     del torch_capability  # compiled for their instruction set whatever torch dispatches to (fgemm.cpp)
     present = set(flags or ())
     if "avx512f" in present:
-        # the weight gradients on MKL's where it was measured faster: CPUs other than AMD's (fgemm.cpp)
-        return "avx512" if (vendor or cpu_vendor()) == "AuthenticAMD" else "avx512-mkl"
+        # the weight gradients on MKL's where it was measured faster: Intel's CPUs (fgemm.cpp)
+        return "avx512-mkl" if (cpu_vendor() if vendor is None else vendor) == "GenuineIntel" else "avx512"
     return "avx2" if {"avx2", "fma"} <= present else "mkl"
 
 

@@ -93,7 +93,7 @@ def bf16_kernel() -> str:
 
 FP32_GEMMS = {
     "avx512-mkl": "avx512's own products (the per-step products, the input projection and dx), MKL's sgemm for the "
-                  "weight gradients: the CPU's choice on AVX-512 CPUs other than AMD's, where MKL's weight "
+                  "weight gradients: the CPU's choice on Intel's AVX-512 CPUs, where MKL's weight "
                   "gradients were measured faster (120-143 GFLOP/s against 53-118 on an Emerald Rapids Xeon)",
     "avx512": "the kernels' own float32 GEMM on AVX-512 (weights packed once per pass into panels of 16 columns, "
               "4 panels x 6 rows of sums in zmm registers) for the per-step products, the input projection and dx; "
@@ -107,8 +107,8 @@ FP32_GEMMS = {
 def fp32_gemm() -> str:
     """The float32 GEMM kernels of the fused passes (a key of `FP32_GEMMS`): the kernels' own on the
     CPU's widest vectors, AVX-512 or AVX2 (measured faster than MKL on the passes' shapes,
-    benchmarks/README.md), MKL's on a CPU with neither; on AVX-512 CPUs other than AMD's with the
-    weight gradients on MKL's ("avx512-mkl"); or the ones $RNNKIT_FP32_GEMM names (read
+    benchmarks/README.md), MKL's on a CPU with neither; on Intel's AVX-512 CPUs with the weight
+    gradients on MKL's ("avx512-mkl"); or the ones $RNNKIT_FP32_GEMM names (read
     at the first use; a ValueError if this CPU cannot run them). `use_fp32_gemm` changes it. Loads
     the fused kernels, building them on first use."""
     return build.extension().fp32_gemm()

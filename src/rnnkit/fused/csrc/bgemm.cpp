@@ -320,6 +320,8 @@ RNNKIT_BF16_KERNEL_BODY
 }  // namespace avx512_bf16
 #pragma GCC pop_options
 
+#if __GNUC__ >= 11  // GCC 11 brought the AMX intrinsics
+#define RNNKIT_AMX_BF16 1
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
 // AMX (Sapphire Rapids and later Xeons): tdpbf16ps multiplies a tile of 16 rows × 32 k of X by a
@@ -330,7 +332,8 @@ RNNKIT_BF16_KERNEL_BODY
 // products its own way (and the hardware rounds as it does), so the sums may differ from
 // vdpbf16ps's by float32 roundings (both within bfloat16's tolerance of float64 on the operands).
 // A product of one row runs on vdpbf16ps (kMinRows): a batch of one and a row of a larger batch
-// may differ so.
+// may differ so. The tiles flush subnormal values to zero, C's too where beta 1 loads it into a
+// tile (vdpbf16ps flushes its inputs' and products' but adds C as it is): a C of 1e-40 becomes 0.
 namespace amx_bf16 {
 
 constexpr int64_t kRows = 16;         // rows of X (and C) per tile
@@ -451,15 +454,17 @@ void rounded(const uint16_t* x, int64_t rows, int64_t ld, const uint16_t* w, int
   const int64_t tile = std::max<int64_t>(2, (kTileBytes / block_bytes) & ~int64_t(1));
   const int64_t grain = std::max<int64_t>(2, kGrain / (kPanel * K * rows));
   const bool beta_in_tiles = beta == 0 || beta == 1;
+  // the last tile of rows' padded copy: 16 rows of every pair of k, whole chunks of 32 k, zeros past both
+  const int64_t tail_ld = kChunk * ((2 * groups + kChunk - 1) / kChunk);
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-    configure();
     alignas(64) float spill[kRows * 16];
     // padded copies: the last tile of rows (fewer than 16), the partial chunk's X and M
     thread_local std::vector<uint16_t> row_tail, x_tails, m_tails;
     const int64_t tail_rows = rows % kRows, full_rows = rows - tail_rows;
-    if (tail_rows) {
-      row_tail.assign(kRows * ld, 0);
-      std::memcpy(row_tail.data(), x + full_rows * ld, tail_rows * ld * sizeof(uint16_t));
+    if (tail_rows) {  // row by row: X's rows lie ld apart, and only the first 2 · groups values of each are read
+      row_tail.assign(kRows * tail_ld, 0);
+      for (int64_t r = 0; r < tail_rows; ++r)
+        std::memcpy(row_tail.data() + r * tail_ld, x + (full_rows + r) * ld, 2 * groups * sizeof(uint16_t));
     }
     if (tail_pairs) {
       // M's last chunk of each panel, 16 pairs with zeros past the tail
@@ -469,6 +474,7 @@ void rounded(const uint16_t* x, int64_t rows, int64_t ld, const uint16_t* w, int
                     tail_pairs * 2 * kPanel * sizeof(uint16_t));
       x_tails.assign(2 * kRows * kChunk, 0);
     }
+    configure();  // after the allocations above: an exception there leaves no tile state loaded
     for (int64_t t0 = begin; t0 < end; t0 += tile) {
       const int64_t t1 = std::min(end, t0 + tile);
       for (int64_t b = 0; b < blocks_k; ++b) {
@@ -480,12 +486,13 @@ void rounded(const uint16_t* x, int64_t rows, int64_t ld, const uint16_t* w, int
           for (int i = 0; i < mt; ++i) {
             const int64_t r = r0 + i * kRows;
             const bool partial = r >= full_rows;
-            xt[i] = partial ? XTile{row_tail.data() + c0 * kChunk, ld * 2} : XTile{x + r * ld + c0 * kChunk, ld * 2};
+            const uint16_t* src = partial ? row_tail.data() : x + r * ld;
+            const int64_t src_ld = partial ? tail_ld : ld;
+            xt[i] = XTile{src + c0 * kChunk, src_ld * 2};
             if (tail) {
               uint16_t* dest = x_tails.data() + i * kRows * kChunk;
-              const uint16_t* src = partial ? row_tail.data() : x + r * ld;
               for (int64_t j = 0; j < kRows; ++j)
-                std::memcpy(dest + j * kChunk, src + j * ld + full_chunks * kChunk, tail_pairs * 2 * sizeof(uint16_t));
+                std::memcpy(dest + j * kChunk, src + j * src_ld + full_chunks * kChunk, tail_pairs * 2 * sizeof(uint16_t));
               xtail[i] = XTile{dest, kChunk * 2};
             }
           }
@@ -522,6 +529,7 @@ void rounded(const uint16_t* x, int64_t rows, int64_t ld, const uint16_t* w, int
 }  // namespace amx_bf16
 
 #pragma GCC pop_options
+#endif
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl")
@@ -547,6 +555,7 @@ bool has_avx512() {
 }
 bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 
+#ifdef RNNKIT_AMX_BF16
 // AMX-BF16 and AMX-TILE (CPUID 7.0: EDX bits 22 and 24), the tiles' state enabled by the OS (XCR0 bits 17,
 // 18), and Linux's permission for this process to use them (asked once; refused by kernels before 5.16).
 bool has_amx_bf16() {
@@ -562,10 +571,13 @@ bool has_amx_bf16() {
   }();
   return yes;
 }
+#endif
 
 const Bf16Kernels kKernels[] = {
+#ifdef RNNKIT_AMX_BF16
     {"amx-bf16", avx512_bf16::round, avx512_bf16::round_part, amx_bf16::rounded,
      avx512_bf16::pack_float_transposed, avx512_bf16::pack_transposed, has_amx_bf16, true},
+#endif
     {"avx512-bf16", avx512_bf16::round, avx512_bf16::round_part, avx512_bf16::rounded,
      avx512_bf16::pack_float_transposed, avx512_bf16::pack_transposed, has_avx512_bf16, true},
     {"emulated-bf16", emulated_bf16::round, emulated_bf16::round_part, emulated_bf16::rounded,

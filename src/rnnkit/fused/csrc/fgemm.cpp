@@ -286,16 +286,16 @@ namespace {
 bool has_avx512() { return __builtin_cpu_supports("avx512f"); }
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
-// Where MKL's sgemm takes a pass's weight gradients faster than the own strided blocks: every x86
-// CPU but AMD's, where MKL runs code paths slower than its own vendor's (GFLOP/s, 1 thread, the
-// grid's dW / dR, benchmarks/fp32_gemm.py --weight-gradients: Zen 4 own 100-113, MKL 83-96;
-// Emerald Rapids own 53-118 (58-104 from medium on), MKL 120-143).
+// Where MKL's sgemm takes a pass's weight gradients faster than the own strided blocks: Intel's
+// CPUs, MKL's vendor's (GFLOP/s, 1 thread, the grid's dW / dR, benchmarks/fp32_gemm.py
+// --weight-gradients: Emerald Rapids MKL 122-156, own 69-151; Zen 4 own 100-113, MKL 83-96: MKL
+// takes slower code paths on other vendors' CPUs).
 bool mkl_weight_gradients_faster() {
   unsigned a, b, c, d;
-  if (!__get_cpuid(0, &a, &b, &c, &d)) return true;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
   char vendor[13] = {};
   std::memcpy(vendor, &b, 4), std::memcpy(vendor + 4, &d, 4), std::memcpy(vendor + 8, &c, 4);
-  return std::strcmp(vendor, "AuthenticAMD") != 0;
+  return std::strcmp(vendor, "GenuineIntel") == 0;
 }
 
 const F32Kernels kKernels[] = {

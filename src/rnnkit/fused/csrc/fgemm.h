@@ -20,8 +20,8 @@
 namespace rnnkit {
 
 // The float32 GEMM kernels in use: "avx512", "avx2" (the kernels' own, on the CPU's widest
-// vectors), "avx512-mkl" (avx512's products, MKL's weight gradients: the choice on AVX-512 CPUs
-// other than AMD's) or "mkl" (MKL's packed sgemm, as torch links it). The CPU's choice, or
+// vectors), "avx512-mkl" (avx512's products, MKL's weight gradients: the choice on Intel's
+// AVX-512 CPUs) or "mkl" (MKL's packed sgemm, as torch links it). The CPU's choice, or
 // $RNNKIT_FP32_GEMM's (read once, at the first use).
 const char* f32_kernel();
 

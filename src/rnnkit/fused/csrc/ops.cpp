@@ -522,9 +522,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](const at::Tensor& X, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& C) {
         const bool rounded = X.scalar_type() == at::kBFloat16;  // X rounded already: bf16_gemm_rounded's product
         TORCH_CHECK(X.dim() == 2 && (X.scalar_type() == at::kFloat || (rounded && X.size(1) % 2 == 0)) &&
-                        X.stride(1) == 1 && (!rounded || X.stride(0) % 2 == 0),
+                        X.stride(1) == 1 && (!rounded || X.size(0) <= 1 || (X.stride(0) % 2 == 0 && X.stride(0) >= X.size(1))),
                     "bf16_gemm_packed: X: expected float32 [rows, K] with unit stride, or bfloat16 with an even K "
-                    "and row stride, got ", X.scalar_type(), " ", X.sizes(), " strides ", X.strides());
+                    "and an even row stride of at least K, got ", X.scalar_type(), " ", X.sizes(), " strides ",
+                    X.strides());
         const int64_t K = X.size(1);
         TORCH_CHECK(N >= 0 && packed.scalar_type() == at::kShort && packed.is_contiguous() &&
                         packed.numel() * 2 == rnnkit::bf16_packed_bytes(N, K),
@@ -593,17 +594,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_round_part_count", &rnnkit::bf16_round_part_count,
         "pieces of dG the bfloat16 backward has rounded a step at a time (tests)");
   m.def("fp32_gemm", [] { return std::string(rnnkit::f32_kernel()); },
-        "the float32 GEMM kernels in use: avx512, avx2 (the kernels' own) or mkl");
+        "the float32 GEMM kernels in use: avx512, avx512-mkl (MKL's weight gradients), avx2 (the kernels' own) or mkl");
   m.def("fp32_gemms", &rnnkit::f32_kernels, "the float32 GEMM kernels this CPU can run");
   m.def("set_fp32_gemm", &rnnkit::set_f32_kernel, py::arg("name"),
         "use these float32 GEMM kernels from now on ('auto': the CPU's choice); returns the previous name");
   m.def("bf16_kernel", [] { return std::string(rnnkit::bf16_kernel()); },
-        "the bfloat16 GEMM kernels in use: avx512-bf16, emulated-bf16 or none (bfloat16 weights widened)");
+        "the bfloat16 GEMM kernels in use: amx-bf16, avx512-bf16, emulated-bf16 or none (bfloat16 weights widened)");
   m.def("bf16_kernels", &rnnkit::bf16_kernels, "the bfloat16 GEMM kernels this CPU can run");
   m.def("set_bf16_kernel", &rnnkit::set_bf16_kernel, py::arg("name"),
         "use these bfloat16 GEMM kernels from now on ('auto': the CPU's choice); returns the previous name");
   m.def("int8_kernel", [] { return std::string(rnnkit::int8_kernel()); },
-        "the int8 kernels in use: avx512-vnni, avx-vnni, avx2 or scalar");
+        "the int8 kernels in use: amx-int8, avx512-vnni, avx-vnni, avx2 or scalar");
   m.def("int8_kernels", &rnnkit::int8_kernels, "the int8 kernels this CPU can run");
   m.def("set_int8_kernel", &rnnkit::set_int8_kernel, py::arg("name"),
         "use these int8 kernels from now on ('auto': the CPU's choice); returns the previous name");

@@ -561,11 +561,11 @@ inline void finish(const int32_t* sums, const float* sx, const float* scale, int
 }
 
 struct Operands {
-  const int8_t* x[2];       // the tiles of rows' first chunk
-  int64_t x_stride;         // bytes
-  const int8_t* x_tail[2];  // the last, partial chunk, padded (64 bytes a row)
-  const int8_t* m[2];       // the panels' first chunk
-  const int8_t* m_tail[2];  // their last, partial chunk, padded (32 bytes a group)
+  const int8_t* x[2] = {};       // the tiles of rows' first chunk
+  int64_t x_stride = 0;          // bytes
+  const int8_t* x_tail[2] = {};  // the last, partial chunk, padded (64 bytes a row)
+  const int8_t* m[2] = {};       // the panels' first chunk
+  const int8_t* m_tail[2] = {};  // their last, partial chunk, padded (32 bytes a group)
 };
 
 template <int MT, int NT>
