@@ -20,10 +20,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
 #define RNNKIT_BF16_KERNELS 1
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace rnnkit {
@@ -341,16 +338,9 @@ constexpr int64_t kChunk = 32;        // k per tile of X (16 pairs)
 constexpr int64_t kKBlock = 1024;     // k per block: C goes through memory between blocks (same values)
 constexpr int64_t kTileBytes = 1 << 19;  // bytes of packed M over one k block kept in L2 while X passes
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Every tile 16 rows × 64 bytes: C in tiles 0-3, X in 4 and 5, M in 6 and 7.
 inline void configure() {
-  TileConfig config;
+  AmxTileConfig config;
   for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
   _tile_loadconfig(&config);
 }
@@ -556,19 +546,8 @@ bool has_avx512() {
 bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 
 #ifdef RNNKIT_AMX_BF16
-// AMX-BF16 and AMX-TILE (CPUID 7.0: EDX bits 22 and 24), the tiles' state enabled by the OS (XCR0 bits 17,
-// 18), and Linux's permission for this process to use them (asked once; refused by kernels before 5.16).
-bool has_amx_bf16() {
-  static const bool yes = [] {
-    if (!has_avx512_bf16()) return false;
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
-    unsigned lo, hi;
-    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if (((lo >> 17) & 3) != 3) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
+bool has_amx_bf16() {  // AMX-BF16 (kernel_choice.h)
+  static const bool yes = has_avx512_bf16() && amx_usable(22);
   return yes;
 }
 #endif

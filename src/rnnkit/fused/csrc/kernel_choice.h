@@ -6,6 +6,12 @@
 
 #include <c10/util/Exception.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -84,6 +90,34 @@ class KernelChoice {
 
 // A table entry's runs_here for kernels every CPU the build targets runs.
 inline bool runs_everywhere() { return true; }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// Whether this process may run AMX instructions of the feature at CPUID 7.0 EDX bit `feature` (22:
+// AMX-BF16, 25: AMX-INT8): the CPU has it and AMX-TILE (bit 24), the OS enables the tiles' state
+// (XSAVE on, XCR0 bits 17 and 18), and Linux grants this process the tiles' data (asked once:
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), refused by kernels before 5.16).
+inline bool amx_usable(unsigned feature) {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE: xgetbv may run
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> feature) & 1) || !((d >> 24) & 1)) return false;
+  unsigned lo, hi;
+  __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if (((lo >> 17) & 3) != 3) return false;
+  static const bool permitted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// The 64 bytes _tile_loadconfig reads (palette 1): each tile's rows and bytes a row; unused tiles 0 × 0.
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+#endif
 
 // The one choice of a family (a kernels struct type), made at its first use: `env` names the
 // environment variable, `what` the family in messages.

@@ -18,10 +18,7 @@
 #include "kernel_choice.h"
 
 #if defined(__AVX2__)
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace rnnkit {
@@ -525,16 +522,9 @@ constexpr int64_t kChunk = 64;   // k per tile of X (16 groups of 4)
 // 1 thread, quantizing X included).
 constexpr int64_t kMinRows = 4;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // C in tiles 0-3 (16 rows × 8 int32), X in 4 and 5 (16 rows × 64 bytes), M in 6 and 7 (16 groups × 32 bytes).
 inline void configure() {
-  TileConfig config;
+  AmxTileConfig config;
   for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = t == 4 || t == 5 ? 64 : 32;
   _tile_loadconfig(&config);
 }
@@ -679,19 +669,8 @@ bool has_avx512_vnni() {
          __builtin_cpu_supports("avx512bw");
 }
 
-// AMX-INT8 and AMX-TILE (CPUID 7.0: EDX bits 25 and 24), the tiles' state enabled by the OS (XCR0 bits 17,
-// 18), and Linux's permission for this process to use them (asked once; refused by kernels before 5.16).
-bool has_amx_int8() {
-  static const bool yes = [] {
-    if (!has_avx512_vnni()) return false;
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 25) & 1) || !((d >> 24) & 1)) return false;
-    unsigned lo, hi;
-    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if (((lo >> 17) & 3) != 3) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
+bool has_amx_int8() {  // AMX-INT8 (kernel_choice.h)
+  static const bool yes = has_avx512_vnni() && amx_usable(25);
   return yes;
 }
 bool has_avx_vnni() { return __builtin_cpu_supports("avxvnni"); }
