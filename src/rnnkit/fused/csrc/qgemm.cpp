@@ -248,6 +248,23 @@ inline void put_output(float sx, float scale, int32_t sum, float beta, float* c)
   *c = beta == 0 ? v : v + beta * *c;
 }
 
+// c[j] = sx · scale[j] · acc[j] (+ beta · c[j]) for the first `count` of 8 sums (none where count ≤ 0),
+// rounded before the add: the epilogue of every kernel that holds a panel's 8 sums in one vector.
+inline void put_outputs8(__m256i acc, float sx, const float* scale, int64_t count, float beta, float* c) {
+  if (count >= 8) {
+    __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(sx), _mm256_loadu_ps(scale)), _mm256_cvtepi32_ps(acc));
+    if (beta != 0) {
+      asm("" : "+x"(v));  // v rounded before the add: no fused multiply-add
+      v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(beta), _mm256_loadu_ps(c)));
+    }
+    _mm256_storeu_ps(c, v);
+    return;
+  }
+  alignas(32) int32_t sums[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums), acc);
+  for (int64_t j = 0; j < count; ++j) put_output(sx, scale[j], sums[j], beta, c + j);
+}
+
 inline __m256i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -533,21 +550,9 @@ inline void configure() {
 // packed_kernel finishes them.
 inline void finish(const int32_t* sums, const float* sx, const float* scale, int64_t rows, int64_t width, float beta,
                    float* C, int64_t ldc) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* c = C + r * ldc;
-    const int32_t* acc = sums + r * kPanel;
-    if (width == kPanel) {
-      __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(sx[r]), _mm256_loadu_ps(scale)),
-                               _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc))));
-      if (beta != 0) {
-        asm("" : "+x"(v));  // v rounded before the add: no fused multiply-add
-        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(beta), _mm256_loadu_ps(c)));
-      }
-      _mm256_storeu_ps(c, v);
-    } else {
-      for (int64_t j = 0; j < width; ++j) put_output(sx[r], scale[j], acc[j], beta, c + j);
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    put_outputs8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums + r * kPanel)), sx[r], scale, width, beta,
+                 C + r * ldc);
 }
 
 struct Operands {

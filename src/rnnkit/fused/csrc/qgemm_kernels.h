@@ -38,19 +38,7 @@ void packed_kernel(const RowsX& qx, int64_t r0, const int8_t* w, int64_t panel_b
     float* c = C + (r0 + r) * ldc;
     for (int i = 0; i < NR; ++i) {
       const int64_t n = kPanel * i;
-      if (n + kPanel <= width) {
-        __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(sx), _mm256_loadu_ps(scale + n)),
-                                 _mm256_cvtepi32_ps(acc[r][i]));
-        if (beta != 0) {
-          asm("" : "+x"(v));  // v rounded before the add: no fused multiply-add
-          v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(beta), _mm256_loadu_ps(c + n)));
-        }
-        _mm256_storeu_ps(c + n, v);
-      } else {
-        alignas(32) int32_t sums[kPanel];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(sums), acc[r][i]);
-        for (int64_t j = 0; n + j < width; ++j) put_output(sx, scale[n + j], sums[j], beta, c + n + j);
-      }
+      put_outputs8(acc[r][i], sx, scale + n, width - n, beta, c + n);
     }
   }
 }
