@@ -442,7 +442,7 @@ void rounded(const uint16_t* x, int64_t rows, int64_t ld, const uint16_t* w, int
   const int64_t chunks_per_block = kKBlock / kChunk;
   const int64_t block_bytes = 2 * kPanel * std::min<int64_t>(2 * groups, kKBlock);
   const int64_t tile = std::max<int64_t>(2, (kTileBytes / block_bytes) & ~int64_t(1));
-  const int64_t grain = std::max<int64_t>(2, kGrain / (kPanel * K * rows));
+  const int64_t grain = std::max<int64_t>(2, kAmxGrain / (kPanel * K * rows));
   const bool beta_in_tiles = beta == 0 || beta == 1;
   // the last tile of rows' padded copy: 16 rows of every pair of k, whole chunks of 32 k, zeros past both
   const int64_t tail_ld = kChunk * ((2 * groups + kChunk - 1) / kChunk);

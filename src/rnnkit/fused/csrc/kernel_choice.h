@@ -117,6 +117,16 @@ struct alignas(64) AmxTileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+// The AMX kernels' least work a thread takes (multiply-adds; at::parallel_for's grain): 16 times the
+// vector kernels' 1 << 16, as tdpbf16ps / tdpbssd do about that many times vdpbf16ps's / vpdpbusd's
+// work a µs. With the vector kernels' grain, a product of 1M multiply-adds (16 × 128 × 512, a small
+// LSTM's R·h) went to two threads as two pieces of ~2 µs and ran at 0.62× one thread's speed
+// (bfloat16; int8 0.78×): the second thread's wake and join cost more than its half. Now products of
+// up to 2M multiply-adds stay on one thread (there 2 threads read 1.07× / 1.14× one thread's speed),
+// and larger ones split into pieces of at least 1M (Emerald Rapids, rounds interleaved; a bfloat16
+// LSTM's training at small, 2 threads: 2-5% quicker in three runs; int8 inference there ±4%, noise).
+constexpr int64_t kAmxGrain = int64_t(1) << 20;
 #endif
 
 // The one choice of a family (a kernels struct type), made at its first use: `env` names the

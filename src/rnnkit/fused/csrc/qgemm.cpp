@@ -606,7 +606,7 @@ void packed(const float* X, int64_t rows, int64_t ldx, const int8_t* packed, con
   const int64_t groups = groups_of(K), panel_bytes = groups * 4 * kPanel, panels = panels_of(N);
   const int64_t full_chunks = groups / 16, tail_groups = groups % 16;
   const int64_t tile = std::max<int64_t>(2, (kTileBytes / panel_bytes) & ~int64_t(1));
-  const int64_t grain = std::max<int64_t>(2, kGrain / (kPanel * K * rows));
+  const int64_t grain = std::max<int64_t>(2, kAmxGrain / (kPanel * K * rows));
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     configure();
     alignas(64) int32_t sums[4 * kRows * kPanel];
