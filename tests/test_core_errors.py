@@ -99,6 +99,10 @@ CASES = [
     ("lengths-with-packed-sequence", lambda: gru()(packed(), lengths=[5, 3, 2]), ["lengths", "PackedSequence"]),
     ("lengths-with-unbatched-input", lambda: gru()(x(T, I), lengths=[3]), ["lengths", "unbatched"]),
     # ---- constructor options
+    ("option-misspelt", lambda: rnnkit.LSTM(I, H, peepholes=True), ["LSTM", "'peepholes'", "did you mean 'peephole'"]),
+    ("option-misspelt-cell", lambda: rnnkit.GRUCell(I, H, layernorm=True), ["GRUCell", "'layernorm'", "'layer_norm'"]),
+    ("option-unknown", lambda: rnnkit.GRU(I, H, frobnicate=1), ["GRU", "'frobnicate'", "layer_norm", "zoneout"]),
+    ("option-nonlinearity-on-gru", lambda: rnnkit.GRU(I, H, nonlinearity="relu"), ["GRU", "'nonlinearity'", "RNNCell"]),
     ("proj_size-equal-hidden", lambda: rnnkit.LSTM(I, H, proj_size=H, backend=REF), ["proj_size", "6", "smaller"]),
     ("proj_size-larger-per-layer", lambda: rnnkit.LSTM(I, [6, 4], 2, proj_size=[3, 5], backend=REF),
      ["proj_size[1]", "4", "5"]),

@@ -144,6 +144,7 @@ def test_cells(mode, options, batch):
     pytest.param("lstm", {}, id="lstm"),
     pytest.param("lstm", dict(peephole=True, layer_norm=True), id="lstm-peephole_ln"),
     pytest.param("lstm", dict(proj_size=32, bidirectional=True), id="lstm-proj_bidirectional"),
+    pytest.param("lstm", dict(proj_size=32, layer_norm=True), id="lstm-proj_ln"),
     pytest.param("gru", {}, id="gru"),
     pytest.param("gru", dict(reset_after=False), id="gru-reset_before"),
     pytest.param("gru", dict(layer_norm=True), id="gru-ln"),
@@ -479,6 +480,59 @@ def test_quantize_keeps_hooks_and_parametrized_weights():
         assert torch.equal(q(x)[0], rnnkit.quantize(plain)(x)[0])  # the parametrized weights, quantized
 
 
+def test_quantize_carries_what_was_attached_to_a_layer(tmp_path):
+    """Buffers (persistent or not), submodules and public attributes a user attached to an rnnkit
+    layer come with its quantized twin, deep-copied (what is shared stays shared), so that a hook
+    reading them still runs and the state dict keeps their keys; a buffer named as one of the int8
+    module's own is refused. A model whose forward calls ``flatten_parameters()`` (torch.nn's idiom)
+    runs quantized."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = rnnkit.LSTM(6, 8)
+            self.head = nn.Linear(8, 3)
+            self.rnn.adapter = self.head  # shared with the model
+            self.rnn.register_buffer("temperature", torch.tensor(2.0))
+            self.rnn.register_buffer("scratch", torch.zeros(3), persistent=False)
+            self.rnn.note = {"trained on": "tiny"}
+            self.rnn.register_forward_hook(lambda m, args, out: (out[0] / m.temperature, out[1]))
+
+        def forward(self, x):
+            self.rnn.flatten_parameters()
+            return self.rnn.adapter(self.rnn(x)[0])
+
+    model = Model().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    q = rnnkit.quantize(model)
+    assert type(q.rnn) is rnnkit.quantized.LSTM
+    assert q.rnn.temperature.item() == 2.0 and torch.equal(q.rnn.scratch, torch.zeros(3))
+    assert q.rnn.note == {"trained on": "tiny"} and q.rnn.note is not model.rnn.note
+    assert q.rnn.adapter is q.head and q.head is not model.head  # shared, and a copy
+    keys = set(q.state_dict())
+    assert {"rnn.temperature", "head.weight", "rnn.adapter.weight"} <= keys and "rnn.scratch" not in keys
+    x = torch.randn(4, 2, 6)
+    with torch.no_grad():
+        got, want = q(x), model(x)
+    assert rel_rms(got, want) < INT8  # the hook divided both by the temperature
+    model.rnn.temperature.fill_(1.0)
+    with torch.no_grad():
+        assert rel_rms(q(x), model(x)) > 0.2  # q kept its own copy
+    model.rnn.temperature.fill_(2.0)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())  # the model is as it was
+    safetensors_torch.save_model(q, str(tmp_path / "q.safetensors"))
+    again = rnnkit.quantize(Model().eval())
+    safetensors_torch.load_model(again, str(tmp_path / "q.safetensors"))
+    with torch.no_grad():
+        assert torch.equal(again(x), q(x))
+    clash = rnnkit.LSTM(6, 8)
+    clash.register_buffer("weight_ih_l0_scale", torch.ones(32))
+    with pytest.raises(ValueError, match="weight_ih_l0_scale"):
+        rnnkit.quantize(clash)
+
+
 def test_state_dicts_do_not_cross_between_int8_and_float():
     """A float state dict into a quantized module, or an int8 one into a float module, is refused by
     the key's name even with strict=False (which only forgives the _scale keys): copy_ would turn
@@ -489,6 +543,10 @@ def test_state_dicts_do_not_cross_between_int8_and_float():
     with pytest.raises(ValueError, match=r"weight_ih_l0: expected floating-point weights, got torch.int8"):
         float_module.load_state_dict(q.state_dict(), strict=False)
     q.load_state_dict(rnnkit.quantize(make_module("lstm", 5, 7, torch.float32)).state_dict())  # same kind: fine
+    other_scheme = q.state_dict()  # unsigned codes with a zero point (ONNX's): not rnnkit's, and not a float module's
+    other_scheme["weight_ih_l0"] = (other_scheme["weight_ih_l0"].int() + 128).to(torch.uint8)
+    with pytest.raises(ValueError, match=r"weight_ih_l0: expected int8 codes .* got torch.uint8: .*zero point"):
+        q.load_state_dict(other_scheme)
 
 
 

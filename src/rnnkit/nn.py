@@ -294,6 +294,28 @@ def _per_sequence(name: str) -> str:
             "(or apply the mask to the cell's input yourself)")
 
 
+def _check_keywords(module: nn.Module, options: dict) -> None:
+    """A keyword a constructor does not take: a TypeError naming the module the user built (not the
+    spec it builds), with the option meant where the name is close to one, else the options there are."""
+    import difflib
+    import inspect
+
+    spec_keywords = {name for name, p in inspect.signature(RNNSpec.__init__).parameters.items()
+                     if p.kind is p.KEYWORD_ONLY}
+    known = sorted(spec_keywords | {"forget_bias", "backend", "device", "dtype"})
+    kind = type(module).__name__
+    for name in options:
+        if name in known:
+            continue
+        if name == "nonlinearity":
+            hint = "nonlinearity is rnnkit.RNN's and RNNCell's ('tanh' or 'relu'); an LSTM's and a GRU's are fixed"
+        else:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = (f"did you mean {close[0]!r}?" if close else
+                    f"{kind} takes torch.nn's arguments and, as keywords, {', '.join(known)}")
+        raise TypeError(f"{kind}: unexpected keyword argument {name!r}: {hint}")
+
+
 def _is_off(value, off) -> bool:
     """``value`` is the option's off value (0 is dropout's 0.0; False is not num_layers' 1)."""
     return isinstance(value, (bool, int, float, str)) and isinstance(value, bool) == isinstance(off, bool) and value == off
@@ -826,6 +848,7 @@ class _Recurrent(_StackAttributes, _PackedModule):
         **options,
     ):
         super().__init__()
+        _check_keywords(self, options)
         spec = RNNSpec(
             mode,
             input_size,
@@ -1119,6 +1142,7 @@ class _Cell(_CellAttributes, _PackedModule):
     def __init__(self, mode, input_size, hidden_size, bias=True, *, bias_mode=None, forget_bias=None,
                  backend="auto", device=None, dtype=None, **options):
         super().__init__()
+        _check_keywords(self, options)
         sequence_level = sorted(set(options) & set(_SEQUENCE_LEVEL))
         if sequence_level:
             raise TypeError(_per_sequence(sequence_level[0]))

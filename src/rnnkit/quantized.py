@@ -170,9 +170,13 @@ class _Quantized(_SpecAttributes, nn.Module):
             if entry.piece not in MATRICES or not isinstance(value, torch.Tensor):
                 continue
             if value.dtype != torch.int8:
+                hint = ("a float module's weights load into the float module, which rnnkit.quantize then quantizes"
+                        if value.is_floating_point() else
+                        "rnnkit's codes are signed and symmetric (w = scale[row] * q, no zero point); codes of "
+                        "another scheme (unsigned, with a zero point, as ONNX's) do not load: quantize the float "
+                        "weights with rnnkit.quantize")
                 raise ValueError(f"{prefix}{entry.name}: expected int8 codes (with {entry.name}_scale), got "
-                                 f"{value.dtype}: a float module's weights load into the float module, which "
-                                 "rnnkit.quantize then quantizes")
+                                 f"{value.dtype}: {hint}")
             if bool((value == -128).any()):
                 raise ValueError(f"{prefix}{entry.name}: expected int8 values in [-127, 127] (symmetric per-row "
                                  f"quantization), got -128 in {int((value == -128).sum())} places")
@@ -279,6 +283,11 @@ class _Quantized(_SpecAttributes, nn.Module):
 
 class _QuantizedStack(_StackAttributes, _Quantized):
     _FLOAT = _Recurrent
+
+    def flatten_parameters(self) -> None:
+        """Nothing to do, as on the float module: the int8 buffers are what the kernels read. Here so
+        that a model whose forward calls ``self.rnn.flatten_parameters()`` (torch.nn's idiom) runs
+        unchanged once quantized."""
 
     def forward(self, input, hx=None, lengths=None):
         """As the float module's call (input, hx, lengths; PackedSequence), in evaluation mode."""
@@ -414,7 +423,9 @@ def quantize(module: nn.Module, dtype=torch.qint8) -> nn.Module:
     Returns:
         A new module (``module`` is not modified): a deep copy in which every rnnkit layer is
         replaced by its quantized counterpart (``rnnkit.quantized.LSTM``, ...), which takes the
-        same calls and returns float32 outputs. Other layers are copied as they are.
+        same calls and returns float32 outputs, and keeps the layer's hooks and what was attached
+        to it (buffers, submodules, public attributes), deep-copied. Other layers are copied as
+        they are.
 
     Raises:
         ValueError: no rnnkit layer in ``module``, a layer neither on the CPU nor on the meta device,
@@ -434,12 +445,40 @@ def quantize(module: nn.Module, dtype=torch.qint8) -> nn.Module:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
     # each rnnkit layer's quantized twin, handed to deepcopy as the copy of that layer
-    memo = {id(m): _quantized_twin(m) for m in module.modules() if isinstance(m, tuple(_QUANTIZED))}
+    layers = [m for m in module.modules() if isinstance(m, tuple(_QUANTIZED))]
+    memo = {id(m): _quantized_twin(m) for m in layers}
     if not memo:
         already = any(isinstance(m, _Quantized) for m in module.modules())
         raise ValueError("module: " + ("already quantized" if already else
                                        f"no rnnkit LSTM / GRU / RNN / cell in {type(module).__name__} to quantize"))
+    for layer in layers:  # after every twin is in memo: a layer's extras may refer to other layers
+        _carry_extras(layer, memo[id(layer)], memo)
     return memo[id(module)] if id(module) in memo else copy.deepcopy(module, memo)
+
+
+_INTRINSIC: dict = {}  # float layer type -> the public attributes a new layer of it has
+
+
+def _carry_extras(layer: nn.Module, twin: "_Quantized", memo: dict) -> None:
+    """What a user attached to an rnnkit layer, deep-copied onto its quantized twin (``memo``:
+    `quantize`'s deepcopy memo, so that what is shared stays shared): buffers of their own (persistent
+    or not), submodules (but the parametrizations, which the twin's weights already include), and
+    public attributes a new layer does not have. Dropped, they would vanish without a word, and a
+    hook or a state_dict that reads them would fail or, worse, load elsewhere."""
+    kind = nn.utils.parametrize.type_before_parametrizations(layer)
+    if kind not in _INTRINSIC:
+        _INTRINSIC[kind] = {k for k in vars(kind(1, 1)) if not k.startswith("_")}
+    for name, value in layer._buffers.items():
+        if name in twin._buffers:
+            raise ValueError(f"module: a buffer of its own named {name!r} on {kind.__name__} clashes with the int8 "
+                             "module's buffer of that name: rename it before quantizing")
+        twin.register_buffer(name, copy.deepcopy(value, memo), persistent=name not in layer._non_persistent_buffers_set)
+    for name, child in layer._modules.items():
+        if name != "parametrizations" or not nn.utils.parametrize.is_parametrized(layer):
+            twin.add_module(name, copy.deepcopy(child, memo))
+    for name, value in vars(layer).items():
+        if not name.startswith("_") and name not in _INTRINSIC[kind] and name not in vars(twin):
+            setattr(twin, name, copy.deepcopy(value, memo))
 
 
 def _quantized_twin(module: nn.Module) -> _Quantized:
