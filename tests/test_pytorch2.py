@@ -385,6 +385,19 @@ def test_export_dynamic_matches_eager(name, backend):
                          f"{name} exported T={steps} B={batch}")
 
 
+def test_an_exported_program_is_for_inference():
+    """An exported program's rnnkit ops keep no activations (as the README says): a backward through
+    one raises, saying so, rather than run without them."""
+    torch.manual_seed(0)
+    lstm = rnnkit.LSTM(INPUT, HIDDEN, peephole=True)
+    program = torch.export.export(lstm, (torch.randn(5, 3, INPUT),),
+                                  dynamic_shapes=({0: Dim("T", min=2), 1: Dim("B", min=2)},))
+    x = torch.randn(6, 2, INPUT, requires_grad=True)
+    y = program.module()(x)[0]
+    with pytest.raises(RuntimeError, match="torch.export program are for inference"):
+        y.sum().backward()
+
+
 def test_export_reference_backend_dynamic_batch():
     """The reference backend exports with a dynamic batch (T stays static: it is a Python loop over
     time, which torch.export unrolls, so Dim T is refused as specialized)."""
@@ -598,6 +611,19 @@ def test_onnx_export_refuses_what_onnx_cannot_express(option):
         error = error.__cause__
     rnnkit_errors = [e for e in chain if isinstance(e, ValueError)]
     assert rnnkit_errors and str(rnnkit_errors[-1]).startswith(f"torch.onnx.export: {option}")
+
+
+@pytest.mark.parametrize("cell", [lambda: rnnkit.LSTMCell(INPUT, HIDDEN, proj_size=4),
+                                  lambda: rnnkit.GRUCell(INPUT, HIDDEN, layer_norm=True),
+                                  lambda: rnnkit.LSTMCell(INPUT, HIDDEN, zoneout=0.1)],
+                         ids=["lstm_cell-proj_size", "gru_cell-layer_norm", "lstm_cell-zoneout"])
+def test_onnx_export_of_a_cell_refuses_with_rnnkits_error_as_the_cause(cell):
+    """A cell ONNX cannot express is refused where it is called, as a stack is: rnnkit's ValueError,
+    naming the option, is the exporter's error's own cause (not buried under the op's translation)."""
+    with pytest.raises(torch.onnx.OnnxExporterError) as info:
+        onnx_export(cell().eval(), (torch.randn(3, INPUT),))
+    cause = info.value.__cause__
+    assert isinstance(cause, ValueError) and str(cause).startswith("torch.onnx.export: "), repr(cause)
 
 
 @pytest.mark.parametrize("option", [dict(num_layers=2, dropout=0.3), dict(input_dropout=0.3), dict(dropconnect=0.3),

@@ -1166,6 +1166,11 @@ class _Cell(_CellAttributes, _PackedModule):
         """One step, straight to the backend's pass (no stack loop, no state lists)."""
         spec = self.spec
         check_cell_input(spec, input)
+        if torch.compiler.is_exporting():
+            from .interop import onnx_ops
+
+            if onnx_ops.exporting():  # refused as the stacks refuse, where the user called, not in the op's translation
+                onnx_ops.check_exportable(spec)
         w = self._pass_weights()[0]
         low = functional._autocast_dtype(w.W.device, w.W.dtype)
         if low is not None:  # the stacks' autocast policy (functional.run)

@@ -413,7 +413,9 @@ def _op_backward_for(ops: "PassOps"):
     def backward(ctx, dy, dh_n, dc_n, dsaved):
         if not ctx.training:
             raise RuntimeError(f"rnnkit::{ops.backend}_pass_forward: differentiating it needs training=True (the "
-                               "activations the backward reads)")
+                               "activations the backward reads), and this call ran in inference mode: rnnkit "
+                               "layers in a torch.export program are for inference, as are calls made without "
+                               "gradients; train the module itself (eagerly or under torch.compile)")
         stored = iter(ctx.saved_tensors)
         values = [next(stored) if isinstance(v, torch.Tensor) else v for v in ctx.values]
         y, saved = next(stored), list(stored)
