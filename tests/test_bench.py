@@ -753,7 +753,42 @@ def test_bench_refuses_an_out_it_cannot_write_before_measuring(tmp_path, capsys,
     status = cli.main(["bench", "--quick", "--shapes", "tiny", "--variants", "lstm", "--out", str(tmp_path / "a-file" / "out")])
     err = capsys.readouterr().err
     assert status == 1
-    assert err.strip().splitlines() == [f"rnnkit: error: --out {tmp_path / 'a-file' / 'out'}: Not a directory"]
+    assert err.strip().splitlines() == [
+        f"rnnkit: error: --out {tmp_path / 'a-file' / 'out'}: cannot create the directory: Not a directory"]
+    for out, why in ((tmp_path / "a-file", "got a file"), ("", "got an empty path")):
+        assert cli.main(["bench", "--quick", "--shapes", "tiny", "--variants", "lstm", "--out", str(out)]) == 1
+        assert capsys.readouterr().err.strip() == (
+            f"rnnkit: error: --out {str(out) or repr(str(out))}: expected a directory for bench.json, bench.md and "
+            f"bench.png, {why}")
+
+
+def test_a_run_stopped_early_marks_its_files_partial_and_leaves_no_earlier_plot(tmp_path, monkeypatch):
+    """An interrupted run keeps the cases it finished (bench.json, bench.md, written atomically after
+    every case), marked as partial, and no plot of an earlier run stays beside them."""
+    from rnnkit.app import bench
+
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "bench.png").write_bytes(b"an earlier run's plot")
+    real, done = bench.measure_case, []
+
+    def measure(*args, **kwargs):
+        if len(done) == 2:
+            raise KeyboardInterrupt
+        done.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "measure_case", measure)
+    status = bench.main(["--quick", "--threads", "1", "--default-malloc", "--shapes", "tiny", "--variants", "lstm",
+                         "gru", "--runners", "torch.nn", "reference", "--out", str(out)])
+    assert status == 130  # the command's report of an interrupt
+    environment = json.loads((out / "bench.json").read_text())["environment"]
+    assert (environment["cases_done"], environment["cases_planned"]) == (2, 4)
+    table = (out / "bench.md").read_text()
+    assert table.startswith("**Partial results**: this run stopped after 2 of its 4 cases")
+    assert table.count("| tiny |") == 2
+    assert not (out / "bench.png").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md"]  # no temporaries left
 
 
 def test_bench_step_refuses_sequence_variants(capsys, tmp_path):

@@ -186,6 +186,17 @@ def test_resume_when_already_done_does_nothing(tmp_path, corpus, capsys):
     status, _, err = run(capsys, "train", "--out", out, "--steps", 4, "--resume")
     assert status == 0 and "nothing to do" in err
     assert snapshot(out) == before
+    status, _, err = run(capsys, "train", "--out", out, "--steps", 3, "--resume", "--eval-every", 1)
+    assert status == 0 and "nothing to do" in err
+    assert snapshot(out) == before  # a setting that would apply to steps that do not run is not saved
+
+
+def test_an_out_that_cannot_be_created_is_named(tmp_path, corpus, capsys):
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "run"
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", out, "--steps", 2, *SMALL)
+    assert_one_line_error(status, err)
+    assert err.startswith(f"rnnkit: error: --out {out}: cannot create the directory (")
 
 
 # ---- the learning-rate schedule ----------------------------------------------------------
@@ -1085,6 +1096,8 @@ CHECKPOINT_DAMAGE = {
     "best-a-string": lambda meta, tensors: meta.update(
         progress=json.dumps({**json.loads(meta["progress"]), "best_val_bpc": "low"})),
     "step-a-string": lambda meta, tensors: meta.update(progress=json.dumps({**json.loads(meta["progress"]), "step": "4"})),
+    "position-past-the-corpus": lambda meta, tensors: meta.update(
+        progress=json.dumps({**json.loads(meta["progress"]), "position": 10 ** 12})),
     # tensors changed after writing: the SHA-256 of the tensors refuses them, so these drop it (as
     # files written before it had none) to reach the checks behind it
     "state-shape": lambda meta, tensors: (meta.pop("sha256"), tensors.update({"state.0": torch.zeros(1, 4, 5)})),

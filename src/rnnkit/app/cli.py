@@ -378,7 +378,8 @@ def _train_run(args, opened: list) -> int:
     with Interruption() as interruption:
         model_config, train_config, vocabulary, train_text, valid_text, corpus, settings = _resolve(args)
         run = train.prepare(Path(args.out), model_config, train_config, vocabulary, train_text, valid_text, corpus,
-                            backend=args.backend, device=device, resume=args.resume, settings=settings)
+                            backend=args.backend, device=device, resume=args.resume, settings=settings,
+                            steps=args.steps)
         opened.append(run)
         if run.removed_temporaries:
             print(f"rnnkit: removed {len(run.removed_temporaries)} temporary file(s) that killed writes left in "

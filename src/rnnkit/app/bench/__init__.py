@@ -26,6 +26,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from .. import errors
+from ..files import atomic_write
 from . import report
 from .measure import Case, keep_freed_memory, measure_case, sgemm_gflops
 from .registry import (CPU_GRID, DEFAULT_VARIANTS, GPU_GRID, QUICK_GRID, QUICK_STEP_GRID, SHAPES, STEP_GRID,
@@ -182,7 +183,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"rnnkit bench: {note}", file=sys.stderr)
     unwritable = _unwritable(plan.out)
     if unwritable:  # now, not after the first case's minutes of measuring
-        raise errors.UserError(f"--out {plan.out}: {unwritable}")
+        raise errors.UserError(f"--out {plan.out or repr(plan.out)}: {unwritable}")
+    stale = os.path.join(plan.out, "bench.png")
+    if os.path.exists(stale):  # an earlier run's plot must not sit beside this run's tables
+        os.remove(stale)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(plan.threads)  # the same for every runner
     load_samples = [(report.load_average(), 0)]  # (1-minute load average, our threads running meanwhile)
@@ -198,12 +202,16 @@ def run(args: argparse.Namespace) -> int:
         env["sgemm_by_library"] = by_library
         env["malloc"] = malloc
         records = []
+        # until the last case is done, bench.json says how many of how many are in it, and bench.md says
+        # the results are partial: a run stopped early keeps what it measured, marked as such
+        env["cases_planned"], env["cases_done"] = sum(len(modes) for _, _, modes in plan.cases), 0
         for shape, variant, modes in plan.cases:
             case = Case(shape, variant, plan.device, plan.dtype, plan.seed)
             for mode in modes:
                 print(f"rnnkit bench: {shape.name} / {variant.name} / {mode}", file=sys.stderr, flush=True)
                 records += measure_case(case, mode, plan.runners, plan.repeats, plan.warmup, sgemm)
                 load_samples.append((report.load_average(), plan.threads))
+                env["cases_done"] += 1
                 table = _write(plan, env, records, load_samples)  # after every case: a run stopped early keeps its results
         # the rate again at the end, keeping the best: a busy moment at the start must not set the limit
         _, again = sgemm_gflops(plan.device, plan.sgemm_n, gemm_grid)
@@ -226,10 +234,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _unwritable(out: str) -> Optional[str]:
     """Why the results cannot be written to the directory ``out`` (created if missing), or None."""
+    if not out:
+        return "expected a directory for bench.json, bench.md and bench.png, got an empty path"
+    if os.path.exists(out) and not os.path.isdir(out):
+        return "expected a directory for bench.json, bench.md and bench.png, got a file"
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as error:
-        return error.strerror or str(error)
+        return f"cannot create the directory: {error.strerror or error}"
     if not os.access(out, os.W_OK | os.X_OK):
         return "the directory is not writable"
     return None
@@ -255,8 +267,7 @@ def _write(plan: Plan, env: dict, records: List[dict], load_samples: list) -> st
     report.add_plain_ratios(records)
     report.write_json(os.path.join(plan.out, "bench.json"), env, records)
     table = report.markdown(env, records, plan.runner_names)
-    with open(os.path.join(plan.out, "bench.md"), "w") as f:
-        f.write(table)
+    atomic_write(os.path.join(plan.out, "bench.md"), table.encode("utf-8"))
     return table
 
 

@@ -3,6 +3,7 @@ and the warnings that say when the numbers are not to be trusted."""
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import math
 import mmap
@@ -14,6 +15,7 @@ import torch
 
 import rnnkit
 
+from ..files import atomic_write
 from ..machine import cpu_flags, cpu_model
 
 
@@ -133,9 +135,7 @@ def add_plain_ratios(records: List[dict]) -> None:
 
 
 def write_json(path: str, env: dict, records: List[dict]) -> None:
-    with open(path, "w") as f:
-        json.dump({"environment": env, "records": records}, f, indent=1)
-        f.write("\n")
+    atomic_write(path, (json.dumps({"environment": env, "records": records}, indent=1) + "\n").encode("utf-8"))
 
 
 def _number(value: float) -> str:
@@ -168,7 +168,10 @@ def markdown(env: dict, records: List[dict], runners: List[str]) -> str:
     flags = f" ({' '.join(env['cpu_flags']) or 'no AVX2'})" if env.get("device") == "cpu" and "cpu_flags" in env else ""
     libraries = env.get("sgemm_by_library") or {}
     by_library = f" (best of {', '.join(f'{name} {rate:.0f}' for name, rate in libraries.items())})" if len(libraries) > 1 else ""
+    partial = env.get("cases_done") is not None and env.get("cases_done") != env.get("cases_planned")
     lines = [
+        *([f"**Partial results**: this run stopped after {env['cases_done']} of its {env['cases_planned']} cases "
+           "(shape × variant × mode); the rows below are the ones it finished.", ""] if partial else []),
         f"rnnkit bench: {env['device_name']}{flags}, {env['threads']} threads, torch {env['torch']}, {env['dtype']}, "
         f"median of {env['repeats']}{' (each repeat: back-to-back calls for 20 ms)' if env.get('device') == 'cuda' else ''}; sgemm {env['sgemm_gflops']:.0f} GFLOP/s{by_library}"
         + (f"; fused float32 GEMM: {env['fp32_gemm']}" if env.get("fp32_gemm") else "")
@@ -318,7 +321,9 @@ def plot(path: str, records: List[dict], runners: List[str]) -> Tuple[Optional[D
         ax.legend(fontsize=8)
         drawn[mode] = {"runners": [t.get_text() for t in ax.get_legend().get_texts()], "axes": ax}
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=100)
+    atomic_write(path, image.getvalue())
     for mode in drawn:  # tick texts exist once the figure is drawn
         ax = drawn[mode].pop("axes")
         drawn[mode]["yticklabels"] = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]

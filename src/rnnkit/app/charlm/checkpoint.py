@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..errors import UserError
+from ..files import atomic_write
 from .data import Vocabulary
 from .model import ModelConfig, flag
 
@@ -37,43 +38,6 @@ RUN_FILES = (CONFIG_FILE, VOCAB_FILE, "log.jsonl", "curve.png")
 WRITTEN_FILES = RUN_FILES + (CHECKPOINT_FILE, BEST_FILE)  # every file a run writes in its directory
 
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
-
-
-# ---- atomic files ----------------------------------------------------------------------
-
-def temporary_name(path: Path) -> Path:
-    """Where `atomic_write` puts ``path``'s bytes before the rename."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temporary name beside ``path``, fsync, os.replace, fsync the directory: never a half file."""
-    path = Path(path)
-    temporary = temporary_name(path)
-    try:
-        with open(temporary, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
-    _fsync_directory(path.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename itself durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        descriptor = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
 
 
 def _running(pid: int) -> bool:
@@ -238,7 +202,10 @@ class DirectoryLock:
             import fcntl
         except ImportError:
             return self
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UserError(f"--out {self.directory}: cannot create the directory ({error.strerror or error})") from None
         descriptor = os.open(self.directory, os.O_RDONLY)
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -309,14 +309,15 @@ class Run:
 
 def prepare(directory: Path, model_config: ModelConfig, train_config: TrainConfig, vocabulary: Vocabulary,
             train_text: str, valid_text: str, corpus: dict, backend: str = "auto", device="cpu",
-            resume: bool = False, settings: Optional[dict] = None) -> Run:
+            resume: bool = False, settings: Optional[dict] = None, steps: Optional[int] = None) -> Run:
     """Build the model and data; restore the checkpoint when resuming, else write config and vocabulary.
 
     Nothing is written until the model has run once forward and backward. Then the directory
     is locked for this process (`DirectoryLock`, released by `Run.close` or at exit) and
     temporaries that killed writes left there are removed. When resuming, log.jsonl is
     rewritten from the checkpoint's history, and config.json takes ``corpus`` and ``settings``
-    where they changed (the corpus's path, when it moved; the evaluation interval).
+    where they changed (the corpus's path, when it moved; the evaluation interval), unless the
+    checkpoint is already at ``steps``: a run with nothing to do changes nothing.
     """
     directory, device = Path(directory), torch.device(device)
     if not resume:
@@ -340,8 +341,9 @@ def prepare(directory: Path, model_config: ModelConfig, train_config: TrainConfi
                   removed_temporaries=removed, lock=lock)
         if resume:
             _restore(run, Checkpoint.read(directory / CHECKPOINT_FILE))
-            update_run_config(directory, corpus=corpus, settings=settings or {})
-            rewrite_log(directory, run.history)
+            if steps is None or run.progress.step < steps:
+                update_run_config(directory, corpus=corpus, settings=settings or {})
+                rewrite_log(directory, run.history)
         else:
             write_run_files(directory, {
                 "model": dataclasses.asdict(model_config),
@@ -371,6 +373,9 @@ def _restore(run: Run, checkpoint: Checkpoint) -> None:
         run.optimizer.load_state_dict(checkpoint.optimizer)
         run.progress = Progress(**checkpoint.progress)
         run.progress.check()
+        if run.progress.position >= run.train.chunks:  # kept modulo the chunks: an edited or foreign value
+            raise ValueError(f"progress position {run.progress.position}: expected a chunk of the corpus's "
+                             f"{run.train.chunks} (--batch {run.config.batch}, --bptt {run.config.bptt})")
         run.history = History.from_checkpoint(checkpoint.history, checkpoint.evaluations, run.progress.step)
         torch.set_rng_state(checkpoint.rng["torch"])
         if run.device.type == "cuda" and "cuda" in checkpoint.rng:
