@@ -10,6 +10,8 @@ float64 weights move both ways, not Keras's float64 arithmetic.
 """
 import os
 
+import numpy as np
+
 os.environ["KERAS_BACKEND"] = "torch"  # before keras is imported anywhere
 
 import keras  # noqa: E402
@@ -250,3 +252,35 @@ def test_bfloat16_exports_float32_and_imports_exactly():
     as_bf16 = [[a.astype(ml_dtypes.bfloat16) for a in layer] for layer in weights]
     back = rkeras.from_keras(as_bf16, "gru", bidirectional=True, dtype=torch.bfloat16)
     assert torch.equal(back.flat_weights, module.flat_weights)
+
+
+def test_what_keras_computes_otherwise_is_refused_before_anything_is_written():
+    """Keras layers whose activations only share a name with Keras's own (a scaled tanh of the
+    user's, a relu with max_value), a stateful layer (its state carried from call to call) or an
+    unbuilt one (no weights) are refused by name; and set_keras_weights checks every layer before
+    it writes any."""
+    import functools
+
+    def tanh(v):  # LeCun's scaled tanh, named as Keras's
+        return 1.7159 * keras.ops.tanh(2 / 3 * v)
+
+    x = np.zeros((1, 2, 4), np.float32)
+    for activation, words in ((tanh, "not one of keras.activations' own functions"),
+                              (functools.partial(keras.activations.relu, max_value=1.0), "partial")):
+        layer = keras.layers.SimpleRNN(6, activation=activation)
+        layer(x)
+        with pytest.raises(ValueError, match=f"activation: layers\\[0\\] uses .*{words}"):
+            rkeras.from_keras_layers([layer])
+    stateful = keras.layers.LSTM(6, stateful=True)
+    stateful(np.ones((2, 3, 4), np.float32))
+    with pytest.raises(ValueError, match="stateful: layers\\[0\\] has stateful=True"):
+        rkeras.from_keras_layers([stateful])
+    with pytest.raises(ValueError, match="layers\\[0\\]: the Keras layer is not built"):
+        rkeras.from_keras_layers([keras.layers.GRU(6)])
+    module = rnnkit.LSTM(4, 6, 2)
+    first, second = keras.layers.LSTM(6, return_sequences=True), keras.layers.LSTM(6, activation="relu")
+    second(first(x))
+    before = [w.copy() for w in first.get_weights()]
+    with pytest.raises(ValueError, match="activation: layers\\[1\\] uses relu"):
+        rkeras.set_keras_weights(module, [first, second])
+    assert all(np.array_equal(a, b) for a, b in zip(before, first.get_weights()))

@@ -283,3 +283,32 @@ def test_bfloat16_module_exports_a_float32_model_with_its_values():
     assert_close(torch.from_numpy(y), reference, "float32 model")
     _edit_initializer(model, "", lambda a: a.astype(ml_dtypes.bfloat16) if a.dtype == np.float32 else a)
     assert torch.equal(ronnx.import_model(model, dtype=torch.bfloat16).flat_weights, module.flat_weights)
+
+
+def test_a_transposed_input_into_a_batch_major_node_is_time_major():
+    """X (T, B, I) -> Transpose -> LSTM(layout=1): the node reads the transposed tensor as batch-major,
+    so the two transposes cancel and the graph's input is time-major (it was imported as
+    batch_first, the glue's and the node's layouts or-ed). Checked against onnxruntime on the same
+    node in layout 0 without the Transpose (onnxruntime has no layout=1 kernel)."""
+    rng = np.random.default_rng(0)
+    W = numpy_helper.from_array(rng.standard_normal((1, 24, 4), dtype=np.float32), "W")
+    R = numpy_helper.from_array(rng.standard_normal((1, 24, 6), dtype=np.float32), "R")
+
+    def model(nodes, out_shape):
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [5, 3, 4])],
+                                  [helper.make_tensor_value_info("Y_h", TensorProto.FLOAT, out_shape)], [W, R])
+        made = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        made.ir_version = 8
+        return made
+
+    transposed = model([helper.make_node("Transpose", ["X"], ["Xb"], perm=[1, 0, 2]),
+                        helper.make_node("LSTM", ["Xb", "W", "R"], ["Y", "Y_h"], hidden_size=6, layout=1)], [3, 1, 6])
+    plain = model([helper.make_node("LSTM", ["X", "W", "R"], ["Y", "Y_h"], hidden_size=6)], [1, 3, 6])
+    module = ronnx.import_model(transposed).eval()
+    assert module.spec.batch_first is False
+    x = rng.standard_normal((5, 3, 4), dtype=np.float32)
+    session = ort.InferenceSession(plain.SerializeToString(), providers=["CPUExecutionProvider"])
+    (expected,) = session.run(["Y_h"], {"X": x})
+    with torch.no_grad():
+        _, (h, _) = module(torch.from_numpy(x))
+    assert_close(h, torch.from_numpy(expected), "h_n")

@@ -221,3 +221,29 @@ def test_bfloat16_modules_export_exact_float32():
         assert value.dtype == np.float32 and np.array_equal(value, widened[name]), name
     weights, biases = rtf.to_tf_cudnn(rnnkit.GRU(3, 4).to(torch.bfloat16))
     assert all(t.dtype == torch.bfloat16 for t in weights + biases)
+
+
+def test_what_the_arrays_and_options_cannot_both_be_is_refused():
+    """from_tf refuses rather than drops: LSTMCell options given for GRUCell arrays, a config that
+    says other cells than the arrays are (or has keys to_tf never writes), and variables of
+    anything but an LSTMCell / GRUCell among TF's names (a Dense's kernel and bias have the very
+    names of an LSTMCell's, and would import as a layer)."""
+    gru = rtf.to_tf(rnnkit.GRU(4, 6, reset_after=False))
+    for option in ("cell_clip", "proj_clip", "forget_bias"):
+        with pytest.raises(ValueError, match=f"{option}: a TF GRUCell has none"):
+            rtf.from_tf(gru, **{option: 3.0})
+    lstm = rtf.to_tf(rnnkit.LSTM(4, 6))
+    for key, value in (("use_peepholes", True), ("num_proj", [3]), ("cell", "GRUCell"), ("num_units", [7])):
+        config = {**lstm["config"], key: value}
+        with pytest.raises(ValueError, match=f"variables: config {key}="):
+            rtf.from_tf({**lstm, "config": config})
+    with pytest.raises(ValueError, match=r"config has \['forgetbias'\]"):
+        rtf.from_tf({**lstm, "config": {**lstm["config"], "forgetbias": 0.0}})
+    assert rtf.from_tf({**lstm, "config": {**lstm["config"], "cell": "BasicLSTMCell"}}).spec.mode == "lstm"
+    cell = lstm["cells"][0][0]
+    named = {"rnn/lstm_cell/kernel:0": cell["kernel"], "rnn/lstm_cell/bias:0": cell["bias"],
+             "dense/kernel:0": np.zeros((6, 16), np.float32), "dense/bias:0": np.zeros(16, np.float32)}
+    with pytest.raises(ValueError, match="'dense/kernel:0' is not under a TF LSTMCell / GRUCell scope"):
+        rtf.from_tf(named)
+    del named["dense/kernel:0"], named["dense/bias:0"]
+    assert rtf.from_tf(named).spec.hidden_sizes == (6,)

@@ -213,7 +213,7 @@ def build_parser(with_bench: bool = False) -> Parser:
     command.set_defaults(handler=_doctor)
 
     command = commands.add_parser("bench", help="benchmark the backends against torch.nn",
-                                  description="Benchmark rnnkit's backends against torch.nn (BENCH.md's protocol).")
+                                  description="Benchmark rnnkit's backends against torch.nn (benchmarks/README.md's protocol).")
     if with_bench:
         from . import bench
 

@@ -276,15 +276,31 @@ def _inner_layers(layer, index: int):
     return [(inner, where) for inner, _, where in inners]
 
 
+def _activation_name(function) -> str:
+    """Keras's name of one of its own activations (``keras.activations.tanh`` -> "tanh"), else a
+    description: a function of the user's with the same ``__name__`` (a scaled tanh), or a
+    ``functools.partial`` (relu with ``max_value``), computes something else."""
+    import keras
+
+    name = getattr(function, "__name__", None)
+    if name is not None and getattr(keras.activations, name, None) is function:
+        return name
+    return f"{function!r} (not one of keras.activations' own functions)"
+
+
 def _check_inner(spec: RNNSpec, inner, index: int, where: str) -> None:
     name = LAYER_CLASSES[spec.mode]
     if type(inner).__name__ != name:
         raise ValueError(f"{where}: expected a keras.layers.{name}, got {type(inner).__name__}")
+    if getattr(inner, "stateful", False):
+        raise ValueError(f"stateful: {where} has stateful=True: Keras carries its state from call to call, an rnnkit "
+                         "module takes it as hx (and returns it); convert a stateless layer and pass the state "
+                         "yourself")
     activation = "relu" if spec.mode == "rnn_relu" else "tanh"
-    if inner.activation.__name__ != activation:
-        raise ValueError(f"activation: {where} uses {inner.activation.__name__}, rnnkit's is {activation}")
-    if spec.mode in ("lstm", "gru") and inner.recurrent_activation.__name__ != "sigmoid":
-        raise ValueError(f"recurrent_activation: {where} uses {inner.recurrent_activation.__name__}, "
+    if _activation_name(inner.activation) != activation:
+        raise ValueError(f"activation: {where} uses {_activation_name(inner.activation)}, rnnkit's is {activation}")
+    if spec.mode in ("lstm", "gru") and _activation_name(inner.recurrent_activation) != "sigmoid":
+        raise ValueError(f"recurrent_activation: {where} uses {_activation_name(inner.recurrent_activation)}, "
                          "rnnkit's gates use sigmoid")
     if spec.mode == "gru" and inner.reset_after != spec.reset_after:
         raise ValueError(f"reset_after: {where} has {inner.reset_after}, the module {spec.reset_after}")
@@ -304,8 +320,10 @@ def set_keras_weights(module, layers) -> None:
     layers = list(layers) if isinstance(layers, (list, tuple)) else [layers]
     if len(layers) != spec.num_layers:
         raise ValueError(f"layers: expected {spec.num_layers} Keras layers (one per layer), got {len(layers)}")
-    for index, (layer, arrays) in enumerate(zip(layers, to_keras(module))):
+    weights = to_keras(module)
+    for index, layer in enumerate(layers):  # every layer checked before any is written
         _check_layer(spec, layer, index)
+    for layer, arrays in zip(layers, weights):
         layer.set_weights(arrays)
 
 
@@ -328,11 +346,15 @@ def from_keras_layers(layers, *, batch_first: bool = True, dtype=None):
     kind = type(inner).__name__
     modes = {"LSTM": "lstm", "GRU": "gru"}
     if kind == "SimpleRNN":
-        mode = "rnn_relu" if inner.activation.__name__ == "relu" else "rnn_tanh"
+        mode = "rnn_relu" if _activation_name(inner.activation) == "relu" else "rnn_tanh"
     elif kind in modes:
         mode = modes[kind]
     else:
         raise ValueError(f"layers[0]: expected a keras LSTM, GRU or SimpleRNN layer, got {kind}")
+    for index, layer in enumerate(layers):
+        if not layer.built:
+            raise ValueError(f"layers[{index}]: the Keras layer is not built (it has no weights yet); call it on an "
+                             "input, or build() it, first")
     module = from_keras(
         [layer.get_weights() for layer in layers], mode,
         reset_after=getattr(inner, "reset_after", True), bidirectional=bidirectional,

@@ -550,7 +550,8 @@ def import_model(model, *, batch_first: Optional[bool] = None, dtype=None):
         raise ValueError("merge: the layers' outputs are merged both by concatenation and by sum; "
                          "rnnkit's layers share one merge")
     merge = merges.pop() if merges else stored.get("merge", "concat")
-    glue_batch_first = stack.batch_first_in or first["batch_major"]
+    # a Transpose of the graph's input and a batch-major node (layout=1) cancel: the input is time-major
+    glue_batch_first = stack.batch_first_in != first["batch_major"]
     if stack.batch_first_out is not None and stack.batch_first_out != glue_batch_first:
         raise ValueError("batch_first: the graph's input and output sequences have different layouts; "
                          "an rnnkit module reads and writes one")

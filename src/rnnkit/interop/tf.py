@@ -139,6 +139,12 @@ def to_tf(module, *, forget_bias: float = 1.0) -> dict:
     return {"config": config, "cells": cells}
 
 
+# the scopes TF 1.x gives a cell's variables: LSTMCell, BasicLSTMCell, GRUCell (tf.compat.v1.nn.rnn_cell)
+CELL_SCOPES = frozenset({"lstm_cell", "basic_lstm_cell", "gru_cell"})
+# from_tf's config keys: to_tf's (cell, num_units, num_proj, use_peepholes are read from the arrays too, and checked)
+CONFIG_KEYS = frozenset({"cell", "num_units", "num_proj", "use_peepholes", "cell_clip", "proj_clip", "forget_bias"})
+
+
 def _natural_key(text: str):
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
@@ -169,6 +175,10 @@ def cells_from_names(named: Mapping[str, object]) -> List[List[Dict[str, object]
             raise ValueError(f"named: {name!r} is not a variable of a TF LSTMCell or GRUCell "
                              f"(expected a name ending in one of {LSTM_VARIABLES + GRU_VARIABLES})")
         scope = path[: len(path) - len(variable.split("/"))]
+        if not scope or scope[-1] not in CELL_SCOPES:  # a Dense's kernel / bias would pass for an LSTMCell's
+            raise ValueError(f"named: {name!r} is not under a TF LSTMCell / GRUCell scope (a name's part before "
+                             f"{variable!r} is one of {sorted(CELL_SCOPES)}); pass the recurrent layers' variables "
+                             "alone, or cells named otherwise as from_tf's {'cells': [[{variable: array}]]}")
         sides = [k for k, part in enumerate(scope) if part in ("fw", "bw")]
         direction = 0
         if sides:
@@ -237,9 +247,39 @@ def from_tf(variables, *, forget_bias=FROM_CONFIG, cell_clip=FROM_CONFIG, proj_c
                 raise ValueError(f"variables: cells[{layer}][{direction}] has {unknown}, not variables of a "
                                  f"TF {'GRUCell' if gru[0] else 'LSTMCell'}")
     cells = [[{key: to_numpy(value, key) for key, value in v.items()} for v in directions] for directions in cells]
+    unknown = sorted(set(config) - CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"variables: config has {unknown}, not keys of to_tf's config ({sorted(CONFIG_KEYS)})")
     if gru[0]:
-        return _gru_from_tf(cells, batch_first, dtype)
-    return _lstm_from_tf(cells, config, batch_first, dtype)
+        # a GRUCell has no forget bias, clips or projection: a value for one is refused, not dropped
+        given = {key: config.get(key) for key in ("forget_bias", "cell_clip", "proj_clip", "num_proj", "use_peepholes")}
+        for key, value in given.items():
+            if value not in (None, False) and not (key == "num_proj" and all(p in (None, 0) for p in value)):
+                raise ValueError(f"{key}: a TF GRUCell has none (the arrays are a GRUCell's), got {value!r}")
+        module = _gru_from_tf(cells, batch_first, dtype)
+    else:
+        module = _lstm_from_tf(cells, config, batch_first, dtype)
+    _check_config(config, module.spec)
+    return module
+
+
+def _check_config(config: dict, spec: RNNSpec) -> None:
+    """The config's description of the cells (cell kind, sizes, peepholes, projection) against what the
+    arrays made: a contradiction is an error naming the key, not a module built from one of the two."""
+    made = dict(cell=CELL_NAMES[spec.mode], num_units=list(spec.hidden_sizes),
+                num_proj=[p or None for p in spec.proj_sizes], use_peepholes=spec.peephole)
+    for key, value in made.items():
+        if key not in config or config[key] is None:
+            continue
+        given = config[key]
+        if key in ("num_units", "num_proj") and not isinstance(given, (list, tuple)):
+            given = [given] * spec.num_layers
+        if key == "num_proj":
+            given = [p or None for p in given]
+        if key == "cell" and given == "BasicLSTMCell":
+            given = "LSTMCell"  # the same variables (no peepholes, no projection: checked as the arrays say)
+        if (list(given) if isinstance(given, (list, tuple)) else given) != value:
+            raise ValueError(f"variables: config {key}={config[key]!r}, but the arrays are {key}={value!r}")
 
 
 def _require(v: dict, names, where: str) -> None:
