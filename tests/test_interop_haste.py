@@ -5,6 +5,7 @@ tests/fixtures/interop/make_real.py), in evaluation mode, so zoneout is its expe
 import reads Haste's state_dict()s, export is what Haste computed after
 ``load_state_dict`` of :func:`to_haste`'s dicts.
 """
+import re
 import sys
 from pathlib import Path
 
@@ -134,3 +135,11 @@ def test_bfloat16_exports_float32_and_imports_exactly(mode, layer_norm):
     back = haste.from_haste(state_dicts, mode, dtype=torch.bfloat16)
     assert torch.equal(back.flat_weights, haste.from_haste(layers, mode, dtype=torch.bfloat16).flat_weights)
     assert back.flat_weights.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("key, shape", [("bias", (20,)), ("recurrent_kernel", (6, 20)), ("gamma_h", (5,))])
+def test_a_wrong_array_is_named_by_hastes_key(key, shape):
+    layers = haste.to_haste(rnnkit.LSTM(4, 6, layer_norm=True))
+    layers[0][key] = np.zeros(shape, np.float32)
+    with pytest.raises(ValueError, match=rf"layers\[0\]\['{key}'\]: expected shape .* got {re.escape(str(shape))}"):
+        haste.from_haste(layers, "lstm")

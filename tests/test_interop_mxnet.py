@@ -193,3 +193,9 @@ def test_gluon_names_refused():
 def test_refuses_what_mxnet_cannot_represent(module, option):
     with pytest.raises(ValueError, match=f"{option}: MXNet cannot represent"):
         rmx.to_mxnet_flat(module())
+
+
+def test_arrays_of_another_mode_are_named_by_gluons_key():
+    with pytest.raises(ValueError, match=r"named\['l0_h2h_weight'\] expected shape \(24, 6\) \(a Gluon lstm layer's, "
+                                         r"as mode='lstm' says\), got \(24, 8\)"):
+        rmx.from_gluon(rmx.to_gluon(rnnkit.GRU(4, 8)), "lstm")

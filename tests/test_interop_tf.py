@@ -247,3 +247,16 @@ def test_what_the_arrays_and_options_cannot_both_be_is_refused():
         rtf.from_tf(named)
     del named["dense/kernel:0"], named["dense/bias:0"]
     assert rtf.from_tf(named).spec.hidden_sizes == (6,)
+
+
+def test_a_wrong_cudnn_tensor_is_named_by_its_index():
+    weights, biases = rtf.to_tf_cudnn(rnnkit.LSTM(4, 6, 2))
+    weights = list(weights)
+    weights[9] = weights[9][:, :2]
+    with pytest.raises(ValueError, match=r"weights\[9\]: expected shape \(6, 6\) .*got \(6, 2\)"):
+        rtf.from_tf_cudnn(weights, biases, "lstm", 4, 6, 2)
+    weights, biases = rtf.to_tf_cudnn(rnnkit.LSTM(4, 6))
+    biases = list(biases)
+    biases[3] = biases[3][:5]
+    with pytest.raises(ValueError, match=r"biases\[3\]: expected shape \(6,\), got \(5,\)"):
+        rtf.from_tf_cudnn(weights, biases, "lstm", 4, 6)

@@ -123,10 +123,13 @@ def numpy_pieces(module) -> Dict[str, np.ndarray]:
     return {name: tensor.cpu().numpy() for name, tensor in torch_pieces(module).items()}
 
 
-def build_module(spec: RNNSpec, pieces: Dict[str, object], dtype: Optional[torch.dtype] = None) -> Module:
+def build_module(spec: RNNSpec, pieces: Dict[str, object], dtype: Optional[torch.dtype] = None,
+                 sources: Optional[Dict[str, str]] = None, what: str = "") -> Module:
     """A new rnnkit module for ``spec`` whose pieces (by torch.nn name) are set from ``pieces``.
 
     Every piece of the layout must be given; shapes are checked. ``pieces`` is not modified.
+    ``sources``: each piece's name in the converter's own arguments (``named['l0_h2h_weight']``),
+    which a shape error names; ``what``: what the arrays should be (``a Gluon gru layer's``).
     """
     options = spec.options()
     mode = options.pop("mode")
@@ -139,7 +142,7 @@ def build_module(spec: RNNSpec, pieces: Dict[str, object], dtype: Optional[torch
         module = GRU(input_size, hidden_size, num_layers, **common, **options)
     else:
         module = RNN(input_size, hidden_size, num_layers, nonlinearity=mode[4:], **common, **options)
-    load_pieces(module, pieces)
+    load_pieces(module, pieces, sources, what)
     return module
 
 
@@ -156,7 +159,7 @@ def check_keys(found: Iterable, expected: Iterable, what: str, optional: Iterabl
                          + f"; {wrong}")
 
 
-def load_pieces(module, pieces: Dict[str, object]) -> None:
+def load_pieces(module, pieces: Dict[str, object], sources: Optional[Dict[str, str]] = None, what: str = "") -> None:
     """Copy ``pieces`` ({torch.nn name: array}) into the module's weights, checking names and shapes.
 
     The one place converters write weights: in-place copies into the views of
@@ -169,7 +172,9 @@ def load_pieces(module, pieces: Dict[str, object]) -> None:
         value = pieces[entry.name]
         value = value.detach() if isinstance(value, torch.Tensor) else torch.from_numpy(to_numpy(value, entry.name).copy())
         if tuple(value.shape) != tuple(entry.shape):
-            raise ValueError(f"weights: {entry.name} expected shape {tuple(entry.shape)}, got {tuple(value.shape)}")
+            where = (sources or {}).get(entry.name, f"weights: {entry.name}")
+            raise ValueError(f"{where} expected shape {tuple(entry.shape)}{' (' + what + ')' if what else ''}, "
+                             f"got {tuple(value.shape)}")
         values[entry.name] = value
     with torch.no_grad():
         views = _weight_views(module)

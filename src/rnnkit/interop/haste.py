@@ -139,8 +139,13 @@ def from_haste(layers: Sequence[Dict[str, object]], mode: str, *, zoneout: float
     for layer, w in enumerate(arrays):
         s, gh = suffix(layer, 0), G * hidden[layer]
         input_size = spec.cell(layer).input_size
-        if w["kernel"].shape != (input_size, gh):
-            raise ValueError(f"layers[{layer}]['kernel']: expected shape {(input_size, gh)}, got {w['kernel'].shape}")
+        H = hidden[layer]
+        shapes = {"kernel": (input_size, gh), "recurrent_kernel": (H, gh), "bias": (gh,), "recurrent_bias": (gh,),
+                  "gamma": (2, gh), "gamma_h": (H,), "beta_h": (H,)}
+        for key in expected:  # by Haste's names, before any regating
+            if tuple(w[key].shape) != shapes[key]:
+                raise ValueError(f"layers[{layer}][{key!r}]: expected shape {shapes[key]} (a Haste {mode.upper()} "
+                                 f"layer of {H} units on {input_size} inputs), got {tuple(w[key].shape)}")
         pieces["weight_ih" + s] = regate(w["kernel"].T, theirs, ours)
         pieces["weight_hh" + s] = regate(w["recurrent_kernel"].T, theirs, ours)
         bias = regate(w["bias"], theirs, ours)
@@ -148,8 +153,6 @@ def from_haste(layers: Sequence[Dict[str, object]], mode: str, *, zoneout: float
         pieces["bias_hh" + s] = regate(w["recurrent_bias"], theirs, ours) if mode == "gru" else np.zeros_like(bias)
         if layer_norm:
             gamma = w["gamma"]
-            if gamma.shape != (2, gh):
-                raise ValueError(f"layers[{layer}]['gamma']: expected shape {(2, gh)}, got {gamma.shape}")
             pieces["layer_norm_ih_weight" + s] = regate(gamma[0], theirs, ours)
             pieces["layer_norm_hh_weight" + s] = regate(gamma[1], theirs, ours)
             pieces["layer_norm_ih_bias" + s] = np.zeros_like(bias)

@@ -215,7 +215,9 @@ def from_gluon(named: Mapping[str, object], mode: str, *, cell_clip=None, state_
                kind="parameters")
     pieces = {piece + suffix(layer, direction): named[_gluon_name(layer, direction, piece)]
               for layer, direction, piece in build_layout_names(spec)}
-    return build_module(spec, pieces, dtype)
+    sources = {piece + suffix(layer, direction): f"named[{_gluon_name(layer, direction, piece)!r}]"
+               for layer, direction, piece in build_layout_names(spec)}
+    return build_module(spec, pieces, dtype, sources, f"a Gluon {mode} layer's, as mode={mode!r} says")
 
 
 def from_mxnet_flat(flat: np.ndarray, mode: str, input_size: int, hidden_size: int, num_layers: int = 1, *,

@@ -438,4 +438,13 @@ def from_tf_cudnn(weights, biases, mode: str, input_size: int, hidden_size: int,
         "matrices": dict(zip(keys, weights)),
         "biases": dict(zip(bias_keys, biases)),
     }
+    shapes = cudnn._entry_shapes(RNNSpec(mode, input_size, hidden_size, num_layers, bidirectional=bidirectional,
+                                         proj_size=proj_size, bias_mode="double"))
+    for index, (key, value) in enumerate(zip(keys, weights)):  # by the lists' indices, as the caller gave them
+        if tuple(value.shape) != shapes[key]:
+            raise ValueError(f"weights[{index}]: expected shape {shapes[key]} ((pseudoLayer, linLayerID) {key}), "
+                             f"got {tuple(value.shape)}")
+    for index, value in enumerate(biases):
+        if tuple(value.shape) != (hidden_size,):
+            raise ValueError(f"biases[{index}]: expected shape ({hidden_size},), got {tuple(value.shape)}")
     return cudnn.from_cudnn(params, batch_first=batch_first, dtype=dtype)
