@@ -295,3 +295,32 @@ def test_detach_state_carries_every_form_of_state(make):
     assert rnnkit.detach_state(None) is None
     with pytest.raises(TypeError, match="state: expected a module's final state"):
         rnnkit.detach_state([torch.zeros(1), "h"])
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_y_is_the_callers_to_change_and_what_the_reserve_reads_is_not(backend):
+    """forward_training's y is the caller's own (masking padding in place before backward_data
+    changed the fused ops' saved output: refused by autograd's check, naming its internals); the
+    input, hx and weights the reserve reads are the caller's too, and a change to one in place
+    before backward_data is refused saying so. An integer hx is the DTypeMismatchError rnn raises."""
+    spec = rnnkit.RNNSpec("lstm", 4, 5)
+    w = rnnkit.Layout(spec).new_buffer(dtype=torch.float64)
+    torch.manual_seed(0)
+    w.normal_()
+    x = torch.randn(6, 3, 4, dtype=torch.float64)
+    dy = torch.randn(6, 3, 5, dtype=torch.float64)
+    y, _, reserve = rnnkit.forward_training(spec, w, x, backend=backend)
+    expected = rnnkit.backward_data(reserve, dy)
+    y, _, reserve = rnnkit.forward_training(spec, w, x, backend=backend)
+    y[:, 0] = 0  # padding masked in place
+    assert all(torch.equal(a, b) for a, b in zip(rnnkit.backward_data(reserve, dy), expected))
+    x2 = x.clone()
+    _, _, reserve = rnnkit.forward_training(spec, w, x2, backend=backend)
+    x2.mul_(2)
+    with pytest.raises(RuntimeError, match="backward_data: the input, hx or weights given to forward_training were "
+                                           "changed in place"):
+        rnnkit.backward_data(reserve, dy)
+    gru = rnnkit.RNNSpec("gru", 4, 5)
+    with pytest.raises(rnnkit.DTypeMismatchError, match="hx: expected dtype torch.float32"):
+        rnnkit.forward_training(gru, rnnkit.Layout(gru).new_buffer(), torch.randn(3, 2, 4),
+                                torch.zeros(1, 2, 5, dtype=torch.long))

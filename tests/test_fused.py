@@ -694,3 +694,35 @@ def test_lengths_segment_only_where_it_saves_work():
     assert not functional.Segments.worth_it(backend, rnnkit.LSTM(4, [256, 128], 2).spec, spread, 10, False)
     reference = backends.select("reference", spec, torch.device("cpu"), torch.float32)
     assert not functional.Segments.worth_it(reference, spec, spread, 10, False)
+
+
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+@pytest.mark.parametrize("cell", [False, True], ids=["layer", "cell"])
+def test_rnn_without_zoneout_takes_an_infinite_state_as_the_reference(nonlinearity, cell):
+    """An RNN's h without zoneout is act(·) itself: the fused pass blended 0 · h_prev + 1 · act, NaN
+    where h_prev was ±inf (an h_0 of -inf, or a relu state that overflowed), where the reference,
+    native and torch.nn give tanh's -1 or inf. Outputs and gradients against the reference."""
+    torch.manual_seed(0)
+    make = (lambda b: rnnkit.RNNCell(3, 4, nonlinearity=nonlinearity, backend=b)) if cell else \
+        (lambda b: rnnkit.RNN(3, 4, nonlinearity=nonlinearity, backend=b))
+    fused, reference = make("fused").double(), make("reference").double()
+    reference.load_state_dict(fused.state_dict())
+    with torch.no_grad():
+        for m in (fused, reference):
+            m.weight_hh_l0.mul_(1e300) if not cell and nonlinearity == "relu" else None
+    x = torch.randn(1 if cell else 5, 2, 3, dtype=torch.float64)
+    h0 = torch.randn(2, 4, dtype=torch.float64) if cell else torch.randn(1, 2, 4, dtype=torch.float64)
+    h0.view(-1)[1] = -float("inf")
+    results = []
+    for m in (fused, reference):
+        xs, hs = x.clone().requires_grad_(True), h0.clone().requires_grad_(True)
+        out = m(xs[0], hs) if cell else m(xs, hs)[0]
+        finite = torch.where(torch.isfinite(out), out, torch.zeros_like(out))
+        grads = torch.autograd.grad(finite.sum(), [xs, hs] + list(m.parameters()), allow_unused=True)
+        results.append((out.detach(), [g for g in grads if g is not None]))
+    (out, grads), (want, want_grads) = results
+    assert torch.equal(torch.isnan(out), torch.isnan(want)) and not torch.isnan(want).all()
+    assert_close(torch.nan_to_num(out), torch.nan_to_num(want), "output")
+    for g, w in zip(grads, want_grads):
+        assert torch.equal(torch.isnan(g), torch.isnan(w))
+        assert_close(torch.nan_to_num(g), torch.nan_to_num(w), "gradient")

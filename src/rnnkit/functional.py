@@ -583,8 +583,11 @@ class Reserve:
 def forward_training(spec: RNNSpec, weights: torch.Tensor, input: torch.Tensor, hx=None, lengths=None, *, backend: str = "auto"):
     """Forward pass in training mode that records what backward needs (cudnnRNNForwardTraining).
 
-    Shapes as in `rnn`, with a padded tensor input (a PackedSequence is refused: pad it and pass
-    its lengths). Dropouts and zoneout draw their masks. Not under torch.inference_mode(), which
+    Shapes as in `rnn`, in the layout ``spec.batch_first`` says (there is no ``batch_first``
+    argument), with a padded tensor input (a PackedSequence is refused: pad it and pass its
+    lengths). Dropouts and zoneout draw their masks. The reserve reads ``input``, ``hx`` and
+    ``weights`` as given, not copies (as cuDNN's reads its buffers): change none of them in place
+    before `backward_data`. The returned ``y`` and states are the caller's to change. Not under torch.inference_mode(), which
     records nothing for backward (`forward_inference` is the call there); inference tensors
     made under it are taken outside it (copied).
 
@@ -605,13 +608,18 @@ def forward_training(spec: RNNSpec, weights: torch.Tensor, input: torch.Tensor, 
     x_tm, unbatched = check_input(spec, input, weights, spec.batch_first, packed=False)
     if hx is None:
         hx = _zero_state(spec, x_tm, unbatched)
+    for state in _leaves(hx):  # as rnn checks them, before autograd is asked to track an integer tensor
+        if isinstance(state, torch.Tensor):
+            check_tensor("hx", state, None, weights)
     x_leaf = _leaf(input)
     hx_leaf = _map(hx, lambda t: _leaf(t) if isinstance(t, torch.Tensor) else t)
     w_leaf = _leaf(weights)
     with torch.enable_grad():
         y, hy = rnn(spec, w_leaf, x_leaf, hx_leaf, lengths, training=True, backend=backend, layout=layout)
     reserve = Reserve(spec, (x_leaf, hx_leaf), w_leaf, (y, hy))
-    return y.detach(), _map(hy, torch.Tensor.detach), reserve
+    # y the caller's own: a backend may keep y for its backward (the fused ops do), and a y that
+    # shared its memory could not be masked or edited in place before backward_data
+    return y.detach().clone(), _map(hy, torch.Tensor.detach), reserve
 
 
 def forward_inference(spec: RNNSpec, weights: torch.Tensor, input: torch.Tensor, hx=None, lengths=None, *, backend: str = "auto"):
@@ -659,7 +667,14 @@ def backward_data(reserve: Reserve, dy: torch.Tensor, dhy=None, dcy=None):
             pairs.append((out, check_tensor(name, grad, _shape(out), out)))
     x, hx = reserve._inputs
     inputs = [x] + _leaves(hx) + [reserve._weights]
-    grads = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+    try:
+        grads = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+    except RuntimeError as error:
+        if "inplace" not in str(error).replace("in-place", "inplace").replace("in place", "inplace"):
+            raise
+        raise RuntimeError("backward_data: the input, hx or weights given to forward_training were changed in place "
+                           "since; the reserve reads them as they are, not copies (as cuDNN's reads its buffers): "
+                           "keep them unchanged until backward_data, or pass copies") from error
     grads = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
     reserve._dweights = grads[-1]
     reserve._outputs = None

@@ -95,9 +95,10 @@ struct Rnn {
             tanh_inplace(act, H, quick);
           }
           const scalar_t* d = zh.row(t, b);
+          const bool zoned = zh.on();  // without zoneout h is act itself: 0 · h_prev is NaN where h_prev is ±inf
           for (int64_t j = 0; j < H; ++j) {
             const scalar_t zo = d ? d[j] : zh.p;
-            const scalar_t hn = zo * hb[j] + (scalar_t(1) - zo) * act[j];
+            const scalar_t hn = zoned ? zo * hb[j] + (scalar_t(1) - zo) * act[j] : act[j];
             hb[j] = hn;
             yb[j] = hn;
             if (rm) hin_p[b * H + j] = hn * rm[b * H + j];
@@ -157,6 +158,7 @@ struct Rnn {
           scalar_t* dghb = dgh_p + (dgh_one_step ? b : row) * H;
           const bool ok = valid(t, b);
           const scalar_t* d = zh.row(t, b);
+          const bool zoned = zh.on();
           const scalar_t* dyb = dy_p + row * H;
           const scalar_t* htb = ht_p + row * H;
           for (int64_t j = 0; j < H; ++j) {
@@ -168,8 +170,8 @@ struct Rnn {
             }
             const scalar_t dtot = dstate + dyb[j];
             const scalar_t zo = d ? d[j] : zh.p;
-            const scalar_t dht = (scalar_t(1) - zo) * dtot;
-            dhd[j] = zo * dtot;
+            const scalar_t dht = zoned ? (scalar_t(1) - zo) * dtot : dtot;
+            dhd[j] = zoned ? zo * dtot : scalar_t(0);  // no zoneout: h_prev reaches h through R alone
             const scalar_t ht = htb[j];
             dAb[j] = relu ? (ht > 0 ? dht : scalar_t(0)) : dht * (scalar_t(1) - ht * ht);
           }
