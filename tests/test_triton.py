@@ -1243,3 +1243,45 @@ def test_graphs_kept_from_the_environment_is_checked_where_graphs_are_kept(monke
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "RNNKIT_TRITON_GRAPHS_KEPT": "x"},
                          capture_output=True, text=True)
     assert out.returncode == 0 and "torch.Size([1, 1, 3])" in out.stdout, out.stderr
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode, options", [("rnn_relu", {}), ("lstm", dict(cell_clip=0.5)),
+                                           ("lstm", dict(proj_size=3, proj_clip=0.5))],
+                         ids=["relu", "cell_clip", "proj_clip"])
+def test_a_nan_passes_through_relu_and_the_clips(mode, options):
+    """tl.maximum / tl.minimum drop a NaN by default (fmax): a diverged activation came out as 0 or
+    ±clip, finite, where the reference, fused and torch.nn give NaN. They propagate it now."""
+    torch.manual_seed(0)
+    module = make(mode, 4, 5, torch.float32, **options)
+    x = torch.randn(3, 1, 4, device=DEVICE)
+    x[1, 0, 0] = float("nan")
+    with torch.no_grad():
+        module.backend = "reference"
+        want = module(x)
+        module.backend = "triton"
+        got = module(x)
+    for a, e in zip(flatten(got), flatten(want)):
+        assert torch.equal(torch.isnan(a), torch.isnan(e)) and torch.isnan(e).any()
+
+
+@needs_kernels
+@pytest.mark.skipif(DEVICE != "cpu", reason="the subprocess runs the kernels under the interpreter")
+def test_the_first_compile_of_a_process_traces_the_kernels_import():
+    """The kernel families are imported on first use; when that use was torch.compile's trace in a
+    fresh process (the first triton call of the process compiled), the module global it set failed
+    dynamo's guards ("Unexpected type <class 'dict'>"). A process of its own: ~7 s."""
+    code = """
+import torch, rnnkit
+torch.manual_seed(0)
+module = rnnkit.GRU(4, 5, backend="triton").eval()
+x = torch.randn(3, 2, 4)
+y, _ = torch.compile(module, fullgraph=True, backend="aot_eager")(x)
+module.backend = "reference"
+with torch.no_grad():
+    print(float((y.detach() - module(x)[0]).abs().max()))
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "RNNKIT_TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5

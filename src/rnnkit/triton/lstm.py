@@ -72,7 +72,7 @@ def lstm_forward_kernel(
     c_new = f * c + i * g
     if CLIP:
         clip = tl.load(scalars + CELL_CLIP)
-        c_new = tl.minimum(tl.maximum(c_new, -clip), clip)
+        c_new = tl.minimum(tl.maximum(c_new, -clip, propagate_nan=tl.PropagateNan.ALL), clip, propagate_nan=tl.PropagateNan.ALL)
     if PEEP:
         a_o = a_o + p_o * c_new  # the output gate peeks at the new cell
     o = sigmoid(a_o)
@@ -111,7 +111,7 @@ def projection_forward_kernel(
     h_new = tl.load(h_pre + b * HR + cols, mask=valid, other=0.0)  # [P] W_hr m
     if PCLIP:
         clip = tl.load(scalars + PROJ_CLIP)
-        h_new = tl.minimum(tl.maximum(h_new, -clip), clip)
+        h_new = tl.minimum(tl.maximum(h_new, -clip, propagate_nan=tl.PropagateNan.ALL), clip, propagate_nan=tl.PropagateNan.ALL)
     h = tl.load(h_prev + b * HR + cols, mask=valid, other=0.0)
     keep_b = tl.load(keep + b) > 0.5
     write_h(h_new, h, b, HR, cols, valid, keep_b, zone_pointer(zone_h, scalars, b, HR, P_H, ZH), rmask,

@@ -30,12 +30,18 @@ def interpreting() -> bool:
 
 
 def kernels() -> dict:
-    """{mode: family module} (lstm.py, gru.py, rnn.py), imported on first use."""
+    """{mode: family module} (lstm.py, gru.py, rnn.py), imported on first use. Not kept while
+    torch.compile traces: dynamo guards on the module globals a traced call reads, and one that
+    changed under it (None, then this dict) failed the first compile of a process
+    ("Unexpected type <class 'dict'>"); the next eager call keeps it."""
     global _families
     if _families is None:
         from . import gru, lstm, rnn
 
-        _families = {"lstm": lstm, "gru": gru, "rnn_tanh": rnn, "rnn_relu": rnn}
+        families = {"lstm": lstm, "gru": gru, "rnn_tanh": rnn, "rnn_relu": rnn}
+        if torch.compiler.is_compiling():
+            return families
+        _families = families
     return _families
 
 

@@ -40,7 +40,7 @@ def rnn_forward_kernel(
     if HAS_BH:
         a += tl.load(b_h + cols, mask=valid, other=0.0)
     if RELU:
-        h_new = tl.maximum(a, 0.0)
+        h_new = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)
     else:
         h_new = tanh(a)
     tl.store(act_out + offs, h_new, mask=valid)
