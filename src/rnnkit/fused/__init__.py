@@ -51,7 +51,9 @@ def cached_buffer_bytes() -> int:
     stream of new shapes about one call's worth, and never more than ``RNNKIT_CPU_CACHE_MB``
     megabytes (default: an eighth of the machine's memory, at least 256; ``0`` turns the cache off). When a freed block does not fit, the
     longest-kept blocks go first; what a burst of large calls left behind is given back to the
-    system a window or two after it ends.
+    system a window or two after it ends (a window counts the small buffer requests too, so calls
+    that make only small ones, such as a generation loop after training, end windows; with no
+    calls at all nothing is given back until ``release_cached_buffers()``).
 
         >>> rnnkit.fused.release_cached_buffers()
         >>> rnnkit.fused.cached_buffer_bytes()

@@ -7,6 +7,7 @@
 #include <c10/util/accumulate.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <limits>
 #include <list>
@@ -54,7 +55,7 @@ class BufferCache final : public c10::Allocator {
   c10::DataPtr allocate(size_t bytes) override {
     const size_t want = (std::max<size_t>(bytes, 1) + kGranule - 1) / kGranule * kGranule;
     std::unique_lock<std::mutex> lock(mutex_);
-    if (++requests_ % kWindow == 0) next_window();
+    if (requests_.fetch_add(1) % kWindow == kWindow - 1) next_window();
     void* block = nullptr;
     size_t size = want;
     auto it = free_.lower_bound(want);  // the smallest kept block that fits, if it wastes at most a quarter
@@ -82,6 +83,16 @@ class BufferCache final : public c10::Allocator {
   void release() {
     std::lock_guard<std::mutex> guard(mutex_);
     while (!free_.empty()) drop(free_.begin());
+  }
+
+  // A request below kMinBytes (malloc's): counted toward the window too, so that calls asking for
+  // small buffers only (a generation loop after training) still end windows, and what a large call
+  // left is given back (it stayed, up to the cap, for as long as no large request came).
+  void tick() {
+    if (requests_.fetch_add(1) % kWindow == kWindow - 1) {
+      std::lock_guard<std::mutex> guard(mutex_);
+      next_window();
+    }
   }
 
   static constexpr size_t kMinBytes = 256 << 10;  // smaller buffers: malloc's heap has them without faults
@@ -190,13 +201,16 @@ class BufferCache final : public c10::Allocator {
   std::unordered_map<void*, std::list<void*>::iterator> position_;  // kept block -> its place in age_
   std::unordered_map<void*, size_t> size_of_;  // every block this cache made, in use or kept
   size_t cached_ = 0, in_use_ = 0, peak_ = 0, last_peak_ = 0, cap_ = 0;
-  uint64_t requests_ = 0;
+  std::atomic<uint64_t> requests_{0};
 };
 
 Tensor cached_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   const int64_t bytes = c10::multiply_integers(sizes) * int64_t(c10::elementSize(dtype));
   BufferCache& cache = BufferCache::get();
-  if (bytes < int64_t(BufferCache::kMinBytes) || !cache.on()) return at::empty(sizes, at::TensorOptions().dtype(dtype));
+  if (bytes < int64_t(BufferCache::kMinBytes) || !cache.on()) {
+    if (cache.on()) cache.tick();
+    return at::empty(sizes, at::TensorOptions().dtype(dtype));
+  }
   return at::detail::empty_generic(sizes, &cache, c10::DispatchKeySet(c10::DispatchKey::CPU), dtype, std::nullopt);
 }
 
