@@ -587,9 +587,9 @@ def forward_training(spec: RNNSpec, weights: torch.Tensor, input: torch.Tensor, 
     argument), with a padded tensor input (a PackedSequence is refused: pad it and pass its
     lengths). Dropouts and zoneout draw their masks. The reserve reads ``input``, ``hx`` and
     ``weights`` as given, not copies (as cuDNN's reads its buffers): change none of them in place
-    before `backward_data`. The returned ``y`` and states are the caller's to change. Not under torch.inference_mode(), which
-    records nothing for backward (`forward_inference` is the call there); inference tensors
-    made under it are taken outside it (copied).
+    before `backward_data`. The returned ``y`` and states are the caller's to change. Not under
+    torch.inference_mode(), which records nothing for backward (`forward_inference` is the call
+    there); inference tensors made under it are taken outside it (copied).
 
     Returns:
         (y, hy, reserve): ``hy`` is h_n, or (h_n, c_n) for LSTM; pass ``reserve`` to

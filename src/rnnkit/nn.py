@@ -1,6 +1,8 @@
 """Drop-in modules ``LSTM``, ``GRU``, ``RNN`` and the one-step cells. Thin: the work is in functional.py."""
 from __future__ import annotations
 
+import difflib
+import inspect
 import warnings
 from contextlib import nullcontext
 from typing import Optional
@@ -294,19 +296,19 @@ def _per_sequence(name: str) -> str:
             "(or apply the mask to the cell's input yourself)")
 
 
+# the keywords the modules' constructors take beside torch.nn's arguments: RNNSpec's options and the modules' own
+_KEYWORDS = frozenset(name for name, p in inspect.signature(RNNSpec.__init__).parameters.items()
+                      if p.kind is p.KEYWORD_ONLY) | {"forget_bias", "backend", "device", "dtype"}
+
+
 def _check_keywords(module: nn.Module, options: dict) -> None:
     """A keyword a constructor does not take: a TypeError naming the module the user built (not the
     spec it builds), with the option meant where the name is close to one, else the options there are."""
-    import difflib
-    import inspect
-
-    spec_keywords = {name for name, p in inspect.signature(RNNSpec.__init__).parameters.items()
-                     if p.kind is p.KEYWORD_ONLY}
-    known = sorted(spec_keywords | {"forget_bias", "backend", "device", "dtype"})
-    kind = type(module).__name__
-    for name in options:
-        if name in known:
-            continue
+    unknown = [name for name in options if name not in _KEYWORDS]
+    if not unknown:
+        return
+    known, kind = sorted(_KEYWORDS), type(module).__name__
+    for name in unknown:
         if name == "nonlinearity":
             hint = "nonlinearity is rnnkit.RNN's and RNNCell's ('tanh' or 'relu'); an LSTM's and a GRU's are fixed"
         else:
