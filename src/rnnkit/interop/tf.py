@@ -251,11 +251,11 @@ def from_tf(variables, *, forget_bias=FROM_CONFIG, cell_clip=FROM_CONFIG, proj_c
     if unknown:
         raise ValueError(f"variables: config has {unknown}, not keys of to_tf's config ({sorted(CONFIG_KEYS)})")
     if gru[0]:
-        # a GRUCell has no forget bias, clips or projection: a value for one is refused, not dropped
-        given = {key: config.get(key) for key in ("forget_bias", "cell_clip", "proj_clip", "num_proj", "use_peepholes")}
-        for key, value in given.items():
-            if value not in (None, False) and not (key == "num_proj" and all(p in (None, 0) for p in value)):
-                raise ValueError(f"{key}: a TF GRUCell has none (the arrays are a GRUCell's), got {value!r}")
+        # a GRUCell has no forget bias or clips: a value for one is refused, not dropped (num_proj and
+        # use_peepholes are the config's description of the cells, which _check_config compares)
+        for key in ("forget_bias", "cell_clip", "proj_clip"):
+            if config.get(key) is not None:
+                raise ValueError(f"{key}: a TF GRUCell has none (the arrays are a GRUCell's), got {config[key]!r}")
         module = _gru_from_tf(cells, batch_first, dtype)
     else:
         module = _lstm_from_tf(cells, config, batch_first, dtype)
@@ -438,8 +438,7 @@ def from_tf_cudnn(weights, biases, mode: str, input_size: int, hidden_size: int,
         "matrices": dict(zip(keys, weights)),
         "biases": dict(zip(bias_keys, biases)),
     }
-    shapes = cudnn._entry_shapes(RNNSpec(mode, input_size, hidden_size, num_layers, bidirectional=bidirectional,
-                                         proj_size=proj_size, bias_mode="double"))
+    shapes = cudnn._entry_shapes(spec)
     for index, (key, value) in enumerate(zip(keys, weights)):  # by the lists' indices, as the caller gave them
         if tuple(value.shape) != shapes[key]:
             raise ValueError(f"weights[{index}]: expected shape {shapes[key]} ((pseudoLayer, linLayerID) {key}), "
