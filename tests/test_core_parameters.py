@@ -565,6 +565,42 @@ def test_safetensors_round_trip(name, tmp_path):
         assert_close(flatten(reference(inputs(1))), flatten(kit(inputs(1))), "torch.nn from the file")
 
 
+@pytest.mark.parametrize("parametrize_", [
+    pytest.param(lambda m: weight_norm(m, "weight_ih_l0"), id="weight_norm-first_piece"),
+    pytest.param(lambda m: weight_norm(m, "weight_hh_l1"), id="weight_norm"),
+    pytest.param(lambda m: parametrize.register_parametrization(m, "weight_hh_l0", _Clamp()), id="no_right_inverse"),
+])
+def test_safetensors_saves_a_parametrized_module(parametrize_, tmp_path):
+    """A parametrization keeps a view of the packed buffer (its original, or weight_norm's direction);
+    save_model takes the module as it takes torch.nn's, and load_model gives it back."""
+    from safetensors.torch import load_model, save_model
+
+    torch.manual_seed(0)
+    kit = rnnkit.LSTM(4, 5, num_layers=2, peephole=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the weights are no longer one packed buffer's views: said once
+        parametrize_(kit)
+        save_model(kit, str(tmp_path / "model.safetensors"))
+        fresh = rnnkit.LSTM(4, 5, num_layers=2, peephole=True)
+        parametrize_(fresh)
+        missing, unexpected = load_model(fresh, str(tmp_path / "model.safetensors"))
+        assert not missing and not unexpected
+        x = torch.randn(3, 2, 4)
+        assert torch.equal(fresh(x)[0], kit(x)[0])
+    state = kit.state_dict()
+    originals = [k for k in state if k.startswith("parametrizations.")]
+    assert originals
+    for key in originals:
+        value = state[key]
+        assert value.untyped_storage().nbytes() == value.numel() * value.element_size(), key  # its own storage
+        assert value.data_ptr() == kit.get_parameter(key).data_ptr(), key  # still the module's memory
+
+
+class _Clamp(torch.nn.Module):
+    def forward(self, w):
+        return w.clamp(-0.1, 0.1)
+
+
 # ---- 6. DDP and FSDP2, two processes -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -1044,6 +1080,109 @@ def test_the_functional_calls_refuse_a_placed_buffer_however_it_reaches_them(mon
     assert compiled(mine).shape == (3, 2, 4)
     whole = torch.compile(lambda w: rnnkit.forward_inference(spec, w, x)[0], backend="eager", fullgraph=True)
     assert torch.equal(whole(mine), rnnkit.forward_inference(spec, mine, x)[0])  # no graph break for the check
+
+
+def test_a_modules_own_load_pre_hooks_run_once_before_its_checks():
+    """torch runs a module's load_state_dict pre-hooks before it copies; rnnkit's checks of the values
+    (int8 codes refused by a float module, float weights by an int8 one) judge what those hooks leave,
+    so a hook that migrates a checkpoint (dequantizes it, quantizes it) works as on torch.nn, once."""
+    torch.manual_seed(0)
+    calls = []
+
+    def dequantize(module, state_dict, prefix, *args):
+        calls.append(prefix)
+        for key in [k for k in state_dict if k.startswith(prefix) and k.endswith("_scale")]:
+            name = key[: -len("_scale")]
+            state_dict[name] = state_dict[name].float() * state_dict.pop(key)[:, None]
+
+    source = rnnkit.LSTM(4, 5, num_layers=2, peephole=True).eval()
+    quantized = rnnkit.quantize(source)
+    codes = quantized.state_dict()
+    for module in (rnnkit.LSTM(4, 5, num_layers=2, peephole=True), torch.nn.Sequential(
+            rnnkit.LSTM(4, 5, num_layers=2, peephole=True))):
+        target = module if isinstance(module, rnnkit.LSTM) else module[0]
+        target.register_load_state_dict_pre_hook(dequantize)
+        calls.clear()
+        state = {("" if module is target else "0.") + k: v for k, v in codes.items()}
+        assert not module.load_state_dict(state).missing_keys
+        assert calls == ["" if module is target else "0."]  # once, not again inside torch's load
+        expected = dict(codes)
+        dequantize(None, expected, "")
+        for name, value in target.state_dict().items():
+            assert torch.equal(value, expected[name]), name
+
+    def quantize_floats(module, state_dict, prefix, *args):
+        calls.append(prefix)
+        for key in [k for k in state_dict if k[len(prefix):].startswith(("weight_ih", "weight_hh"))]:
+            if state_dict[key].is_floating_point():
+                state_dict[key], state_dict[key + "_scale"] = rnnkit.quantized.quantize_rows(state_dict[key])
+
+    twin = rnnkit.quantize(rnnkit.LSTM(4, 5, num_layers=2, peephole=True).eval())
+    twin.register_load_state_dict_pre_hook(quantize_floats)
+    calls.clear()
+    twin.load_state_dict(source.state_dict())
+    assert calls == [""]
+    x = torch.randn(3, 2, 4)
+    assert torch.equal(twin(x)[0], quantized(x)[0])
+    # a hook that leaves integers where floats belong is still refused, by name
+    bad = rnnkit.LSTM(4, 5)
+    bad.register_load_state_dict_pre_hook(lambda m, sd, prefix, *a: sd.update(weight_hh_l0=sd["weight_hh_l0"].long()))
+    with pytest.raises(ValueError, match="weight_hh_l0: expected floating-point weights, got torch.int64$"):
+        bad.load_state_dict(rnnkit.LSTM(4, 5).state_dict())  # (no int8 module's hint: it is not one's)
+
+
+PICKLES = Path(__file__).parent / "fixtures" / "pickles"
+
+
+@pytest.mark.parametrize("version", ["2e66bde", "b759250"])
+def test_modules_pickled_by_older_rnnkit_load(version):
+    """A whole module saved by an older rnnkit (torch.save(module): its __dict__ as that version kept
+    it) loads, aliases one packed buffer and computes what it did (fixtures/pickles/README.md)."""
+    modules = torch.load(PICKLES / f"modules_{version}.pt", weights_only=False)  # our own file
+    ref = torch.load(PICKLES / f"modules_{version}.ref.pt")
+    lstm, cell = modules["lstm"], modules["cell"]
+    for module in (lstm, cell):
+        flat = module.flat_weights
+        assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in module.parameters())
+    assert_close(lstm(ref["x"])[0], ref["y"], "an older pickle's LSTM")
+    if "xc" in ref:
+        assert_close(cell(ref["xc"]), ref["yc"], "an older pickle's GRUCell")
+    fresh = rnnkit.LSTM(4, 5, num_layers=2, peephole=True)
+    fresh.load_state_dict(lstm.state_dict())
+    assert torch.equal(fresh(ref["x"])[0], lstm(ref["x"])[0])
+    lstm(ref["x"])[0].sum().backward()
+    assert lstm.flat_weights.grad is not None and lstm.weight_hh_l1.grad is not None
+
+
+def test_a_spec_and_layout_without_later_fields_unpickle_as_this_version_builds_them():
+    """What a later rnnkit derives (a spec's per_layer and cells, a layout's suffixes and pass slots) is
+    rebuilt on unpickling, not read from the pickle; options a pickle lacks take their defaults."""
+    for module in (rnnkit.LSTM(3, [5, 4], num_layers=2, bidirectional=True, layer_norm=True, zoneout=(0.1, 0.2)),
+                   rnnkit.GRUCell(3, 4), rnnkit.RNN(3, 4, num_layers=2, proj_size=0)):
+        module.eval()  # zoneout's expectation: no random masks
+        twin = copy.deepcopy(module)
+        for name in ("per_layer", "_cells", "_in_use", "input_dropout"):
+            twin.spec.__dict__.pop(name, None)
+        for name in ("suffixes", "_pass_slots", "index"):
+            twin.layout.__dict__.pop(name, None)
+        back = pickle.loads(pickle.dumps(twin))
+        assert back.spec == module.spec and back.layout.suffixes == module.layout.suffixes
+        assert [e.name for e in back.layout] == [e.name for e in module.layout]
+        x = torch.randn(4, 3) if isinstance(module, rnnkit.GRUCell) else torch.randn(2, 4, 3)
+        out, expected = back(x), module(x)
+        assert torch.equal(out if isinstance(out, torch.Tensor) else out[0],
+                           expected if isinstance(expected, torch.Tensor) else expected[0])
+
+
+def test_the_spec_rebuilt_from_a_pickle_keeps_every_constructor_option():
+    """RNNSpec.__setstate__ passes every constructor keyword on (a new one must be added there)."""
+    import inspect
+
+    from rnnkit import spec as spec_module
+
+    given = set(inspect.signature(spec_module.RNNSpec.__init__).parameters) - {"self"}
+    handled = set(spec_module._KEPT_AS_GIVEN) | {"mode", "input_size", "hidden_size", "proj_size", "zoneout"}
+    assert given == handled
 
 
 def test_a_module_loaded_where_the_placement_differs_is_placed_again(monkeypatch, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import warnings
+from collections import OrderedDict
 from contextlib import nullcontext
 from typing import Optional
 
@@ -38,6 +39,22 @@ def _standalone(t: torch.Tensor) -> torch.Tensor:
     if t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
     return torch.from_dlpack(t)
+
+
+def load_checked(module: nn.Module, load, check, args: tuple) -> None:
+    """``module._load_from_state_dict(*args)`` (``load``: the parent class's) with ``check(state_dict,
+    prefix)`` between the module's own load_state_dict pre-hooks and the copy: torch runs those hooks
+    inside ``load``, so a check before it would judge the values before a hook converts them (a hook
+    that dequantizes a checkpoint's weights). The hooks run here first, once."""
+    hooks = module._load_state_dict_pre_hooks
+    for hook in hooks.values():
+        hook(*args)
+    check(args[0], args[1])
+    module.__dict__["_load_state_dict_pre_hooks"] = OrderedDict()  # they ran above
+    try:
+        load(*args)
+    finally:
+        module.__dict__["_load_state_dict_pre_hooks"] = hooks
 
 
 def _plain_eager() -> bool:
@@ -158,9 +175,7 @@ class _SpecAttributes:
     def _respec(self, **changes) -> None:
         """Rebuild the spec with ``changes`` (validated as the constructor validates them)."""
         spec = RNNSpec(**{**self.spec.options(), **changes})
-        # (a Layout pickled before it kept ``suffixes``: a cell's names have none)
-        suffixes = getattr(self.layout, "suffixes", not isinstance(self, _CellAttributes))
-        self.spec, self.layout = spec, Layout(spec, suffixes=suffixes)
+        self.spec, self.layout = spec, Layout(spec, suffixes=self.layout.suffixes)
         self.__dict__.pop("_plan", None)  # the one-step plans hold the old scalars
 
     def __getstate__(self):
@@ -726,18 +741,30 @@ class _PackedModule(_SpecAttributes, nn.Module):
                 if key in destination:
                     destination[key] = _standalone(destination[key])
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def state_dict(self, *args, **kwargs):
+        """torch.nn's, with the tensors a parametrization keeps of a weight (its ``original``: the
+        weight itself where the parametrization has no right_inverse; weight_norm's direction) each
+        in a storage of its own, as this module's own entries are: they are views of the packed
+        buffer, which safetensors' save_model refuses."""
+        destination = super().state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "") + "parametrizations."
+        for key, value in destination.items():
+            if key.startswith(prefix) and type(value) is torch.Tensor:  # not keep_vars' Parameters
+                destination[key] = _standalone(value)
+        return destination
+
+    def _load_from_state_dict(self, *args):
+        load_checked(self, super()._load_from_state_dict, self._check_loaded, args)
+
+    def _check_loaded(self, state_dict: dict, prefix: str) -> None:
         """An int8 module's codes (rnnkit.quantize's state dict) are refused by name: copy_ would
         turn them into float weights of up to ±127, whatever ``strict`` says."""
         for name in self._names:
             value = state_dict.get(prefix + name)
             if isinstance(value, torch.Tensor) and not value.is_floating_point():
-                raise ValueError(f"{prefix}{name}: expected floating-point weights, got {value.dtype} (an int8 module's "
-                                 "codes, which need their _scale: load them into rnnkit.quantize's module of this "
-                                 "configuration instead)")
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+                hint = (" (an int8 module's codes, which need their _scale: load them into rnnkit.quantize's module "
+                        "of this configuration instead)" if value.dtype == torch.int8 else "")
+                raise ValueError(f"{prefix}{name}: expected floating-point weights, got {value.dtype}{hint}")
 
     def _backend_note(self) -> str:
         ran = f", last ran: {self.last_backend}" if self.last_backend and self.backend == "auto" else ""

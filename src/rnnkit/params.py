@@ -157,6 +157,15 @@ class Layout:
         for e in self.entries:
             self._pass_slots[e.layer * D + e.direction].append((SLOT_OF_PIECE[e.piece], e.name))
 
+    def __setstate__(self, state) -> None:
+        """Rebuilt from its spec, so a Layout pickled by an older rnnkit gets what this one derives
+        (before 2026-11-25 it kept no ``suffixes``: its entries' names tell, a stack's ending in
+        ``_l{k}`` or ``_l{k}_reverse``)."""
+        suffixes = state.get("suffixes")
+        if suffixes is None:
+            suffixes = any(e.name != e.piece for e in state["entries"])
+        self.__init__(state["spec"], suffixes=suffixes)
+
     def __iter__(self) -> Iterator[ParamEntry]:
         return iter(self.entries)
 

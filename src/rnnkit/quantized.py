@@ -33,7 +33,7 @@ from torch import nn
 from . import functional
 from . import nn as float_nn
 from .nn import (_NONLINEARITY, StepPlans, _Cell, _CellAttributes, _PackedModule, _Recurrent, _SpecAttributes,
-                 _StackAttributes, check_cell_input, memory_of, planned_call, step_plans)
+                 _StackAttributes, check_cell_input, load_checked, memory_of, planned_call, step_plans)
 from .errors import DTypeMismatchError, MismatchError
 from .params import Layout, PassWeights
 from .passes import (PASS_ARGUMENTS, _direct, forward_ad_reason, mask_tensors, named, output_shapes, pass_scalars,
@@ -159,8 +159,10 @@ class _Quantized(_SpecAttributes, nn.Module):
 
         return super()._apply(same_dtype, recurse)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(self, *args):
+        load_checked(self, super()._load_from_state_dict, self._check_loaded, args)
+
+    def _check_loaded(self, state_dict: dict, prefix: str) -> None:
         """Loading checks the int8 matrices: a float matrix (a float module's state dict) is refused by
         name, whatever ``strict`` says (copy_ would truncate it to int8 codes), and so is -128:
         symmetric quantization keeps the codes in [-127, 127], and the kernels rely on it (-128 has
@@ -180,8 +182,6 @@ class _Quantized(_SpecAttributes, nn.Module):
             if bool((value == -128).any()):
                 raise ValueError(f"{prefix}{entry.name}: expected int8 values in [-127, 127] (symmetric per-row "
                                  f"quantization), got -128 in {int((value == -128).sum())} places")
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
 
     @classmethod
     def from_float(cls, module, use_precomputed_fake_quant: bool = False):

@@ -223,6 +223,12 @@ def _non_negative_int(name: str, value) -> int:
     return int(value)
 
 
+# RNNSpec's constructor keywords that it keeps as fields of the same name and value
+_KEPT_AS_GIVEN = ("num_layers", "bidirectional", "merge", "proj_clip", "cell_clip", "peephole", "coupled_gates",
+                  "reset_after", "layer_norm", "bias_mode", "dropout", "input_dropout", "recurrent_dropout",
+                  "dropconnect", "batch_first")
+
+
 @dataclass(frozen=True, init=False)
 class RNNSpec:
     """Validated description of a recurrent stack: cell kind, sizes and options.
@@ -428,6 +434,19 @@ class RNNSpec:
     def uses_dropout_masks(self) -> bool:
         """Whether training draws random masks (`random_options`)."""
         return bool(self.random_options)
+
+    def __setstate__(self, state: dict) -> None:
+        """Rebuilt by the constructor from the options it kept (a pickle's, a deepcopy's), so a spec
+        pickled by an older rnnkit, with fewer options and derived fields, gets this one's; an
+        option it did not have takes its default."""
+        hidden, proj = tuple(state["hidden_sizes"]), tuple(state.get("proj_sizes", (0,) * len(state["hidden_sizes"])))
+        listed = state.get("per_layer", len(set(hidden)) > 1 or len(set(proj)) > 1)
+        zoneout = state.get("zoneout", 0.0)
+        if isinstance(zoneout, (tuple, list)):
+            zoneout = list(zoneout) if zoneout[1] else zoneout[0]
+        kept = {name: state[name] for name in _KEPT_AS_GIVEN if name in state}
+        self.__init__(state["mode"], state["input_size"], list(hidden) if listed else hidden[0],
+                      proj_size=list(proj) if listed else proj[0], zoneout=zoneout, **kept)
 
     def options(self) -> dict:
         """The keyword arguments that rebuild this spec: ``RNNSpec(**spec.options())``."""
