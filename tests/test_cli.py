@@ -578,8 +578,17 @@ def test_resume_without_a_checkpoint(tmp_path, capsys):
     ["train", "--final-lr-fraction", "1.5"],
     ["train", "--no-such-flag"],
     ["sample", "DIR", "--temperature", "-1"],
+    ["train", "--hidden", "99999999999999999999"],
+    ["train", "--embedding", "1000000000"],
+    ["train", "--layers", "99999999999999999999"],
+    ["train", "--proj", "99999999999"],
+    ["train", "--threads", "100000"],
+    ["sample", "DIR", "--threads", "99999999999999999999"],
+    ["eval", "DIR", "--threads", "100000"],
+    ["bench", "--threads", "100000"],
 ], ids=["cell", "zoneout", "hidden", "backend", "device", "precision", "schedule", "final-lr", "unknown-flag",
-        "temperature"])
+        "temperature", "huge-hidden", "huge-embedding", "huge-layers", "huge-proj", "train-threads", "sample-threads",
+        "eval-threads", "bench-threads"])
 def test_bad_flag_values(tmp_path, capsys, argv):
     status, _, err = run(capsys, *[str(tmp_path) if a == "DIR" else a for a in argv])
     assert_one_line_error(status, err)
@@ -594,6 +603,41 @@ def test_schedule_flags_that_do_not_fit(tmp_path, corpus, capsys, flags, word):
     status, _, err = run(capsys, "train", "--text", corpus, "--out", tmp_path / "run", *SMALL, *flags)
     assert_one_line_error(status, err)
     assert word in err and not (tmp_path / "run").exists()
+
+
+def test_a_model_larger_than_the_memory_is_refused_before_it_is_allocated(tmp_path, corpus, capsys, monkeypatch):
+    """Sizes each within their flag's range whose parameters exceed the machine's memory: one line,
+    counted on the meta device, nothing allocated and nothing written."""
+    from rnnkit.app.charlm import model
+
+    monkeypatch.setattr(model, "memory_bytes", lambda: 2**20)  # 1 MiB: a 256-wide LSTM's 4 x 256 x 320 floats exceed it
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", tmp_path / "run", *SMALL, "--hidden", 256)
+    assert_one_line_error(status, err)
+    assert "does not fit in memory" in err and "parameters alone take" in err
+    assert not (tmp_path / "run" / "checkpoint.safetensors").exists()
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", tmp_path / "huge", *SMALL, "--hidden", 16_777_216,
+                         "--layers", 1024)  # the largest sizes the flags take: counted, not allocated
+    assert_one_line_error(status, err)
+    assert "does not fit in memory" in err
+
+
+def test_a_non_finite_validation_stops_the_run_and_is_never_the_best(tmp_path, corpus, capsys, monkeypatch):
+    """A validation that overflows (finite training loss) ends the run with one line, as a non-finite loss
+    does: it is not taken as the best (nothing is lower than NaN), nor written into the log as NaN, which
+    strict JSON refuses; the last checkpoint stays as it was and resumes."""
+    scores = iter([3.0, float("nan")])
+    monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: next(scores))
+    out = tmp_path / "run"
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", out, "--steps", 12, *SMALL)
+    assert status == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("rnnkit: error: the validation bits/char became nan at step 8 ")
+    for line in (out / "log.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in the log"))
+    progress = json.loads(safe_open(str(out / "checkpoint.safetensors"), "pt").metadata()["progress"])
+    assert progress["step"] == 4 and progress["best_val_bpc"] == 3.0
+    monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: 2.5)
+    status, _, err = run(capsys, "train", "--out", out, "--resume", "--steps", 8)
+    assert status == 0, err
 
 
 def test_option_the_cell_does_not_have(tmp_path, corpus, capsys):
@@ -625,6 +669,40 @@ def test_eval_scores_fp32_bf16_and_int8(trained, capsys):
     assert status == 0 and float(out.split("bits/char")[1].split()[0]) == pytest.approx(last["val_bpc"], abs=1e-4)
     status, out, _ = run(capsys, "sample", trained, "--prime", "the ", "--length", 20, "--int8")
     assert status == 0 and out.startswith("the ")
+
+
+def test_int8_under_device_auto_runs_on_the_cpu_where_cuda_is_there(trained, capsys, monkeypatch):
+    """--device auto picks CUDA where there is one; int8 runs on the CPU's kernels only, so with
+    --int8 / --precision int8 auto means the CPU (docs/cli.md's example works as written there)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    expected = run(capsys, "eval", trained, "--precision", "int8", "--device", "cpu")
+    assert expected[0] == 0, expected[2]
+    assert run(capsys, "eval", trained, "--precision", "int8") == expected
+    status, out, err = run(capsys, "sample", trained, "--int8", "--length", 30)
+    assert status == 0 and out == run(capsys, "sample", trained, "--int8", "--length", 30, "--device", "cpu")[1], err
+
+
+def test_sample_writes_the_text_as_it_is_drawn(trained, capsys, monkeypatch):
+    """rnnkit sample prints the prime, then each line (or 256 characters) as it is drawn, not the whole
+    text at the end; what it prints is `sample.sample`'s text, the same for a seed."""
+    from rnnkit.app.charlm import sample
+
+    pieces = []
+    original = sample.generate
+
+    def recorded(*args, **kwargs):
+        for piece in original(*args, **kwargs):
+            pieces.append(piece)
+            yield piece
+
+    monkeypatch.setattr(sample, "generate", recorded)
+    status, out, err = run(capsys, "sample", trained, "--prime", "the ", "--length", 600, "--seed", 3)
+    assert status == 0, err
+    assert pieces[0] == "the " and out in ("".join(pieces), "".join(pieces) + "\n")
+    assert all(len(p) <= 256 and ("\n" not in p[:-1]) for p in pieces[1:]) and len(pieces) >= 4
+    assert all(p.endswith("\n") or len(p) == 256 for p in pieces[1:-1])
+    network, saved = cli._trained(cli.build_parser().parse_args(["sample", str(trained)]))
+    assert "".join(pieces) == sample.sample(network, saved.vocabulary, "the ", 600, 0.8, 3, "fp32")
 
 
 def test_eval_errors(trained, tmp_path, capsys):
@@ -1150,7 +1228,8 @@ def test_printed_commands_read_a_dash_path_as_a_path(tmp_path, corpus, capsys, m
 
 
 def test_a_model_too_large_for_memory_is_one_line(tmp_path, corpus, capsys):
-    status, _, err = run(capsys, "train", "--text", corpus, "--out", tmp_path / "run", *SMALL, "--embedding", 2_000_000_000)
+    status, _, err = run(capsys, "train", "--text", corpus, "--out", tmp_path / "run", *SMALL, "--embedding", 16_000_000,
+                         "--hidden", 4096)  # 262 G parameters
     assert_one_line_error(status, err)
     assert "memory" in err and not (tmp_path / "run").exists()
 

@@ -56,15 +56,27 @@ def test_correctness_sweep_runs_under_the_interpreter():
     env = {k: v for k, v in os.environ.items() if k != "RNNKIT_TRITON_CUDA_GRAPHS"}
     env.update(TRITON_INTERPRET="1", RNNKIT_TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src")] + [p for p in [env.get("PYTHONPATH")] if p]))
-    command = [sys.executable, str(SWEEP), "--tiny", "--device", "cpu", "--dtypes", "float32", "bfloat16",
-               "--filter", "lstm-everything-eval", "--filter", "gru-all-train"]
-    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    verdicts = [line.split()[:3] for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
-    assert sorted(verdicts) == [["PASS", "gru-all-train", "bfloat16"], ["PASS", "gru-all-train", "float32"],
-                                ["PASS", "lstm-everything-eval", "bfloat16"],
-                                ["PASS", "lstm-everything-eval", "float32"]], out.stdout
-    assert "4/4 passed, 0 failed" in out.stdout.splitlines()[-1]
+    command = [sys.executable, str(SWEEP), "--tiny", "--device", "cpu", "--dtypes", "float32", "bfloat16", "--filter"]
+    # one process per case, side by side (one thread each: the interpreter's time is the suite's longest)
+    outs = _side_by_side([command + ["lstm-everything-eval"], command + ["gru-all-train"]], env)
+    verdicts = sorted(line.split()[:3] for out in outs for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL")))
+    assert verdicts == [["PASS", "gru-all-train", "bfloat16"], ["PASS", "gru-all-train", "float32"],
+                        ["PASS", "lstm-everything-eval", "bfloat16"], ["PASS", "lstm-everything-eval", "float32"]], outs
+    assert all("2/2 passed, 0 failed" in out.stdout.splitlines()[-1] for out in outs), outs
+
+
+def _side_by_side(commands, env) -> list:
+    """Run ``commands`` at once (each its own process) -> their CompletedProcess-like results, each
+    asserted to have exited 0."""
+    processes = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for c in commands]
+    outs = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=600)
+        outs.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    for out in outs:
+        assert out.returncode == 0, out.stdout + out.stderr
+    return outs
 
 
 def test_profile_script_runs_under_the_interpreter():
@@ -76,8 +88,10 @@ def test_profile_script_runs_under_the_interpreter():
                PYTHONPATH=os.pathsep.join([str(ROOT / "src")] + [p for p in [env.get("PYTHONPATH")] if p]))
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu_profile.py"), "--device", "cpu", "--tiny",
                "--variants", "lstm", "lstm_peephole", "--modes", "training", "--repeats", "1", "--top", "2"]
-    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
+    # in bfloat16, against a half dtype's GEMMs on its own operands: beside the float32 run
+    out, half = _side_by_side([command, command[:command.index("--variants")] + [
+        "--variants", "lstm", "--modes", "training", "--repeats", "1", "--dtype", "bfloat16",
+        "--ab", "RNNKIT_TRITON_HALF_GEMM=half"]], env)
     host = [line.split() for line in out.stdout.splitlines() if line.startswith("    host ")]
     assert len(host) == 8 and all(float(line[1]) > 0 and line[2] == "us" for line in host), out.stdout  # 2 rows x 2 GEMMs
     rows = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith("tiny | ")]
@@ -85,11 +99,6 @@ def test_profile_script_runs_under_the_interpreter():
     assert all(len(row) == 10 for row in rows), rows
     assert float(rows[0][4]) > 0 and rows[1][4].startswith("n/a"), rows  # native runs only the plain LSTM
     assert all(float(row[5]) > 0 and float(row[6]) > 0 and float(row[7]) > 0 for row in rows), rows
-    # in bfloat16, against a half dtype's GEMMs on its own operands
-    half = subprocess.run(command[:command.index("--variants")] + [
-        "--variants", "lstm", "--modes", "training", "--repeats", "1", "--dtype", "bfloat16",
-        "--ab", "RNNKIT_TRITON_HALF_GEMM=half"], env=env, capture_output=True, text=True, timeout=600)
-    assert half.returncode == 0, half.stdout + half.stderr
     assert "bfloat16; A/B: RNNKIT_TRITON_HALF_GEMM=half" in half.stdout, half.stdout
     rows = [line.split(" | ") for line in half.stdout.splitlines() if line.startswith("tiny | ")]
     assert len(rows) == 1 and len(rows[0]) == 10 and float(rows[0][7]) > 0, half.stdout

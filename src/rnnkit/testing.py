@@ -48,6 +48,11 @@ def nan_poisoned_allocations():
     floating-point tensors they return with NaN: a kernel that leaves part of an output unwritten
     then fails loudly instead of passing by luck (the test suite's conftest, the GPU sweep)."""
     originals = torch.empty, torch.empty_like, torch.Tensor.new_empty
+    # torch.device("meta") as a context recognizes the factories by identity, in a set made (and kept)
+    # at its first use: made now, it holds the originals the wrappers call, not the wrappers
+    from torch.utils import _device
+
+    _device._device_constructors()
 
     def poisoned(fn):
         def wrapper(*args, **kwargs):

@@ -96,6 +96,14 @@ def path(text: str) -> str:
 path.__name__ = "a path"
 positive_int = _number(int, lambda v: v > 0, "a positive integer")
 non_negative_int = _number(int, lambda v: v >= 0, "a non-negative integer")
+# torch.set_num_threads takes any int, and OpenMP crashes the process on what it cannot start
+# (100,000 threads: a segmentation fault), so --threads stops at 1,024
+MAX_THREADS = 1024
+thread_count = _number(int, lambda v: 0 < v <= MAX_THREADS, f"an integer from 1 to {MAX_THREADS:,}")
+# the model's sizes, as its configuration bounds them (model.MAX_WIDTH, MAX_LAYERS)
+width = _number(int, lambda v: 0 < v <= model.MAX_WIDTH, f"an integer from 1 to {model.MAX_WIDTH:,}")
+projection = _number(int, lambda v: 0 <= v <= model.MAX_WIDTH, f"an integer from 0 to {model.MAX_WIDTH:,}")
+layer_count = _number(int, lambda v: 0 < v <= model.MAX_LAYERS, f"an integer from 1 to {model.MAX_LAYERS:,}")
 probability = _number(float, lambda v: 0.0 <= v < 1.0, "a probability in [0, 1)")
 fraction = _number(float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
 seed = _number(int, lambda v: 0 <= v < 2**63, "an integer in [0, 2^63)")  # what torch.manual_seed takes
@@ -127,16 +135,16 @@ def build_parser(with_bench: bool = False) -> Parser:
     group.add_argument("--resume", action="store_true", help="continue the run saved in --out from its last checkpoint")
     group = command.add_argument_group("model")
     group.add_argument("--cell", choices=model.CELLS, help=f"(default: {defaults['cell']})")
-    group.add_argument("--hidden", type=positive_int, metavar="N", help=f"hidden size (default: {defaults['hidden']})")
-    group.add_argument("--layers", type=positive_int, metavar="N", help=f"stacked layers (default: {defaults['layers']})")
-    group.add_argument("--embedding", type=positive_int, metavar="N",
+    group.add_argument("--hidden", type=width, metavar="N", help=f"hidden size (default: {defaults['hidden']})")
+    group.add_argument("--layers", type=layer_count, metavar="N", help=f"stacked layers (default: {defaults['layers']})")
+    group.add_argument("--embedding", type=width, metavar="N",
                        help=f"character embedding size (default: {defaults['embedding']})")
     group.add_argument("--peephole", action="store_true", default=None, help="LSTM peephole connections")
     group.add_argument("--layer-norm", action="store_true", default=None, help="layer-normalized cells")
     group.add_argument("--zoneout", type=probability, metavar="P", help=f"zoneout on h (default: {defaults['zoneout']})")
     group.add_argument("--dropout", type=probability, metavar="P",
                        help=f"dropout on the embedding, between layers and before the output (default: {defaults['dropout']})")
-    group.add_argument("--proj", type=non_negative_int, metavar="P",
+    group.add_argument("--proj", type=projection, metavar="P",
                        help=f"LSTM projection size, 0 for none (default: {defaults['proj']})")
     group = command.add_argument_group("training")
     group.add_argument("--steps", type=positive_int, metavar="N", default=DEFAULT_STEPS,
@@ -166,7 +174,7 @@ def build_parser(with_bench: bool = False) -> Parser:
     group.add_argument("--device", choices=DEVICES, default="auto", help="auto: cuda when available, else cpu (default: auto)")
     group.add_argument("--backend", choices=backends, default="auto",
                        help="rnnkit backend (default: auto, the fastest available)")
-    group.add_argument("--threads", type=positive_int, metavar="N", default=DEFAULT_THREADS,
+    group.add_argument("--threads", type=thread_count, metavar="N", default=DEFAULT_THREADS,
                        help=f"torch intra-op threads (default: {DEFAULT_THREADS}; more help large models on idle cores)")
     command.set_defaults(handler=_train)
 
@@ -184,7 +192,7 @@ def build_parser(with_bench: bool = False) -> Parser:
     command.add_argument("--seed", type=seed, default=0, metavar="S", help="(default: 0)")
     command.add_argument("--device", choices=DEVICES, default="auto", help="(default: auto)")
     command.add_argument("--backend", choices=backends, default="auto", help="(default: auto)")
-    command.add_argument("--threads", type=positive_int, metavar="N", default=DEFAULT_THREADS,
+    command.add_argument("--threads", type=thread_count, metavar="N", default=DEFAULT_THREADS,
                          help=f"torch intra-op threads (default: {DEFAULT_THREADS})")
     command.set_defaults(handler=_sample)
 
@@ -204,7 +212,7 @@ def build_parser(with_bench: bool = False) -> Parser:
     command.add_argument("--text", type=path, metavar="FILE", help="the corpus the run was trained on, if not the default")
     command.add_argument("--device", choices=DEVICES, default="auto", help="(default: auto)")
     command.add_argument("--backend", choices=backends, default="auto", help="(default: auto)")
-    command.add_argument("--threads", type=positive_int, metavar="N", default=DEFAULT_THREADS,
+    command.add_argument("--threads", type=thread_count, metavar="N", default=DEFAULT_THREADS,
                          help=f"torch intra-op threads (default: {DEFAULT_THREADS})")
     command.set_defaults(handler=_eval)
 
@@ -300,7 +308,10 @@ def _resolve(args):
         source = str(Path(args.text).resolve()) if args.text is not None else "stdlib"
         text = data.read_corpus(args.text) if args.text is not None else data.stdlib_corpus()
         vocabulary = data.Vocabulary.of(text)
-        model_config = model.ModelConfig(vocab_size=len(vocabulary), **{**model.MODEL_DEFAULTS, **given_model})
+        try:
+            model_config = model.ModelConfig(vocab_size=len(vocabulary), **{**model.MODEL_DEFAULTS, **given_model})
+        except ValueError as error:
+            raise UserError(str(error)) from None
         corpus = {"source": source, "sha256": data.fingerprint(text), "chars": len(text)}
         settings = dict(DEFAULT_SETTINGS)
     settings.update({k: getattr(args, k) for k in DEFAULT_SETTINGS if getattr(args, k) is not None})
@@ -465,13 +476,13 @@ def _trained(args):
     """-> (network on its device, the run's saved configuration `train.SavedRun`) from a run directory's checkpoint."""
     _check_kernel_variables()
     torch.set_num_threads(args.threads)
-    device = _device(args.device)
+    flag = _int8_flag(args)
+    device = torch.device("cpu") if flag and args.device == "auto" else _device(args.device)  # int8: the CPU's kernels
     directory = Path(args.directory)
     if not directory.is_dir():
         what = "not a directory" if directory.exists() else "no such directory"
         raise UserError(f"{directory}: {what} (expected the --out directory of rnnkit train)")
     saved = train.read_run(directory)
-    flag = _int8_flag(args)
     if flag and args.backend != "auto":
         raise UserError(f"--backend {args.backend}: with {flag} the recurrent layers run on rnnkit's int8 kernels "
                         f"(rnnkit.quantize), not on a backend; leave --backend out")
@@ -507,10 +518,16 @@ def _sample(args) -> int:
     else:
         train.check_precision(network, precision, args.backend)
     prime = args.prime if args.prime is not None else sample.default_prime(saved.vocabulary)
-    text = sample.sample(network, saved.vocabulary, prime, args.length, args.temperature, args.seed, precision)
+    pieces = sample.generate(network, saved.vocabulary, prime, args.length, args.temperature, args.seed, precision)
     if hasattr(sys.stdout, "reconfigure"):  # a terminal that cannot show a character gets its escape, not a traceback
         sys.stdout.reconfigure(errors="backslashreplace")
-    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    last = ""
+    for piece in pieces:  # as it comes: the prime, then a line (or 256 characters) at a time
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        last = piece or last
+    if not last.endswith("\n"):
+        sys.stdout.write("\n")
     return 0
 
 

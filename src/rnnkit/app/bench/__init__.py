@@ -61,13 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + ", ".join(available_names()))
     parser.add_argument("--modes", nargs="+", metavar="MODE",
                         help=f"default both: {', '.join(MODES)} (the step API: inference only)")
-    from ..cli import non_negative_int, positive_int  # the command's number checks (cli imports bench lazily)
+    from ..cli import non_negative_int, positive_int, thread_count  # the command's number checks (cli imports bench lazily)
 
     parser.add_argument("--repeats", type=positive_int, default=None,
                         help="timed repeats per runner, median reported (default 5)")
     parser.add_argument("--warmup", type=non_negative_int, default=None,
                         help="untimed calls per runner first (default 3; 1 with --quick)")
-    parser.add_argument("--threads", type=positive_int, default=None,
+    parser.add_argument("--threads", type=thread_count, default=None,
                         help="torch.set_num_threads for every runner (default: all cores)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")

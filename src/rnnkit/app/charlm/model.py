@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import nn
@@ -21,11 +22,21 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def require_int(name: str, value, minimum: int) -> None:
-    """A ValueError naming the field's flag unless ``value`` is an int (not a bool) >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def require_int(name: str, value, minimum: int, maximum: Optional[int] = None) -> None:
+    """A ValueError naming the field's flag unless ``value`` is an int (not a bool) >= ``minimum``
+    (and <= ``maximum``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and
+                                                                                    value > maximum):
         expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        if maximum is not None:
+            expected = f"an integer from {minimum} to {maximum:,}"
         raise ValueError(f"{flag(name)}: expected {expected}, got {value!r}")
+
+
+# The largest sizes a configuration may name: a width past 2^24 (a 2^50-value matrix) or a stack
+# past 1,024 layers fits no machine's memory, and larger ones overflow the sizes' arithmetic
+# before any memory is asked for (build_model then checks what the parameters need).
+MAX_WIDTH, MAX_LAYERS = 1 << 24, 1024
 
 
 def require_number(name: str, value, expected: str, test) -> None:
@@ -55,9 +66,10 @@ class ModelConfig:
             raise ValueError(f"vocab_size: expected a positive integer, got {self.vocab_size!r}")
         if self.cell not in CELLS:
             raise ValueError(f"--cell: expected one of {', '.join(CELLS)}, got {self.cell!r}")
-        for name in ("hidden", "layers", "embedding"):
-            require_int(name, getattr(self, name), 1)
-        require_int("proj", self.proj, 0)
+        for name in ("hidden", "embedding"):
+            require_int(name, getattr(self, name), 1, MAX_WIDTH)
+        require_int("layers", self.layers, 1, MAX_LAYERS)
+        require_int("proj", self.proj, 0, MAX_WIDTH)
         for name in ("peephole", "layer_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{flag(name)}: expected true or false, got {getattr(self, name)!r}")
@@ -113,8 +125,27 @@ _FLAGS = {"peephole": "--peephole", "proj_size": "--proj", "layer_norm": "--laye
           "zoneout": "--zoneout", "dropout": "--dropout", "backend": "--backend"}
 
 
+def memory_bytes() -> Optional[int]:
+    """This machine's physical memory, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def build_model(config: ModelConfig, backend: str = "auto") -> CharLM:
-    """CharLM on the CPU, with rnnkit's argument errors turned into one-line UserErrors naming the flag."""
+    """CharLM on the CPU, with rnnkit's argument errors turned into one-line UserErrors naming the flag.
+    A model whose parameters alone exceed the machine's memory is refused before any is allocated."""
+    try:
+        with torch.device("meta"):  # sizes only: nothing allocated
+            parameters = sum(p.numel() for p in CharLM(config, "reference").parameters())
+    except (ValueError, TypeError):
+        parameters = 0  # the same error comes below, from the real construction, with its flag
+    memory = memory_bytes()
+    if memory is not None and parameters * 4 > memory:
+        raise UserError(f"the model does not fit in memory: its {parameters:,} parameters alone take "
+                        f"{parameters * 4 / 2**30:,.1f} GiB, this machine has {memory / 2**30:,.1f} GiB; choose a "
+                        f"smaller --hidden, --embedding or --layers")
     try:
         return CharLM(config, backend)
     except rnnkit.BackendUnavailableError as error:

@@ -1,6 +1,8 @@
 """Generation: continue a prime one character per step, feeding back the carried state."""
 from __future__ import annotations
 
+from typing import Iterator, List
+
 import torch
 
 from ..errors import UserError
@@ -20,7 +22,15 @@ def default_prime(vocabulary: Vocabulary) -> str:
 
 def sample(model: CharLM, vocabulary: Vocabulary, prime: str, length: int, temperature: float = 1.0,
            seed: int = 0, precision: str = "fp32") -> str:
-    """Continue ``prime`` by ``length`` characters, one step at a time with the carried state.
+    """Continue ``prime`` by ``length`` characters, one step at a time with the carried state: the
+    text `generate` yields, whole."""
+    return "".join(generate(model, vocabulary, prime, length, temperature, seed, precision))
+
+
+def generate(model: CharLM, vocabulary: Vocabulary, prime: str, length: int, temperature: float = 1.0,
+             seed: int = 0, precision: str = "fp32", piece: int = 256) -> Iterator[str]:
+    """``prime``, then its continuation by ``length`` characters as they are drawn, in pieces that
+    end at each newline or after ``piece`` characters (``rnnkit sample`` prints them as they come).
 
     The prime runs through the stack in one call; then each new character is fed back as a
     one-step sequence with the state of the previous step. ``temperature`` 0 is greedy.
@@ -34,8 +44,10 @@ def sample(model: CharLM, vocabulary: Vocabulary, prime: str, length: int, tempe
         raise UserError(f"--prime: {error}") from None
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
+    newline = vocabulary.index.get("\n")
     model.eval()
-    out = []
+    yield prime
+    out: List[int] = []
     with torch.no_grad(), autocast(precision, device):
         logits, state = model(ids.view(-1, 1).to(device))  # [T, 1, V]
         for _ in range(length):
@@ -47,5 +59,9 @@ def sample(model: CharLM, vocabulary: Vocabulary, prime: str, length: int, tempe
                 probabilities = torch.softmax((scores - scores.max()) / temperature, dim=0)
                 next_id = int(torch.multinomial(probabilities, 1, generator=generator))
             out.append(next_id)
+            if next_id == newline or len(out) >= piece:
+                yield vocabulary.decode(out)
+                out = []
             logits, state = model(torch.tensor([[next_id]], device=device), state)
-    return prime + vocabulary.decode(out)
+    if out:
+        yield vocabulary.decode(out)

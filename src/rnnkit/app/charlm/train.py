@@ -462,6 +462,10 @@ def train(run: Run, steps: int, eval_every: int, eval_chars: int,
                  "interval_steps": progress.interval_steps, "chars_per_sec": chars_per_step / max(seconds, 1e-9)})
         if progress.step % eval_every == 0 or progress.step == steps:
             val_bpc = evaluate(model, valid_ids, config.batch, config.bptt, config.precision)
+            if not math.isfinite(val_bpc):  # never a best, nor a log line strict JSON refuses
+                raise UserError(f"the validation bits/char became {val_bpc} at step {progress.step} (the training loss "
+                                f"was finite: its outputs overflow on the longer validation text); start again with a "
+                                "smaller --lr in another --out (--resume keeps a run's --lr)")
             improved = progress.best_val_bpc is None or val_bpc < progress.best_val_bpc
             train_loss = progress.interval_loss / progress.interval_steps
             record = {
