@@ -10,6 +10,11 @@ import torch
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import rnnkit
+import rnnkit.interop.cudnn  # noqa: F401 (loaded lazily)
+import rnnkit.interop.haste  # noqa: F401
+import rnnkit.interop.keras  # noqa: F401
+import rnnkit.interop.mxnet  # noqa: F401
+import rnnkit.interop.tf  # noqa: F401
 
 T, B, I, H = 5, 3, 4, 6
 REF = "reference"
@@ -48,6 +53,35 @@ def backward_data_wrong_dy():
     w = rnnkit.Layout(spec).new_buffer()
     y, hy, reserve = rnnkit.forward_training(spec, w, x())
     rnnkit.backward_data(reserve, torch.randn(T, B, H + 1))
+
+
+def _gru_call():
+    spec = rnnkit.RNNSpec("gru", I, H)
+    return spec, rnnkit.Layout(spec).new_buffer(), x()
+
+
+def _gru_layout():
+    return rnnkit.Layout(rnnkit.RNNSpec("gru", I, H))
+
+
+_GRU_NUMEL = rnnkit.Layout(rnnkit.RNNSpec("gru", I, H)).numel
+
+
+def _reserve_after_backward_data():
+    y, hy, reserve = rnnkit.forward_training(*_gru_call())
+    rnnkit.backward_data(reserve, torch.randn_like(y))
+    return reserve
+
+
+def _cudnn_params(complex_=False, meta=False, **config):
+    import rnnkit.interop.cudnn  # noqa: F401 (the converters load lazily)
+
+    params = rnnkit.interop.cudnn.to_cudnn(rnnkit.LSTM(I, H))
+    params["config"].update(config)
+    if complex_ or meta:
+        params["matrices"] = {k: v.to(torch.complex64) if complex_ else v.to("meta")
+                              for k, v in params["matrices"].items()}
+    return params
 
 
 # (id, call, substrings the message must contain: the argument's name first, then expected / actual)
@@ -161,6 +195,59 @@ CASES = [
     ("functional-weights-size", run_functional_with_wrong_weights, ["weights", "1-D", "(10,)"]),
     ("backward_data-dcy-on-gru", backward_data_dcy_on_gru, ["dcy", "LSTM", "gru"]),
     ("backward_data-dy-shape", backward_data_wrong_dy, ["dy", "(5, 3, 6)", "(5, 3, 7)"]),
+    ("functional-training-not-a-bool", lambda: rnnkit.rnn(*_gru_call(), training="no"), ["training", "bool", "'no'"]),
+    ("functional-batch_first-not-a-bool", lambda: rnnkit.rnn(*_gru_call(), batch_first="no"),
+     ["batch_first", "bool", "'no'"]),
+    ("functional-backend-none", lambda: rnnkit.forward_inference(*_gru_call(), backend=None), ["backend", "None"]),
+    ("backward_weights-accumulate-not-a-bool", lambda: rnnkit.backward_weights(_reserve_after_backward_data(),
+                                                                                torch.zeros(_GRU_NUMEL), accumulate="x"),
+     ["accumulate", "bool", "'x'"]),
+    ("backward_weights-expanded-dweights", lambda: rnnkit.backward_weights(
+        _reserve_after_backward_data(), torch.zeros(1).expand(_GRU_NUMEL)), ["dweights", "expanded", "(0,)"]),
+    # ---- the descriptor API
+    ("cellspec-proj-on-gru", lambda: rnnkit.CellSpec("gru", I, H, proj_size=2), ["proj_size", "LSTM", "gru"]),
+    ("cellspec-peephole-on-gru", lambda: rnnkit.CellSpec("gru", I, H, peephole=True), ["peephole", "LSTM"]),
+    ("cellspec-cell-clip-on-rnn", lambda: rnnkit.CellSpec("rnn_tanh", I, H, cell_clip=1.0), ["cell_clip", "LSTM"]),
+    ("cellspec-zoneout-c-on-gru", lambda: rnnkit.CellSpec("gru", I, H, zoneout_c=0.5), ["zoneout_c", "LSTM"]),
+    ("cellspec-ln-gru-reset-before", lambda: rnnkit.CellSpec("gru", I, H, layer_norm=True, reset_after=False),
+     ["layer_norm", "reset_after=True"]),
+    ("cellspec-proj-clip-without-proj", lambda: rnnkit.CellSpec("lstm", I, H, proj_clip=1.0), ["proj_clip", "proj_size=0"]),
+    ("cellspec-reset-after-on-lstm", lambda: rnnkit.CellSpec("lstm", I, H, reset_after=False), ["reset_after", "GRU"]),
+    ("layout-named_views-longer", lambda: _gru_layout().named_views(torch.zeros(_GRU_NUMEL + 3)),
+     ["flat", f"{_GRU_NUMEL} values", f"({_GRU_NUMEL + 3},)"]),
+    ("layout-named_views-list", lambda: _gru_layout().named_views([0.0] * _GRU_NUMEL), ["flat", "list"]),
+    ("layout-pass_weights-layer", lambda: _gru_layout().pass_weights(torch.zeros(_GRU_NUMEL), 5, 0),
+     ["layer", "[0, 1)", "5"]),
+    ("layout-group-missing", lambda: _gru_layout().group({}), ["tensors", "missing", "weight_ih_l0"]),
+    # ---- the converters
+    ("keras-complex-arrays", lambda: rnnkit.interop.keras.from_keras(
+        [[a.astype("complex64") for a in layer] for layer in rnnkit.interop.keras.to_keras(rnnkit.LSTM(I, H))], "lstm"),
+     ["weights[0][0]", "real numbers", "complex64"]),
+    ("keras-none-array", lambda: rnnkit.interop.keras.from_keras(
+        [[a if k != 1 else None for k, a in enumerate(layer)] for layer in rnnkit.interop.keras.to_keras(
+            rnnkit.LSTM(I, H))], "lstm"), ["weights[0][1]", "array", "None"]),
+    ("keras-mode-list", lambda: rnnkit.interop.keras.from_keras([], ["lstm"]), ["mode", "['lstm']"]),
+    ("keras-merge", lambda: rnnkit.interop.keras.from_keras(
+        rnnkit.interop.keras.to_keras(rnnkit.LSTM(I, H, bidirectional=True)), "lstm", bidirectional=True, merge="bad"),
+     ["merge", "'concat' or 'sum'", "'bad'"]),
+    ("cudnn-complex-matrices", lambda: rnnkit.interop.cudnn.from_cudnn(_cudnn_params(complex_=True)),
+     ["matrices[(0, 0)]", "real numbers", "complex64"]),
+    ("cudnn-meta-matrices", lambda: rnnkit.interop.cudnn.from_cudnn(_cudnn_params(meta=True)),
+     ["matrices[(0, 0)]", "meta"]),
+    ("cudnn-cell-clip-bool", lambda: rnnkit.interop.cudnn.from_cudnn(_cudnn_params(cellClip=True)),
+     ["config['cellClip']", "positive float", "True"]),
+    ("tf-forget-bias-bool", lambda: rnnkit.interop.tf.to_tf(rnnkit.LSTM(I, H), forget_bias=True),
+     ["forget_bias", "number", "True"]),
+    ("tf-forget-bias-nan", lambda: rnnkit.interop.tf.from_tf(rnnkit.interop.tf.to_tf(rnnkit.LSTM(I, H)),
+                                                            forget_bias=float("nan")), ["forget_bias", "finite", "nan"]),
+    ("tf-cudnn-weights-none", lambda: rnnkit.interop.tf.from_tf_cudnn(None, [], "lstm", I, H),
+     ["weights", "list of arrays", "NoneType"]),
+    ("haste-zoneout-pair", lambda: rnnkit.interop.haste.from_haste(
+        rnnkit.interop.haste.to_haste(rnnkit.LSTM(I, H)), "lstm", zoneout=(0.1, 0.5)), ["zoneout", "h only", "(0.1, 0.5)"]),
+    ("haste-layers-str", lambda: rnnkit.interop.haste.from_haste("abc", "lstm"), ["layers", "list of dicts", "str"]),
+    ("mxnet-state-clip-str", lambda: rnnkit.interop.mxnet.from_gluon(
+        rnnkit.interop.mxnet.to_gluon(rnnkit.LSTM(I, H)), "lstm", state_clip_min="-1", state_clip_max="1"),
+     ["state_clip_min", "number", "'-1'"]),
 ]
 
 

@@ -324,3 +324,51 @@ def test_y_is_the_callers_to_change_and_what_the_reserve_reads_is_not(backend):
     with pytest.raises(rnnkit.DTypeMismatchError, match="hx: expected dtype torch.float32"):
         rnnkit.forward_training(gru, rnnkit.Layout(gru).new_buffer(), torch.randn(3, 2, 4),
                                 torch.zeros(1, 2, 5, dtype=torch.long))
+
+
+def test_forward_training_follows_the_autocast_policy_as_rnn_does():
+    """Under torch.autocast forward_training takes what rnn takes (float32 x or hx with weights in the
+    autocast dtype, an input in it with float32 weights) and computes the same; backward_data takes a
+    float32 gradient of a bfloat16 y (rounded to it, as autograd rounds one)."""
+    spec = rnnkit.RNNSpec("lstm", 8, 16)
+    w32 = rnnkit.Layout(spec).new_buffer()
+    x = torch.randn(5, 3, 8)
+    hx = (torch.randn(1, 3, 16).bfloat16(), torch.randn(1, 3, 16).bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for weights, inputs in ((w32.bfloat16(), (x,)), (w32, (x.bfloat16(),)), (w32, (x, hx))):
+            y, hy, reserve = rnnkit.forward_training(spec, weights, *inputs)
+            expected = rnnkit.rnn(spec, weights, *inputs)
+            assert y.dtype == torch.bfloat16 and torch.equal(y, expected[0])
+            dy = torch.randn(y.shape)  # float32
+            dx, dhx, dcx = rnnkit.backward_data(reserve, dy)
+            leaf = inputs[0].detach().requires_grad_()
+            torch.autograd.backward(rnnkit.rnn(spec, weights, leaf, *inputs[1:])[0], dy.bfloat16())
+            assert dx.dtype == inputs[0].dtype and torch.equal(dx, leaf.grad)
+    y, _, reserve = rnnkit.forward_training(spec, w32, x)  # outside autocast: y's dtype, as before
+    with pytest.raises(rnnkit.DTypeMismatchError, match=r"dy: expected dtype torch.float32, the dtype of the output"):
+        rnnkit.backward_data(reserve, torch.randn(y.shape, dtype=torch.float64))
+
+
+def test_native_refuses_half_precision_training_where_onednn_uses_amx(monkeypatch):
+    """oneDNN's bfloat16 RNN backward on AMX gives wrong gradients (README); a call that records a gradient
+    is refused by name, and auto, where the fused kernels are out, takes the reference instead. Inference
+    and float32 training stay on native."""
+    from rnnkit import backend as backends
+    from rnnkit import native
+
+    monkeypatch.setattr(native, "_amx", lambda: True)
+    spec = rnnkit.RNNSpec("lstm", 8, 16)
+    cpu = torch.device("cpu")
+    with pytest.raises(rnnkit.BackendUnavailableError, match="bfloat16 training on a CPU with AMX"):
+        backends.select("native", spec, cpu, torch.bfloat16, steps=5, grad=True, batch=3)
+    if native._LOW[torch.bfloat16]():  # oneDNN has bfloat16 RNN kernels on this CPU
+        assert backends.select("native", spec, cpu, torch.bfloat16, steps=5, grad=False, batch=3).name == "native"
+    assert backends.select("native", spec, cpu, torch.float32, steps=5, grad=True, batch=3).name == "native"
+    monkeypatch.setattr(backends.get("fused"), "unavailable_reason", lambda: "switched off for this test")
+    assert backends.select("auto", spec, cpu, torch.bfloat16, steps=5, grad=True, batch=8).name == "reference"
+    m = rnnkit.LSTM(8, 16, backend="native").bfloat16()
+    with pytest.raises(rnnkit.BackendUnavailableError, match="AMX"):
+        m(torch.randn(5, 3, 8, dtype=torch.bfloat16, requires_grad=True))
+    monkeypatch.setattr(native, "_amx", lambda: False)
+    if native._LOW[torch.bfloat16]():
+        assert backends.select("native", spec, cpu, torch.bfloat16, steps=5, grad=True, batch=3).name == "native"

@@ -891,3 +891,24 @@ def test_int8_module_under_vmap_of_inputs_and_of_buffers():
         stacked = {name: torch.stack([value, value]) for name, value in buffers.items()}
         members = torch.func.vmap(lambda b: torch.func.functional_call(quantized, b, (xs[0],))[0])(stacked)
         assert torch.equal(members, torch.stack([quantized(xs[0])[0]] * 2))
+
+
+def test_an_int8_model_under_autocast_takes_what_the_layer_before_hands_over():
+    """Under torch.autocast a Linear before an int8 LSTM hands it bfloat16: widened to float32 (exact),
+    the int8 kernels' dtype, and float32 out, as the int8 modules return under autocast."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), rnnkit.LSTM(8, 16)).eval()
+    quantized = rnnkit.quantize(model)
+    lstm, cell = quantized[1], rnnkit.quantize(rnnkit.GRUCell(8, 16).eval())
+    x = torch.randn(5, 3, 8)
+    with torch.no_grad():
+        low = x.bfloat16()
+        expected = lstm(low.float())[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = lstm(low)[0]
+            assert y.dtype == torch.float32 and torch.equal(y, expected)
+            assert quantized(x)[0].dtype == torch.float32
+            assert torch.equal(cell(low[0], torch.zeros(3, 16, dtype=torch.bfloat16)),
+                               cell(low[0].float(), torch.zeros(3, 16)))
+        with pytest.raises(rnnkit.DTypeMismatchError):  # outside autocast: refused as before
+            lstm(low)

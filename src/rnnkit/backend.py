@@ -112,15 +112,22 @@ def select(name: str, spec: RNNSpec, device: torch.device, dtype: torch.dtype, s
         if torch.device(device).type == "cpu" and fused_first(spec, dtype, steps, grad, batch, lengths):
             order = sorted(_REGISTRY, key=lambda b: b.name != "fused")  # stable: the rest keep their order
         for backend in order:
-            if (backend.unavailable_reason() is None and backend.unsupported_reason(spec, device, dtype) is None
-                    and _prepare(backend) is None):
+            if _reason(backend, spec, device, dtype, grad) is None and _prepare(backend) is None:
                 return backend
         raise BackendUnavailableError("backend='auto': no registered backend can run this call")
     backend = get(name)
-    reason = backend.unavailable_reason() or backend.unsupported_reason(spec, device, dtype) or _prepare(backend)
+    reason = _reason(backend, spec, device, dtype, grad) or _prepare(backend)
     if reason:
         raise BackendUnavailableError(f"backend={name!r} cannot run here: {reason}")
     return backend
+
+
+def _reason(backend, spec: RNNSpec, device, dtype: torch.dtype, grad: bool) -> Optional[str]:
+    """Why ``backend`` cannot run this call, or None: unavailable, the configuration unsupported, or
+    (``grad``: a gradient is recorded) its ``training_reason``, for a backend that has one."""
+    reason = backend.unavailable_reason() or backend.unsupported_reason(spec, device, dtype)
+    training = getattr(backend, "training_reason", None) if grad else None
+    return reason or (training(spec, device, dtype) if training is not None else None)
 
 
 def _prepare(backend) -> Optional[str]:

@@ -21,7 +21,7 @@ from .errors import DTypeMismatchError, MismatchError
 from .masks import draw_pass, layer_dropout, step_mask
 from .native import is_placed
 from .params import Layout, PassWeights, check_spec
-from .spec import RNNSpec
+from .spec import RNNSpec, _flag
 
 State = Union[torch.Tensor, List[torch.Tensor]]
 
@@ -467,6 +467,10 @@ def rnn(
         (y, h_n) or, for LSTM, (y, (h_n, c_n)); y is (T, B, D·Hr) (``merge="sum"``: Hr).
     """
     check_spec(spec)
+    training = _flag("training", training)
+    batch_first = None if batch_first is None else _flag("batch_first", batch_first)
+    if not isinstance(backend, str):  # a name here: backend objects are the modules' (run)
+        raise TypeError(f"backend: expected one of {tuple(backends_.names())}, got {type(backend).__name__} {backend!r}")
     if layout is None:
         layout = Layout(spec)
     elif not isinstance(layout, Layout):
@@ -605,12 +609,16 @@ def forward_training(spec: RNNSpec, weights: torch.Tensor, input: torch.Tensor, 
                            "backward_data; call it outside inference mode, or use forward_inference")
     layout = Layout(spec)
     check_weights(spec, weights, layout)
-    x_tm, unbatched = check_input(spec, input, weights, spec.batch_first, packed=False)
+    # checked as rnn checks them: under torch.autocast after its policy's casts (`_autocast_dtype`)
+    low = _autocast_dtype(weights.device, weights.dtype)
+    like = weights if low is None else weights.new_empty(0, dtype=low)
+    cast = (lambda tree: tree) if low is None else (lambda tree: _to_dtype(tree, low))  # noqa: E731
+    x_tm, unbatched = check_input(spec, cast(input), like, spec.batch_first, packed=False)
     if hx is None:
         hx = _zero_state(spec, x_tm, unbatched)
     for state in _leaves(hx):  # as rnn checks them, before autograd is asked to track an integer tensor
         if isinstance(state, torch.Tensor):
-            check_tensor("hx", state, None, weights)
+            check_tensor("hx", cast(state), None, like)
     x_leaf = _leaf(input)
     hx_leaf = _map(hx, lambda t: _leaf(t) if isinstance(t, torch.Tensor) else t)
     w_leaf = _leaf(weights)
@@ -630,6 +638,19 @@ def forward_inference(spec: RNNSpec, weights: torch.Tensor, input: torch.Tensor,
     """
     with torch.no_grad():
         return rnn(spec, weights, input, hx, lengths, training=False, backend=backend)
+
+
+def _output_grad(name: str, grad, out: torch.Tensor) -> torch.Tensor:
+    """The gradient of an output: ``out``'s shape, device and dtype, or float32 for a bfloat16 /
+    float16 output (a forward under torch.autocast), rounded to it as autograd rounds a gradient."""
+    if isinstance(grad, torch.Tensor) and grad.dtype == torch.float32 and out.dtype in (torch.bfloat16, torch.float16):
+        check_tensor(name, grad, _shape(out), out.new_empty(0, dtype=torch.float32))
+        return grad.to(out.dtype)
+    if isinstance(grad, torch.Tensor) and grad.dtype != out.dtype:
+        half = " (or float32)" if out.dtype in (torch.bfloat16, torch.float16) else ""
+        raise DTypeMismatchError(f"{name}: expected dtype {out.dtype}{half}, the dtype of the output it is the "
+                                 f"gradient of, got {grad.dtype}")
+    return check_tensor(name, grad, _shape(out), out)
 
 
 def backward_data(reserve: Reserve, dy: torch.Tensor, dhy=None, dcy=None):
@@ -654,17 +675,16 @@ def backward_data(reserve: Reserve, dy: torch.Tensor, dhy=None, dcy=None):
         raise ValueError(f"dcy: only LSTM has a cell state, got mode={spec.mode!r}")
     y, hy = reserve._outputs
     h_n, c_n = hy if lstm else (hy, None)
-    check_tensor("dy", dy, _shape(y), y)
-    pairs = [(y, dy)]
+    pairs = [(y, _output_grad("dy", dy, y))]
     for name, grad, out in (("dhy", dhy, h_n), ("dcy", dcy, c_n)):
         if grad is None:
             continue
         if isinstance(out, list):
             if not isinstance(grad, (list, tuple)) or len(grad) != len(out):
                 raise TypeError(f"{name}: expected a list of {len(out)} tensors like the final states")
-            pairs += [(o, check_tensor(f"{name}[{k}]", g, _shape(o), o)) for k, (o, g) in enumerate(zip(out, grad))]
+            pairs += [(o, _output_grad(f"{name}[{k}]", g, o)) for k, (o, g) in enumerate(zip(out, grad))]
         else:
-            pairs.append((out, check_tensor(name, grad, _shape(out), out)))
+            pairs.append((out, _output_grad(name, grad, out)))
     x, hx = reserve._inputs
     inputs = [x] + _leaves(hx) + [reserve._weights]
     try:
@@ -701,6 +721,7 @@ def backward_weights(reserve: Reserve, dweights: Optional[torch.Tensor] = None, 
     if reserve._dweights is None:
         raise RuntimeError("reserve: call backward_data before backward_weights (as with cuDNN)")
     grad = reserve._dweights
+    accumulate = _flag("accumulate", accumulate)
     if dweights is None:
         if accumulate:
             raise ValueError("accumulate: True adds the gradient into dweights, got dweights=None; pass the buffer "
@@ -708,5 +729,8 @@ def backward_weights(reserve: Reserve, dweights: Optional[torch.Tensor] = None, 
         return grad.clone()
     _refuse_placed("dweights", dweights)
     check_tensor("dweights", dweights, _shape(grad), grad)
+    if dweights.numel() > 1 and 0 in dweights.stride():
+        raise ValueError(f"dweights: expected a buffer of its own memory, got an expanded tensor (stride "
+                         f"{dweights.stride()}: one value stands for them all)")
     with torch.no_grad():
         return dweights.add_(grad) if accumulate else dweights.copy_(grad)

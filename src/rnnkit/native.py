@@ -21,6 +21,12 @@ from .spec import RNNSpec, options_in_use
 
 _OPS = {"lstm": "lstm", "gru": "gru", "rnn_tanh": "rnn_tanh", "rnn_relu": "rnn_relu"}
 _CELLS = {"lstm": "lstm_cell", "gru": "gru_cell", "rnn_tanh": "rnn_tanh_cell", "rnn_relu": "rnn_relu_cell"}
+def _amx() -> bool:
+    """Whether this CPU has AMX tiles, which oneDNN's bfloat16 / float16 RNN kernels then use."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
 _LOW = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported, torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}
 
 _TORCH_SLOTS = ("W", "R", "b_W", "b_R", "W_hr")  # torch.nn's _flat_weights order within a pass
@@ -196,6 +202,14 @@ class NativeBackend:
         if device.type == "cpu" and any(spec.proj_sizes):
             return "proj_size on the CPU: torch runs LSTMP without oneDNN (its slow path); the fused backend computes it"
         return forward_ad_reason()  # oneDNN's LSTM (mkldnn_rnn_layer) has no forward-mode AD formula
+
+    def training_reason(self, spec: RNNSpec, device, dtype) -> Optional[str]:
+        """Why a call that records a gradient cannot run here, or None (`backend.select` asks it then)."""
+        if torch.device(device).type == "cpu" and dtype in _LOW and _amx():
+            return (f"{dtype} training on a CPU with AMX: oneDNN's backward there gives wrong gradients (torch 2.13: "
+                    "a 1024-wide LSTM's input gradient 119% off float64; README, 'On an Intel Xeon with AMX'); the "
+                    "fused backend computes it")
+        return None
 
     def step(self, spec, w, x, h0, c0):
         """One step of a one-layer, one-direction cell, as torch.nn's cells compute it -> (h, c or None)."""

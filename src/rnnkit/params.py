@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -188,9 +188,17 @@ class Layout:
                                 f"got shape {tuple(flat.shape)}")
 
     def named_views(self, flat: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """{name: view of ``flat``} for every entry, in buffer order."""
+        self._check_buffer(flat)
         return {e.name: flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries}
 
     def pieces(self, flat: torch.Tensor, layer: int, direction: int) -> Dict[str, torch.Tensor]:
+        """{piece: view of ``flat``} of one layer-direction (``"weight_hh": ...``)."""
+        self._check_buffer(flat)
+        for name, value, count in (("layer", layer, self.spec.num_layers),
+                                   ("direction", direction, self.spec.num_directions)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < count:
+                raise ValueError(f"{name}: expected an int in [0, {count}) for this layout, got {value!r}")
         return {
             e.piece: flat[e.offset : e.offset + e.numel].view(e.shape)
             for e in self.entries
@@ -207,7 +215,13 @@ class Layout:
 
     def group(self, tensors: Dict[str, torch.Tensor]) -> List[PassWeights]:
         """{name: tensor} for every entry -> one PassWeights per pass, layer by layer, forward first."""
-        return [PassWeights(**{slot: tensors[name] for slot, name in slots}) for slots in self._pass_slots]
+        try:
+            return [PassWeights(**{slot: tensors[name] for slot, name in slots}) for slots in self._pass_slots]
+        except (KeyError, TypeError):
+            if not isinstance(tensors, Mapping):
+                raise TypeError(f"tensors: expected a mapping {{entry name: tensor}}, got {type(tensors).__name__}") from None
+            missing = [e.name for e in self.entries if e.name not in tensors]
+            raise ValueError(f"tensors: expected a tensor for every entry of this layout, missing {missing}") from None
 
     def pass_names(self) -> List[Dict[str, str]]:
         """One {slot: entry name} per pass, layer by layer, forward first (``{"W": "weight_ih_l0", ...}``)."""

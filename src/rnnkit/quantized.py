@@ -281,6 +281,19 @@ class _Quantized(_SpecAttributes, nn.Module):
         return ", ".join(parts + ["weights=int8"])
 
 
+def _widened(value):
+    """Under torch.autocast on the CPU, a tensor (or a PackedSequence's data) in its dtype widened to
+    float32, exactly: what a layer before an int8 one hands over there (a Linear's bfloat16 output).
+    The int8 kernels take float32 and return it, under autocast too."""
+    if not torch.is_autocast_enabled("cpu"):
+        return value
+    low = torch.get_autocast_dtype("cpu")
+    if isinstance(value, nn.utils.rnn.PackedSequence):
+        return value._replace(data=_widened(value.data))
+    return value.float() if isinstance(value, torch.Tensor) and value.dtype == low and value.device.type == "cpu" \
+        else value
+
+
 class _QuantizedStack(_StackAttributes, _Quantized):
     _FLOAT = _Recurrent
 
@@ -291,6 +304,7 @@ class _QuantizedStack(_StackAttributes, _Quantized):
 
     def forward(self, input, hx=None, lengths=None):
         """As the float module's call (input, hx, lengths; PackedSequence), in evaluation mode."""
+        input, hx = _widened(input), functional._map(hx, _widened)
         data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
         self._check_call([data, *functional._leaves(hx)])
         out = planned_call(self.spec, lambda steps, batch: self._plans() if _on_the_kernels(data) else None, input, hx,
@@ -311,6 +325,7 @@ class _QuantizedCell(_CellAttributes, _Quantized):
 
     def forward(self, input, hx=None):
         """One step, as the float cell's call (input (B, I) or (I,); hx as the cell takes it)."""
+        input, hx = _widened(input), functional._map(hx, _widened)
         check_cell_input(self.spec, input)
         self._check_call([input, *functional._leaves(hx)])
         plans = self._plans() if _on_the_kernels(input) else None

@@ -139,6 +139,20 @@ class CellSpec:
         _clip("proj_clip", self.proj_clip)
         _probability("zoneout_h", self.zoneout_h)
         _probability("zoneout_c", self.zoneout_c)
+        # the combinations RNNSpec._check_combinations refuses, for one layer
+        if self.mode != "lstm":
+            for name, used in (("proj_size", self.proj_size > 0), ("proj_clip", self.proj_clip is not None),
+                               ("cell_clip", self.cell_clip is not None), ("peephole", self.peephole),
+                               ("coupled_gates", self.coupled_gates), ("zoneout_c", self.zoneout_c > 0)):
+                if used:
+                    raise ValueError(f"{name}: only LSTM has this option, got mode={self.mode!r}")
+        if not self.reset_after and self.mode != "gru":
+            raise ValueError(f"reset_after: only GRU has this option (False), got mode={self.mode!r}")
+        if self.layer_norm and self.mode == "gru" and not self.reset_after:
+            raise ValueError("layer_norm: has no reference definition for GRU with reset_after=False "
+                             "(docs/spec.md, Layer normalization); use reset_after=True")
+        if self.proj_clip is not None and not self.proj_size:
+            raise ValueError("proj_clip: needs a projection (proj_size > 0), got proj_size=0")
 
     @property
     def gates(self) -> int:

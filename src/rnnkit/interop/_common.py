@@ -12,6 +12,8 @@ the destination is dropped (importing it back).
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Dict, Iterable, Optional, Union
 
 import numpy as np
@@ -87,6 +89,8 @@ def to_numpy(value, name: str = "value") -> np.ndarray:
 
     Never returns a view that aliases a torch tensor the caller may change later.
     """
+    if value is None:
+        raise TypeError(f"{name}: expected an array, got None")
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().numpy().copy()
     if hasattr(value, "asnumpy"):  # MXNet NDArray
@@ -170,9 +174,16 @@ def load_pieces(module, pieces: Dict[str, object], sources: Optional[Dict[str, s
     values = {}
     for entry in entries:
         value = pieces[entry.name]
-        value = value.detach() if isinstance(value, torch.Tensor) else torch.from_numpy(to_numpy(value, entry.name).copy())
+        where = (sources or {}).get(entry.name, f"weights: {entry.name}")
+        if not isinstance(value, torch.Tensor):
+            array = to_numpy(value, where)
+            if array.dtype.kind not in "fiu":  # before torch: it drops an imaginary part with a warning only
+                raise TypeError(f"{where} expected real numbers (a float or integer array), got dtype {array.dtype}")
+            value = torch.from_numpy(array.copy())
+        value = value.detach()
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{where} expected real numbers (a float or integer array), got dtype {value.dtype}")
         if tuple(value.shape) != tuple(entry.shape):
-            where = (sources or {}).get(entry.name, f"weights: {entry.name}")
             raise ValueError(f"{where} expected shape {tuple(entry.shape)}{' (' + what + ')' if what else ''}, "
                              f"got {tuple(value.shape)}")
         values[entry.name] = value
@@ -180,6 +191,16 @@ def load_pieces(module, pieces: Dict[str, object], sources: Optional[Dict[str, s
         views = _weight_views(module)
         for name, value in values.items():
             views[name].copy_(value.to(device=views[name].device, dtype=views[name].dtype))
+
+
+def finite_number(name: str, value) -> float:
+    """``value`` as a float: a real, finite number (not a bool, which Python counts as one), else a
+    TypeError or ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite number, got {value!r}")
+    return float(value)
 
 
 def suffix(layer: int, direction: int) -> str:
@@ -209,4 +230,6 @@ def imported_array(value, name: str = "value") -> np.ndarray:
     array = to_numpy(value, name)
     if array.dtype.name == "bfloat16":
         array = array.astype(np.float32)
+    if array.dtype.kind not in "fiu":
+        raise TypeError(f"{name}: expected real numbers (a float or integer array), got dtype {array.dtype}")
     return array

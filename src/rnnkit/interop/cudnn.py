@@ -146,7 +146,8 @@ def from_cudnn(params: dict, *, batch_first: bool = False, dtype=None):
                  else f"hiddenSize ({hidden}): only CUDNN_LSTM projects")
         raise ValueError(f"config['projSize']: expected {limit}, got {proj}")
     clip = config.get("cellClip")
-    if clip is not None and (mode != "lstm" or not isinstance(clip, numbers.Real) or not 0 < clip < math.inf):
+    if clip is not None and (mode != "lstm" or not isinstance(clip, numbers.Real) or isinstance(clip, bool)
+                             or not 0 < clip < math.inf):
         expected = "a positive float or None" if mode == "lstm" else "None: cuDNN clips only CUDNN_LSTM cells"
         raise ValueError(f"config['cellClip']: expected {expected}, got {clip!r}")
     spec = RNNSpec(
@@ -194,6 +195,11 @@ def _parts(params) -> Tuple[dict, dict, dict]:
                 table[key] = torch.as_tensor(value)
             except (TypeError, RuntimeError, ValueError) as error:
                 raise TypeError(f"{part}[{key!r}]: expected an array, got {type(value).__name__}") from error
+            if table[key].is_complex() or table[key].dtype == torch.bool:
+                raise TypeError(f"{part}[{key!r}]: expected real numbers (a float or integer array), got dtype "
+                                f"{table[key].dtype}")
+            if table[key].device.type == "meta":
+                raise ValueError(f"{part}[{key!r}]: expected values, got a tensor on the meta device (it has none)")
         tables.append(table)
     return config, tables[0], tables[1]
 

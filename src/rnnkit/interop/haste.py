@@ -119,9 +119,12 @@ def from_haste(layers: Sequence[Dict[str, object]], mode: str, *, zoneout: float
     Biases land as Haste has them: LSTM's single bias in bias_ih (bias_hh zero), GRU's
     bias and recurrent_bias in bias_ih and bias_hh; LN shifts are zero.
     """
-    if mode not in HASTE_GATES:
+    if not isinstance(mode, str) or mode not in HASTE_GATES:
         raise ValueError(f"mode: Haste has 'lstm' and 'gru', got {mode!r}")
-    if isinstance(layers, dict) or not isinstance(layers, Sequence) or not layers:
+    if isinstance(zoneout, (tuple, list)) and len(zoneout) == 2 and zoneout[1] != 0:
+        raise ValueError(f"zoneout: a Haste layer zones out h only (one probability), got {tuple(zoneout)}, which "
+                         "also zones out c")
+    if isinstance(layers, (dict, str, bytes)) or not isinstance(layers, Sequence) or not layers:
         raise TypeError(f"layers: expected a non-empty list of dicts (one per layer), got {type(layers).__name__}")
     layer_norm = "gamma" in layers[0]
     expected = HASTE_KEYS[(mode, layer_norm)]

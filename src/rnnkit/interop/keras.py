@@ -191,8 +191,10 @@ def from_keras(
             ``mode`` with these options (saying what they are instead: another layer type,
             the other reset_after, a bidirectional layer, a layer with(out) bias).
     """
-    if mode not in KERAS_GATES:
+    if not isinstance(mode, str) or mode not in KERAS_GATES:
         raise ValueError(f"mode: expected one of {tuple(KERAS_GATES)}, got {mode!r}")
+    if bidirectional and merge not in ("concat", "sum"):  # before the shapes, which a wrong merge also misreads
+        raise ValueError(f"merge: expected the wrappers' merge_mode, 'concat' or 'sum', got {merge!r}")
     if use_bias and bias_mode == "none":
         raise ValueError("bias_mode, use_bias: bias_mode='none' would drop the Keras layers' bias (use_bias=True); "
                          "for layers without a bias pass use_bias=False")

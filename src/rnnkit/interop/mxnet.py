@@ -52,7 +52,7 @@ from typing import Dict, Mapping
 import numpy as np
 
 from ..spec import RNNSpec
-from ._common import build_module, check_keys, exported_pieces, imported_array, refuse, spec_of, suffix
+from ._common import build_module, check_keys, exported_pieces, finite_number, imported_array, refuse, spec_of, suffix
 
 FMT = "MXNet"
 TORCH_TO_GLUON = {"weight_ih": "i2h_weight", "weight_hh": "h2h_weight", "weight_hr": "h2r_weight",
@@ -171,7 +171,9 @@ def _cell_clip(cell_clip, low, high, names):
     """rnnkit's cell_clip from ``cell_clip`` or from MXNet's (min, max) clip settings ``names``."""
     if low is None and high is None:
         return cell_clip
-    if low is None or high is None or float(low) != -float(high):
+    low = None if low is None else finite_number(names[0], low)
+    high = None if high is None else finite_number(names[1], high)
+    if low is None or high is None or low != -high:
         raise ValueError(f"{names[0]}, {names[1]}: rnnkit's cell_clip clips c to [-cell_clip, cell_clip], so "
                          f"expected both, with {names[0]} == -{names[1]}; got {low} and {high}")
     if cell_clip is not None and float(cell_clip) != float(high):

@@ -54,16 +54,16 @@ Example:
 """
 from __future__ import annotations
 
-import numbers
 import re
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..spec import RNNSpec
 from . import cudnn
-from ._common import build_module, exported_pieces, refuse, refuse_mode, regate, spec_of, suffix, to_numpy
+from ._common import (build_module, exported_pieces, finite_number, imported_array, refuse, refuse_mode, regate,
+                      spec_of, suffix, to_numpy)
 
 TF_GATES = "igfo"
 CELL_NAMES = {"lstm": "LSTMCell", "gru": "GRUCell"}
@@ -108,6 +108,7 @@ def to_tf(module, *, forget_bias: float = 1.0) -> dict:
     """
     spec = spec_of(module)
     check_spec(spec)
+    forget_bias = finite_number("forget_bias", forget_bias)
     pieces = exported_pieces(module)
     cells = []
     for layer in range(spec.num_layers):
@@ -309,9 +310,7 @@ def _split_kernel(v: dict, name: str, rows: int, where: str, expected: tuple) ->
 
 
 def _lstm_from_tf(cells, config: dict, batch_first: bool, dtype):
-    forget_bias = config.get("forget_bias", 1.0)
-    if not isinstance(forget_bias, numbers.Real):
-        raise TypeError(f"forget_bias: expected a number, got {forget_bias!r}")
+    forget_bias = finite_number("forget_bias", config.get("forget_bias", 1.0))
     for layer, directions in enumerate(cells):
         for direction, v in enumerate(directions):
             where = f"cells[{layer}][{direction}]"
@@ -427,6 +426,11 @@ def from_tf_cudnn(weights, biases, mode: str, input_size: int, hidden_size: int,
     ids = list(range(2 * G)) + ([cudnn.PROJECTION_ID] if proj_size else [])
     keys = [(layer * D + d, i) for layer in range(num_layers) for d in range(D) for i in ids]
     bias_keys = [(p, i) for p, i in keys if i != cudnn.PROJECTION_ID]
+    for name, given in (("weights", weights), ("biases", biases)):
+        if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Sequence):
+            raise TypeError(f"{name}: expected a list of arrays (TF's canonical order), got {type(given).__name__}")
+    weights = [imported_array(value, f"weights[{index}]") for index, value in enumerate(weights)]
+    biases = [imported_array(value, f"biases[{index}]") for index, value in enumerate(biases)]
     if len(weights) != len(keys) or len(biases) != len(bias_keys):
         raise ValueError(f"weights, biases: expected {len(keys)} and {len(bias_keys)} tensors, "
                          f"got {len(weights)} and {len(biases)}")
