@@ -8,10 +8,13 @@ the parameters' gradient) or refusals where torch.nn computes.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.func import functional_call, jacrev, vjp
 
+import rnnkit
 from helpers import assert_close, make_module, require_fused_kernels
 
 DT = torch.float64
@@ -130,3 +133,72 @@ def test_batched_gradients_of_a_parameter_match_torch_nn(backend):
     got, expected = (torch.autograd.grad(m(x)[0], [m.weight_hh_l0, m.bias_ih_l0], v, is_grads_batched=True)
                      for m in (module, expected_module))
     assert_close(list(got), list(expected), "batched parameter gradients")
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a buffer whose last-axis rows are padded (NaN between them), as a pool would keep them."""
+    if t.dim() == 0 or not t.is_floating_point():
+        return t.clone()
+    rows = t.reshape(-1, t.shape[-1]) if t.dim() > 1 else t.reshape(1, -1)
+    pool = torch.full((rows.shape[0], rows.shape[1] + 3), float("nan"), dtype=t.dtype)
+    pool[:, :rows.shape[1]] = rows
+    return pool[:, :rows.shape[1]].view(t.shape) if t.dim() > 1 else pool[0, :t.shape[0]]
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same values laid out with the axes' order reversed."""
+    return t.permute(*reversed(range(t.dim()))).contiguous().permute(*reversed(range(t.dim()))) if t.dim() > 1 \
+        else t.clone()
+
+
+@pytest.mark.parametrize("unpack", [_padded, _column_major], ids=["padded", "column_major"])
+@pytest.mark.parametrize("make", [
+    lambda: rnnkit.LSTM(3, 5, num_layers=2, backend="fused"),
+    lambda: rnnkit.GRU(3, 5, bidirectional=True, backend="fused"),
+    lambda: rnnkit.RNN(3, 5, backend="fused"),
+    lambda: rnnkit.LSTM(3, 5, layer_norm=True, peephole=True, proj_size=2, backend="fused"),
+], ids=["lstm", "gru_bidir", "rnn", "lstm_ln_peephole_proj"])
+def test_saved_tensor_hooks_may_hand_back_another_layout(make, unpack):
+    """torch asks an unpack hook for the same values, size, dtype and device, not the same strides: the
+    fused backward reads its saved activations as the forward laid them out, so it must be given that
+    layout (it read a pool's padding, NaN, and column-major values as row-major)."""
+    require_fused_kernels()
+    torch.manual_seed(0)
+    m = make().double()
+    x = torch.randn(6, 2, 3, dtype=torch.double, requires_grad=True)
+    upstream = None
+    results = []
+    for hooked in (False, True):
+        m.zero_grad()
+        x.grad = None
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack) if hooked else contextlib.nullcontext():
+            y = m(x)[0]
+        upstream = torch.randn_like(y) if upstream is None else upstream
+        y.backward(upstream)
+        results.append([x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+    for expected, got in zip(*results):
+        assert torch.equal(expected, got)
+
+
+def test_allow_mutation_on_saved_tensors_keeps_the_weights_the_forward_used():
+    """Under torch.autograd.graph.allow_mutation_on_saved_tensors an optimizer step between forward and
+    backward must leave the gradients those of the forward's weights (torch.nn's are). The parameters,
+    views of one buffer, share a version counter, which the context's bookkeeping keys on: the call's
+    saved views are of a copy."""
+    torch.manual_seed(0)
+    for backend in ("auto", "fused", "reference", "native"):
+        m = rnnkit.LSTM(3, 5, num_layers=2, backend=backend)
+        x = torch.randn(6, 2, 3)
+        upstream = torch.randn(6, 2, 5)
+        before = [p.detach().clone() for p in m.parameters()]
+        expected = torch.autograd.grad((m(x)[0] * upstream).sum(), list(m.parameters()))
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.5, foreach=False)
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            y = m(x)[0]
+            for p in m.parameters():
+                p.grad = torch.ones_like(p)
+            optimizer.step()  # changes every weight in place
+            got = torch.autograd.grad((y * upstream).sum(), list(m.parameters()))
+        assert not any(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+        for e, g in zip(expected, got):
+            assert torch.equal(e, g), backend

@@ -300,13 +300,14 @@ class PassFunction(torch.autograd.Function):
         if c0 is None:
             ctx.mark_non_differentiable(c_n)
         ctx.save_for_backward(x, h0, c0, *mask_args, *weights, y, *saved)
+        ctx.strides = _strides((y, *saved))
 
     @staticmethod
     def backward(ctx, dy, dh_n, dc_n, *_):
         stored = ctx.saved_tensors
         x, h0, c0 = stored[:3]
         mask_args, weights = stored[3:7], stored[7:7 + len(SLOTS)]
-        y, saved = stored[7 + len(SLOTS)], list(stored[8 + len(SLOTS):])
+        y, *saved = _laid_out(stored[7 + len(SLOTS):], ctx.strides)
         needs = ctx.needs_input_grad
         grads = pass_gradients(ctx.ops, ctx.scalars, x, h0, c0, weights, mask_args, y, saved, dy, dh_n, dc_n,
                                needs[2:5] + needs[9:])
@@ -348,6 +349,21 @@ def _unwrapped(t):
     while _outlived_transform(t):
         t = torch._C._functorch.get_unwrapped(t)
     return t
+
+
+def _strides(outputs) -> tuple:
+    """The strides of the forward's outputs a backward reads (y and the saved activations)."""
+    return tuple(t.stride() for t in outputs)
+
+
+def _laid_out(tensors, strides) -> list:
+    """The saved outputs as the forward laid them out: a saved_tensors_hooks unpack may hand back the
+    same values with other strides (a pool's padded rows, column-major), which torch allows (value,
+    size, dtype and device must match) and the kernels' backward, reading memory as the forward
+    wrote it, does not. Copied into the forward's layout where they differ; as they are otherwise."""
+    return [t if t.stride() == stride else
+            torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+            for t, stride in zip(tensors, strides)]
 
 
 def pass_gradients(ops: "PassOps", scalars: PassScalars, x, h0, c0, weights, mask_args, y, saved, dy, dh_n, dc_n,
@@ -407,6 +423,7 @@ def _op_setup_context(ctx, inputs, output):
     ctx.training = inputs[-1]
     ctx.set_materialize_grads(False)  # None, not zeros, for the saved outputs (pass_gradients fills what it needs)
     ctx.save_for_backward(*(v for v in inputs[:-1] if isinstance(v, torch.Tensor)), output[0], *output[3])
+    ctx.strides = _strides((output[0], *output[3]))
 
 
 def _op_backward_for(ops: "PassOps"):
@@ -418,7 +435,7 @@ def _op_backward_for(ops: "PassOps"):
                                "gradients; train the module itself (eagerly or under torch.compile)")
         stored = iter(ctx.saved_tensors)
         values = [next(stored) if isinstance(v, torch.Tensor) else v for v in ctx.values]
-        y, saved = next(stored), list(stored)
+        y, *saved = _laid_out(list(stored), ctx.strides)
         x, h0, c0 = values[:3]
         weights = values[3:3 + len(SLOTS)]
         mask_args = values[3 + len(SLOTS):7 + len(SLOTS)]
