@@ -730,7 +730,8 @@ def test_gemm_benchmark_scripts_write_their_tables(tmp_path, script, columns, op
 
 
 @pytest.mark.parametrize("flag, value, expected", [
-    ("--threads", "-1", "a positive integer"), ("--threads", "0", "a positive integer"),
+    ("--threads", "-1", "an integer from 1 to 1,024"), ("--threads", "0", "an integer from 1 to 1,024"),
+    ("--threads", "100000", "an integer from 1 to 1,024"),
     ("--repeats", "0", "a positive integer"), ("--warmup", "-2", "a non-negative integer"),
 ])
 def test_bench_refuses_bad_counts_in_one_line(flag, value, expected, capsys):

@@ -21,6 +21,8 @@ from .spec import RNNSpec, options_in_use
 
 _OPS = {"lstm": "lstm", "gru": "gru", "rnn_tanh": "rnn_tanh", "rnn_relu": "rnn_relu"}
 _CELLS = {"lstm": "lstm_cell", "gru": "gru_cell", "rnn_tanh": "rnn_tanh_cell", "rnn_relu": "rnn_relu_cell"}
+
+
 def _amx() -> bool:
     """Whether this CPU has AMX tiles, which oneDNN's bfloat16 / float16 RNN kernels then use."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)

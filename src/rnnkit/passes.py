@@ -353,7 +353,7 @@ def _unwrapped(t):
 
 def _strides(outputs) -> tuple:
     """The strides of the forward's outputs a backward reads (y and the saved activations)."""
-    return tuple(t.stride() for t in outputs)
+    return tuple(None if t is None else t.stride() for t in outputs)
 
 
 def _laid_out(tensors, strides) -> list:
@@ -361,7 +361,7 @@ def _laid_out(tensors, strides) -> list:
     same values with other strides (a pool's padded rows, column-major), which torch allows (value,
     size, dtype and device must match) and the kernels' backward, reading memory as the forward
     wrote it, does not. Copied into the forward's layout where they differ; as they are otherwise."""
-    return [t if t.stride() == stride else
+    return [t if t is None or t.stride() == stride else
             torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
             for t, stride in zip(tensors, strides)]
 
