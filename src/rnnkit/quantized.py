@@ -282,11 +282,9 @@ class _Quantized(_SpecAttributes, nn.Module):
 
 
 def _widened(value):
-    """Under torch.autocast on the CPU, a tensor (or a PackedSequence's data) in its dtype widened to
-    float32, exactly: what a layer before an int8 one hands over there (a Linear's bfloat16 output).
-    The int8 kernels take float32 and return it, under autocast too."""
-    if not torch.is_autocast_enabled("cpu"):
-        return value
+    """Under torch.autocast on the CPU (the callers ask), a tensor (or a PackedSequence's data) in its
+    dtype widened to float32, exactly: what a layer before an int8 one hands over there (a Linear's
+    bfloat16 output). The int8 kernels take float32 and return it, under autocast too."""
     low = torch.get_autocast_dtype("cpu")
     if isinstance(value, nn.utils.rnn.PackedSequence):
         return value._replace(data=_widened(value.data))
@@ -304,7 +302,8 @@ class _QuantizedStack(_StackAttributes, _Quantized):
 
     def forward(self, input, hx=None, lengths=None):
         """As the float module's call (input, hx, lengths; PackedSequence), in evaluation mode."""
-        input, hx = _widened(input), functional._map(hx, _widened)
+        if torch.is_autocast_enabled("cpu"):
+            input, hx = _widened(input), functional._map(hx, _widened)
         data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
         self._check_call([data, *functional._leaves(hx)])
         out = planned_call(self.spec, lambda steps, batch: self._plans() if _on_the_kernels(data) else None, input, hx,
@@ -325,7 +324,8 @@ class _QuantizedCell(_CellAttributes, _Quantized):
 
     def forward(self, input, hx=None):
         """One step, as the float cell's call (input (B, I) or (I,); hx as the cell takes it)."""
-        input, hx = _widened(input), functional._map(hx, _widened)
+        if torch.is_autocast_enabled("cpu"):
+            input, hx = _widened(input), functional._map(hx, _widened)
         check_cell_input(self.spec, input)
         self._check_call([input, *functional._leaves(hx)])
         plans = self._plans() if _on_the_kernels(input) else None
