@@ -176,13 +176,9 @@ def load_pieces(module, pieces: Dict[str, object], sources: Optional[Dict[str, s
         value = pieces[entry.name]
         where = (sources or {}).get(entry.name, f"weights: {entry.name}")
         if not isinstance(value, torch.Tensor):
-            array = to_numpy(value, where)
-            if array.dtype.kind not in "fiu":  # before torch: it drops an imaginary part with a warning only
-                raise TypeError(f"{where} expected real numbers (a float or integer array), got dtype {array.dtype}")
-            value = torch.from_numpy(array.copy())
-        value = value.detach()
-        if value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"{where} expected real numbers (a float or integer array), got dtype {value.dtype}")
+            value = to_numpy(value, where)
+        check_real(where, value.dtype)  # before torch's copy_, which drops an imaginary part with a warning only
+        value = value.detach() if isinstance(value, torch.Tensor) else torch.from_numpy(value.copy())
         if tuple(value.shape) != tuple(entry.shape):
             raise ValueError(f"{where} expected shape {tuple(entry.shape)}{' (' + what + ')' if what else ''}, "
                              f"got {tuple(value.shape)}")
@@ -230,6 +226,13 @@ def imported_array(value, name: str = "value") -> np.ndarray:
     array = to_numpy(value, name)
     if array.dtype.name == "bfloat16":
         array = array.astype(np.float32)
-    if array.dtype.kind not in "fiu":
-        raise TypeError(f"{name}: expected real numbers (a float or integer array), got dtype {array.dtype}")
+    check_real(f"{name}:", array.dtype)
     return array
+
+
+def check_real(where: str, dtype) -> None:
+    """A TypeError starting with ``where`` unless ``dtype`` (numpy's or torch's) holds real numbers:
+    floats or integers (exact in a float module), not complex, bool or objects."""
+    real = dtype.kind in "fiu" if isinstance(dtype, np.dtype) else not (dtype.is_complex or dtype == torch.bool)
+    if not real:
+        raise TypeError(f"{where} expected real numbers (a float or integer array), got dtype {dtype}")

@@ -44,7 +44,7 @@ from typing import Dict, Mapping, Tuple
 import torch
 
 from ..spec import RNNSpec
-from ._common import build_module, check_keys, refuse, spec_of, suffix, torch_pieces
+from ._common import build_module, check_keys, check_real, refuse, spec_of, suffix, torch_pieces
 
 PROJECTION_ID = 8
 CUDNN_MODES = {"lstm": "CUDNN_LSTM", "gru": "CUDNN_GRU", "rnn_tanh": "CUDNN_RNN_TANH", "rnn_relu": "CUDNN_RNN_RELU"}
@@ -195,9 +195,7 @@ def _parts(params) -> Tuple[dict, dict, dict]:
                 table[key] = torch.as_tensor(value)
             except (TypeError, RuntimeError, ValueError) as error:
                 raise TypeError(f"{part}[{key!r}]: expected an array, got {type(value).__name__}") from error
-            if table[key].is_complex() or table[key].dtype == torch.bool:
-                raise TypeError(f"{part}[{key!r}]: expected real numbers (a float or integer array), got dtype "
-                                f"{table[key].dtype}")
+            check_real(f"{part}[{key!r}]:", table[key].dtype)
             if table[key].device.type == "meta":
                 raise ValueError(f"{part}[{key!r}]: expected values, got a tensor on the meta device (it has none)")
         tables.append(table)
