@@ -118,6 +118,9 @@ def main(argv=None) -> int:
                         choices=[n for n, v in VARIANTS.items() if v.api == "sequence" and not v.lengths])
     parser.add_argument("--modes", nargs="+", default=["inference", "training"], choices=["inference", "training"])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed calls before each runner's timed ones and before each profiled call (default "
+                             "3; on CUDA at least 2, as the second call captures the graph the profiled one replays)")
     parser.add_argument("--tiny", action="store_true", help="one tiny shape instead of --shapes (the CPU check)")
     parser.add_argument("--top", type=int, default=0, metavar="N",
                         help="after each row, the profiled call's N kernels by GPU time and N host events by "
@@ -129,6 +132,11 @@ def main(argv=None) -> int:
                              "per-step GEMM; RNNKIT_TRITON_HALF_GEMM=half for a half dtype's GEMMs on its own "
                              "operands)")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected 1 or more, got {args.repeats}")
+    if args.warmup < (2 if args.device == "cuda" else 0):
+        parser.error(f"--warmup: expected {'2' if args.device == 'cuda' else '0'} or more on {args.device}, "
+                     f"got {args.warmup}")
     ab_name, _, ab_value = args.ab.partition("=")
     if not ab_name.startswith("RNNKIT_TRITON_") or not ab_value:
         parser.error(f"--ab: expected RNNKIT_TRITON_...=VALUE, got {args.ab!r}")
@@ -171,21 +179,21 @@ def main(argv=None) -> int:
                     row = [shape.name, name, mode]
                     torch_variant = variant if variant.torch_nn else VARIANTS[variant.mode]
                     baseline = TORCH_MODULES[torch_variant.mode](**torch_variant.module_kwargs(shape)).to(device, dtype)
-                    row.append(f"{time_call(make_call(baseline, x, training), device, args.repeats):.0f}")
+                    row.append(f"{time_call(make_call(baseline, x, training), device, args.repeats, args.warmup):.0f}")
                     native = rnnkit_module(variant, shape, "auto", device, dtype)
                     native.backend = "native"
                     try:
-                        row.append(f"{time_call(make_call(native, x, training), device, args.repeats):.0f}")
+                        row.append(f"{time_call(make_call(native, x, training), device, args.repeats, args.warmup):.0f}")
                     except Exception as error:  # noqa: BLE001 - a variant native does not run
                         row.append(f"n/a ({type(error).__name__})")
                     triton = rnnkit_module(variant, shape, "triton", device, dtype)
                     for graphs, ab in (("1", False), ("0", False), ("1", True)):
                         setting(graphs, ab)
-                        row.append(f"{time_call(make_call(triton, x, training), device, args.repeats):.0f}")
+                        row.append(f"{time_call(make_call(triton, x, training), device, args.repeats, args.warmup):.0f}")
                     for ab in (False, True):  # a profiled call without and with the A/B setting, graphs on
                         setting("1", ab)
                         call = make_call(triton, x, training)
-                        for _ in range(3):  # the second call captures; the profiled one replays
+                        for _ in range(args.warmup):  # the second call captures; the profiled one replays
                             call()
                         p = profile_call(call, device, args.top)
                         row.append(f"{p['kernel_us']:.0f} / {p['wall_us']:.0f}, {p['kernels']}, {p['graph_launches']}, "
