@@ -480,6 +480,46 @@ def test_quantize_keeps_hooks_and_parametrized_weights():
         assert torch.equal(q(x)[0], rnnkit.quantize(plain)(x)[0])  # the parametrized weights, quantized
 
 
+def test_quantize_takes_a_pruned_layers_weights_and_leaves_prunes_hook_behind():
+    """A layer pruned with torch.nn.utils.prune (twice, so a PruningContainer) quantizes its
+    weights as prune's hook computes them now (orig * mask: the attribute it last set may be older
+    and hold a graph), without the hook, mask or orig, which the int8 module has no use for (the
+    carried hook failed every call reading ``<name>_orig``); the pruned module is left as it was.
+    torch.ao's swap, which carries the hook itself, is refused with the way out."""
+    prune = pytest.importorskip("torch.nn.utils.prune")
+    torch.manual_seed(0)
+    module = rnnkit.LSTM(6, 8).eval()
+    prune.l1_unstructured(module, "weight_hh_l0", 0.5)
+    prune.random_unstructured(module, "weight_hh_l0", 0.3)
+    prune.l1_unstructured(module, "weight_ih_l0", 0.25)
+    with torch.no_grad():
+        module.weight_hh_l0_orig.mul_(2)  # after the hook's last run: its attribute is stale
+    stale = module.weight_hh_l0
+    q = rnnkit.quantize(module)  # before any forward (the attributes hold prune's graph)
+    assert module.weight_hh_l0 is stale  # the user's module as it was
+    plain = rnnkit.LSTM(6, 8).eval()
+    with torch.no_grad():
+        plain.load_state_dict({name: module.weight_hh_l0_orig * module.weight_hh_l0_mask if name == "weight_hh_l0"
+                               else module.weight_ih_l0_orig * module.weight_ih_l0_mask if name == "weight_ih_l0"
+                               else getattr(module, name) for name in plain.state_dict()})
+    expected = rnnkit.quantize(plain)
+    assert q.state_dict().keys() == expected.state_dict().keys()
+    for name, value in expected.state_dict().items():
+        assert torch.equal(q.state_dict()[name], value), name
+    assert int((q.weight_hh_l0 == 0).sum()) >= 8 * 4 * 8 // 2 and not q._forward_pre_hooks
+    x = torch.randn(4, 2, 6)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the pruned float module's note that it runs unpacked
+        assert torch.equal(q(x)[0], expected(x)[0])
+        module(x)  # the float module runs as before (its hook recomputes the weights)
+    quantization = pytest.importorskip("torch.ao.quantization")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization is deprecated upstream
+        with pytest.raises(ValueError, match=r"^LSTM: weight_hh_l0, weight_ih_l0 pruned .*prune.remove"):
+            quantization.quantize_dynamic(nn.Sequential(module), {rnnkit.LSTM},
+                                          mapping=rnnkit.quantized.dynamic_quant_mapping())
+
+
 def test_quantize_carries_what_was_attached_to_a_layer(tmp_path):
     """Buffers (persistent or not), submodules and public attributes a user attached to an rnnkit
     layer come with its quantized twin, deep-copied (what is shared stays shared), so that a hook

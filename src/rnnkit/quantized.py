@@ -29,6 +29,7 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
+from torch.nn.utils.prune import BasePruningMethod
 
 from . import functional
 from . import nn as float_nn
@@ -129,7 +130,12 @@ class _Quantized(_SpecAttributes, nn.Module):
         super().__init__()
         if not isinstance(source, self._FLOAT):
             raise TypeError(f"module: expected an rnnkit.{self._FLOAT.__name__}, got {type(source).__name__}")
-        current = source._current()  # parametrized weights as they compute now
+        pruning = _pruning_hooks(source)
+        # parametrized weights as they compute now; a pruned one as its hook computes it (orig * mask:
+        # the attribute the hook last set may be older, or hold a graph)
+        with torch.no_grad():
+            current = [pruning[name].apply_mask(source) if name in pruning else value
+                       for name, value in zip(source._names, source._current())]
         if current[0].device.type not in ("cpu", "meta"):  # meta: shapes only (the op's fake implementation)
             raise ValueError(f"module: int8 inference runs on the CPU; move the module there first (it is on "
                              f"{current[0].device})")
@@ -188,6 +194,12 @@ class _Quantized(_SpecAttributes, nn.Module):
         """The quantized counterpart of an rnnkit module (``torch.ao.quantization``'s hook: see
         `dynamic_quant_mapping`). Its qconfig must ask for int8 weights (``torch.qint8``): a float16
         or quint8 qconfig is refused, not quietly given int8 weights."""
+        pruned = sorted(_pruning_hooks(module))
+        if pruned:  # torch.ao's swap carries prune's hook over, which reads <name>_orig on the int8 module
+            raise ValueError(f"{type(module).__name__}: {', '.join(pruned)} pruned (torch.nn.utils.prune): its "
+                             "forward pre-hook would be carried onto the int8 module, which has no "
+                             f"{pruned[0]}_orig to read: use rnnkit.quantize, which quantizes the pruned weights "
+                             "and leaves the hook behind, or call torch.nn.utils.prune.remove first")
         qconfig = getattr(module, "qconfig", None)
         if qconfig is not None and getattr(qconfig, "weight", None) is not None:
             dtype = qconfig.weight().dtype
@@ -483,7 +495,10 @@ def _carry_extras(layer: nn.Module, twin: "_Quantized", memo: dict) -> None:
     kind = nn.utils.parametrize.type_before_parametrizations(layer)
     if kind not in _INTRINSIC:
         _INTRINSIC[kind] = {k for k in vars(kind(1, 1)) if not k.startswith("_")}
+    pruned = _pruning_hooks(layer)  # prune's mask and masked weight: in the twin's weights already
     for name, value in layer._buffers.items():
+        if name.endswith("_mask") and name[:-len("_mask")] in pruned:
+            continue
         if name in twin._buffers:
             raise ValueError(f"module: a buffer of its own named {name!r} on {kind.__name__} clashes with the int8 "
                              "module's buffer of that name: rename it before quantizing")
@@ -492,21 +507,30 @@ def _carry_extras(layer: nn.Module, twin: "_Quantized", memo: dict) -> None:
         if name != "parametrizations" or not nn.utils.parametrize.is_parametrized(layer):
             twin.add_module(name, copy.deepcopy(child, memo))
     for name, value in vars(layer).items():
-        if not name.startswith("_") and name not in _INTRINSIC[kind] and name not in vars(twin):
+        if not name.startswith("_") and name not in _INTRINSIC[kind] and name not in vars(twin) and name not in pruned:
             setattr(twin, name, copy.deepcopy(value, memo))
 
 
+def _pruning_hooks(module: nn.Module) -> dict:
+    """torch.nn.utils.prune's forward pre-hooks on ``module``, by the name of the weight each masks
+    (a PruningContainer where one weight was pruned more than once)."""
+    return {hook._tensor_name: hook for hook in module._forward_pre_hooks.values()
+            if isinstance(hook, BasePruningMethod)}
+
+
 def _quantized_twin(module: nn.Module) -> _Quantized:
-    """The int8 counterpart of one rnnkit layer: a parametrized layer's weights as they compute now,
-    and its forward pre-hooks and hooks carried over (as torch.ao's swap_module does), so that they
-    keep firing on the quantized layer rather than vanish."""
+    """The int8 counterpart of one rnnkit layer: a parametrized or pruned layer's weights as they
+    compute now, and its forward pre-hooks and hooks carried over (as torch.ao's swap_module does),
+    so that they keep firing on the quantized layer rather than vanish; but prune's, whose masked
+    weights the int8 ones are (it would read the ``<name>_orig`` parameter the twin has not)."""
     target = _QUANTIZED.get(nn.utils.parametrize.type_before_parametrizations(module))
     if target is None:
         raise ValueError(f"module: {type(module).__name__} subclasses an rnnkit layer, and its forward may differ from "
                          "the layer's: quantize the rnnkit layers inside it instead")
     twin = target(module)
     for key, hook in module._forward_pre_hooks.items():
-        twin.register_forward_pre_hook(hook, with_kwargs=key in module._forward_pre_hooks_with_kwargs)
+        if not isinstance(hook, BasePruningMethod):
+            twin.register_forward_pre_hook(hook, with_kwargs=key in module._forward_pre_hooks_with_kwargs)
     for key, hook in module._forward_hooks.items():
         twin.register_forward_hook(hook, with_kwargs=key in module._forward_hooks_with_kwargs,
                                    always_call=key in module._forward_hooks_always_called)
