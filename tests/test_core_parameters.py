@@ -28,6 +28,7 @@ import distributed_worker
 import rnnkit
 from helpers import assert_close, flatten
 from rnnkit.fused.ops import OPS
+from rnnkit.interop._common import torch_pieces
 from rnnkit.params import TORCH_PIECES
 from rnnkit.passes import BACKWARD_NAMES, FORWARD_NAMES, SLOTS
 
@@ -387,6 +388,34 @@ def test_flat_weights_of_a_parametrized_module_is_a_quiet_copy(kind):
                 assert_close(kit.layout.view(flat, n), getattr(kit, n), n)
     others = [str(w.message)[:120] for w in caught if w not in ours(caught)]
     assert not others, others
+
+
+def test_a_pruned_module_trains_as_torch_nns_and_is_read_as_it_computes():
+    """torch.nn.utils.prune (its forward pre-hook, mask and ``_orig`` parameter) trains as on
+    torch.nn's LSTM; between forwards, after an optimizer step, the module's weights as converters,
+    flat_weights and named_weights read them are orig * mask (what the next forward computes with),
+    not the attribute prune's hook set at the last forward; prune.remove leaves them in place."""
+    prune = pytest.importorskip("torch.nn.utils.prune")
+    kit, twin = make("lstm", "fused")
+    masks = {}
+    for module in (kit, twin):
+        torch.manual_seed(3)
+        prune.random_unstructured(module, "weight_hh_l0", 0.5)
+        prune.l1_unstructured(module, "weight_ih_l0", 0.3)
+        masks[module] = module.weight_hh_l0_mask
+    assert torch.equal(masks[kit], masks[twin])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note that the pruned weights run unpacked
+        assert_same_history(train(kit, adamw(kit), steps=2), expected_history(kit, twin, adamw, steps=2))
+        masked = (kit.weight_hh_l0_orig * kit.weight_hh_l0_mask).detach()
+        assert not torch.equal(kit.weight_hh_l0.detach(), masked)  # stale: the last step came after the forward
+        assert torch.equal(kit.named_weights()["weight_hh_l0"].detach(), masked)
+        assert torch.equal(kit.layout.view(kit.flat_weights, "weight_hh_l0"), masked)
+        assert torch.equal(torch_pieces(kit)["weight_hh_l0"], masked)  # every converter's reading
+        prune.remove(kit, "weight_hh_l0"), prune.remove(kit, "weight_ih_l0")
+        assert torch.equal(kit.weight_hh_l0.detach(), masked)
+        kit.flatten_parameters()
+        assert_close(run_step(kit, 20), run_step(twin, 20), "after prune.remove")
 
 
 # ---- aliasing broken by hand, and flatten_parameters -------------------------------------------------

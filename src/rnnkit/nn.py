@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn.utils.prune import BasePruningMethod as _PRUNING
 from torch.nn.utils.rnn import PackedSequence
 
 from . import backend as backends_
@@ -39,6 +40,12 @@ def _standalone(t: torch.Tensor) -> torch.Tensor:
     if t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
     return torch.from_dlpack(t)
+
+
+def pruning_hooks(module: nn.Module) -> dict:
+    """torch.nn.utils.prune's forward pre-hooks on ``module``, by the name of the weight each masks
+    (a PruningContainer where one weight was pruned more than once)."""
+    return {hook._tensor_name: hook for hook in module._forward_pre_hooks.values() if isinstance(hook, _PRUNING)}
 
 
 def load_checked(module: nn.Module, load, check, args: tuple) -> None:
@@ -472,8 +479,15 @@ class _PackedModule(_SpecAttributes, nn.Module):
         return self._current()[0]
 
     def _current(self) -> list:
-        """The weights as the module computes with them now (parameters, or parametrized values)."""
-        return [getattr(self, name) for name in self._names]
+        """The weights as the module computes with them now (parameters, or parametrized values), a
+        pruned one (torch.nn.utils.prune) as prune's hook computes it, orig * mask: the attribute the
+        hook sets is as old as the last forward (an optimizer step since is not in it), and
+        converters, ``flat_weights`` and `rnnkit.quantize` read the weights between forwards."""
+        tensors = [getattr(self, name) for name in self._names]
+        pruned = pruning_hooks(self) if self._forward_pre_hooks else None
+        if pruned:
+            tensors = [pruned[name].apply_mask(self) if name in pruned else t for name, t in zip(self._names, tensors)]
+        return tensors
 
     def _aliased(self, tensors) -> bool:
         """Whether ``tensors`` (the weights in buffer order) are exactly the packed buffer's pieces.

@@ -29,12 +29,12 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
-from torch.nn.utils.prune import BasePruningMethod
 
 from . import functional
 from . import nn as float_nn
 from .nn import (_NONLINEARITY, StepPlans, _Cell, _CellAttributes, _PackedModule, _Recurrent, _SpecAttributes,
-                 _StackAttributes, check_cell_input, load_checked, memory_of, planned_call, step_plans)
+                 _StackAttributes, check_cell_input, load_checked, memory_of, planned_call, pruning_hooks,
+                 step_plans)
 from .errors import DTypeMismatchError, MismatchError
 from .params import Layout, PassWeights
 from .passes import (PASS_ARGUMENTS, _direct, forward_ad_reason, mask_tensors, named, output_shapes, pass_scalars,
@@ -130,12 +130,7 @@ class _Quantized(_SpecAttributes, nn.Module):
         super().__init__()
         if not isinstance(source, self._FLOAT):
             raise TypeError(f"module: expected an rnnkit.{self._FLOAT.__name__}, got {type(source).__name__}")
-        pruning = _pruning_hooks(source)
-        # parametrized weights as they compute now; a pruned one as its hook computes it (orig * mask:
-        # the attribute the hook last set may be older, or hold a graph)
-        with torch.no_grad():
-            current = [pruning[name].apply_mask(source) if name in pruning else value
-                       for name, value in zip(source._names, source._current())]
+        current = source._current()  # parametrized or pruned weights as they compute now
         if current[0].device.type not in ("cpu", "meta"):  # meta: shapes only (the op's fake implementation)
             raise ValueError(f"module: int8 inference runs on the CPU; move the module there first (it is on "
                              f"{current[0].device})")
@@ -194,7 +189,7 @@ class _Quantized(_SpecAttributes, nn.Module):
         """The quantized counterpart of an rnnkit module (``torch.ao.quantization``'s hook: see
         `dynamic_quant_mapping`). Its qconfig must ask for int8 weights (``torch.qint8``): a float16
         or quint8 qconfig is refused, not quietly given int8 weights."""
-        pruned = sorted(_pruning_hooks(module))
+        pruned = sorted(pruning_hooks(module))
         if pruned:  # torch.ao's swap carries prune's hook over, which reads <name>_orig on the int8 module
             raise ValueError(f"{type(module).__name__}: {', '.join(pruned)} pruned (torch.nn.utils.prune): its "
                              "forward pre-hook would be carried onto the int8 module, which has no "
@@ -495,7 +490,7 @@ def _carry_extras(layer: nn.Module, twin: "_Quantized", memo: dict) -> None:
     kind = nn.utils.parametrize.type_before_parametrizations(layer)
     if kind not in _INTRINSIC:
         _INTRINSIC[kind] = {k for k in vars(kind(1, 1)) if not k.startswith("_")}
-    pruned = _pruning_hooks(layer)  # prune's mask and masked weight: in the twin's weights already
+    pruned = pruning_hooks(layer)  # prune's mask and masked weight: in the twin's weights already
     for name, value in layer._buffers.items():
         if name.endswith("_mask") and name[:-len("_mask")] in pruned:
             continue
@@ -511,13 +506,6 @@ def _carry_extras(layer: nn.Module, twin: "_Quantized", memo: dict) -> None:
             setattr(twin, name, copy.deepcopy(value, memo))
 
 
-def _pruning_hooks(module: nn.Module) -> dict:
-    """torch.nn.utils.prune's forward pre-hooks on ``module``, by the name of the weight each masks
-    (a PruningContainer where one weight was pruned more than once)."""
-    return {hook._tensor_name: hook for hook in module._forward_pre_hooks.values()
-            if isinstance(hook, BasePruningMethod)}
-
-
 def _quantized_twin(module: nn.Module) -> _Quantized:
     """The int8 counterpart of one rnnkit layer: a parametrized or pruned layer's weights as they
     compute now, and its forward pre-hooks and hooks carried over (as torch.ao's swap_module does),
@@ -528,8 +516,9 @@ def _quantized_twin(module: nn.Module) -> _Quantized:
         raise ValueError(f"module: {type(module).__name__} subclasses an rnnkit layer, and its forward may differ from "
                          "the layer's: quantize the rnnkit layers inside it instead")
     twin = target(module)
+    pruning = list(pruning_hooks(module).values())
     for key, hook in module._forward_pre_hooks.items():
-        if not isinstance(hook, BasePruningMethod):
+        if not any(hook is p for p in pruning):
             twin.register_forward_pre_hook(hook, with_kwargs=key in module._forward_pre_hooks_with_kwargs)
     for key, hook in module._forward_hooks.items():
         twin.register_forward_hook(hook, with_kwargs=key in module._forward_hooks_with_kwargs,
