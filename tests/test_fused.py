@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import rnnkit
 from rnnkit import backend as backends
@@ -650,7 +651,8 @@ def test_lengths_run_the_rows_still_going(mode, options, lengths, training, monk
     """With lengths, fused sorts the batch and runs at most SEGMENTS spans of time on the rows
     still going (rows ending inside a span take their length relative to it; steps no sequence
     reaches are zeros). Outputs, final states and, in training, every gradient (random upstream
-    gradients) equal the reference's, in the caller's row order, with given initial states.
+    gradients) equal the reference's, in the caller's row order, with given initial states and
+    NaN in the padding (which the spans' gathers leave out, or zero inside a span).
     Zoneout is sampled only in eval here: training with random masks runs one pass."""
     from rnnkit import functional
 
@@ -671,6 +673,8 @@ def test_lengths_run_the_rows_still_going(mode, options, lengths, training, monk
     x = torch.randn(B, T, 7, dtype=torch.float64) if batch_first else torch.randn(T, B, 7, dtype=torch.float64)
     with torch.no_grad():
         _, hx = reference(x, lengths=torch.tensor(lengths))  # some initial states in the module's format
+    for b, length in enumerate(lengths):  # NaN in the padding: no output or gradient may read it
+        (x[b, length:] if batch_first else x[length:, b]).fill_(float("nan"))
     monkeypatch.setattr(functional, "SEGMENT_MIN_HIDDEN", 1)  # small cells here, to keep the test fast
     spans = []
     real = functional.Segments.run_pass
@@ -695,6 +699,47 @@ def test_lengths_run_the_rows_still_going(mode, options, lengths, training, monk
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert_close(a, b)
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["stacked", "per-layer"])
+def test_a_packed_sequence_runs_in_its_packed_order_with_the_states_permuted(per_layer):
+    """A PackedSequence (enforce_sorted=False) with initial states runs padded in its packed order,
+    the states permuted into it and back as torch.nn's are: the same as the padded batch with its
+    lengths in the caller's order, through the spans (H 256), the reference backend and torch.nn."""
+    torch.manual_seed(0)
+    hidden = [256, 256] if per_layer else 256
+    fused = rnnkit.LSTM(5, hidden, num_layers=2, bidirectional=True, backend="fused", dtype=torch.float64)
+    reference = rnnkit.LSTM(5, hidden, num_layers=2, bidirectional=True, backend="reference", dtype=torch.float64)
+    reference.load_state_dict(fused.state_dict())
+    lengths = torch.tensor([3, 30, 1, 9, 30, 2])
+    x = torch.randn(30, 6, 5, dtype=torch.float64)
+    _, hx = reference(x, lengths=lengths)
+    packed = pack_padded_sequence(x, lengths, enforce_sorted=False)
+    want_y, want_hy = reference(x, hx, lengths=lengths)
+    for module in (fused, reference):
+        y, hy = module(packed, hx)
+        assert torch.equal(y.sorted_indices, packed.sorted_indices) and torch.equal(y.batch_sizes, packed.batch_sizes)
+        assert_close(pad_packed_sequence(y, total_length=30)[0], want_y, module.backend)
+        assert_close(flatten(hy), flatten(want_hy), module.backend)
+    if not per_layer:
+        twin = torch.nn.LSTM(5, 256, num_layers=2, bidirectional=True, dtype=torch.float64)
+        twin.load_state_dict(fused.state_dict())
+        y, hy = twin(packed, hx)
+        assert_close(pad_packed_sequence(y, total_length=30)[0], want_y, "torch.nn")
+        assert_close(flatten(hy), flatten(want_hy), "torch.nn")
+
+
+def test_vmapped_lengths_run_without_spans():
+    """Per-sample lengths under torch.func.vmap (README) with cells wide enough to segment: the spans
+    need the lengths' values, which vmap has not, so the batch runs in one pass (it failed on
+    .item())."""
+    torch.manual_seed(0)
+    module = rnnkit.LSTM(8, 256, backend="fused")
+    x = torch.randn(3, 10, 4, 8)
+    lengths = torch.tensor([[10, 2, 3, 1], [4, 10, 1, 1], [10, 10, 10, 1]])
+    got = torch.func.vmap(lambda x, n: module(x, lengths=n)[0])(x, lengths)
+    want = torch.stack([module(x[k], lengths=lengths[k])[0] for k in range(3)])
+    assert_close(got, want)
 
 
 def test_lengths_segment_only_where_it_saves_work():

@@ -229,61 +229,82 @@ class Segments:
     """A batch sorted by length (longest first) and cut into at most `SEGMENTS` spans of time,
     each run on the rows still going at its start: a prefix of the sorted batch. Rows that end
     inside a span run there with their length relative to it. The work is then about the steps
-    that run, not T·B: with lengths spread from T/8 to T, a little over half. Built from
-    concatenations, not writes in place, so autograd differentiates through it.
+    that run, not T·B: with lengths spread from T/8 to T, a little over half. So are the copies:
+    each span's input is gathered from the caller's x (its padding zeroed there), the layers pass
+    their outputs on span by span, and only the last layer's are written into the padded [T, B]
+    output (one fill, then the spans' rows): a batch of one long sequence among 127 of length one
+    (T 1000, H 256) spent 480 of its 500 ms in passes over the whole padded T x B (zeroing,
+    reordering, padding and joining the spans) before.
     """
 
-    def __init__(self, lengths: torch.Tensor):
-        self.order = torch.argsort(lengths, descending=True, stable=True)
-        self.restore = torch.argsort(self.order)
-        self.lengths = lengths[self.order]
+    def __init__(self, lengths: torch.Tensor, device: torch.device):
+        order = torch.argsort(lengths, descending=True, stable=True)
+        self.lengths = lengths[order]
+        self.order, self.restore = order.to(device), torch.argsort(order).to(device)
         ends = sorted(set(self.lengths.tolist()))
         if len(ends) > SEGMENTS:  # evenly spaced among the distinct lengths, the longest last
             ends = [ends[round((k + 1) * len(ends) / SEGMENTS) - 1] for k in range(SEGMENTS)]
-        self.spans = []  # (start, end, rows)
+        self.spans = []  # (start, end, rows, the rows' lengths inside the span or None where all run to its end)
         start = 0
         for end in ends:
             rows = int((self.lengths > start).sum())
-            self.spans.append((start, end, rows))
+            inside = (self.lengths[:rows] - start).clamp(max=end - start)
+            self.spans.append((start, end, rows, None if bool((inside == end - start).all()) else inside))
             start = end
 
     @staticmethod
     def worth_it(backend, spec: RNNSpec, lengths: Optional[torch.Tensor], T: int, training: bool) -> bool:
         """A segmenting backend with cells of hidden size `SEGMENT_MIN_HIDDEN` and more, where at
-        least 1/8 of the T·B steps are padding, outside compile / export / tracing. In training
-        only without random masks: they are drawn per row, and sorting the rows would change
-        which row gets which draw."""
+        least 1/8 of the T·B steps are padding, outside compile / export / tracing and torch.func's
+        transforms (vmapped lengths have no values to cut spans at). In training only without
+        random masks: they are drawn per row, and sorting the rows would change which row gets
+        which draw."""
         if lengths is None or getattr(backend, "name", None) not in SEGMENT_BACKENDS:
             return False
         if training and spec.uses_dropout_masks:
             return False
         if min(spec.cell(layer).hidden_size for layer in range(spec.num_layers)) < SEGMENT_MIN_HIDDEN:
             return False
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing() or lengths.numel() < 2:
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing() \
+                or torch._C._functorch.peek_interpreter_stack() is not None or lengths.numel() < 2:
             return False
         return (T * lengths.numel() - int(lengths.sum())) * 8 >= T * lengths.numel()
 
-    def run_pass(self, backend, cell, x, h0, c0, w, reverse: bool, masks):
+    def inputs(self, x: torch.Tensor) -> list:
+        """x [T, B, I] in the caller's order -> per span its rows' steps [end - start, rows, I], in
+        sorted order, zero past each row's length (nothing a caller leaves in the padding reaches
+        an output or a gradient)."""
+        pieces = []
+        for start, end, rows, inside in self.spans:
+            piece = x[start:end].index_select(1, self.order[:rows])
+            if inside is not None:
+                piece = torch.where(step_mask(inside, end - start, x.device).unsqueeze(2), piece,
+                                    torch.zeros((), dtype=x.dtype, device=x.device))
+            pieces.append(piece)
+        return pieces
+
+    def run_pass(self, backend, cell, pieces: list, h0, c0, w, reverse: bool, masks):
         """One pass over the sorted batch, span by span (the reverse direction from the last span):
-        -> (y [T, B, F] zero past each length, h_n, c_n), rows in sorted order."""
-        T, B = x.shape[:2]
+        -> (per span y [end - start, rows, F] zero past each length, h_n, c_n), rows in sorted order."""
         h, c = h0, c0
-        pieces = []  # (start, y of the span padded to B rows)
-        for start, end, rows in (reversed(self.spans) if reverse else self.spans):
-            inside = (self.lengths[:rows] - start).clamp(max=end - start)
-            span_lengths = None if bool((inside == end - start).all()) else inside
-            y_span, h_span, c_span = backend.run_pass(cell, x[start:end, :rows], h[:rows], None if c is None else c[:rows],
-                                                      w, span_lengths, reverse, masks)
-            pieces.append((start, torch.nn.functional.pad(y_span, (0, 0, 0, B - rows))))
+        outputs = [None] * len(self.spans)
+        for k in (reversed(range(len(self.spans))) if reverse else range(len(self.spans))):
+            _, _, rows, inside = self.spans[k]
+            B = h.shape[0]
+            outputs[k], h_span, c_span = backend.run_pass(cell, pieces[k], h[:rows], None if c is None else c[:rows],
+                                                          w, inside, reverse, masks)
             h = torch.cat([h_span, h[rows:]]) if rows < B else h_span
             if c is not None:
                 c = torch.cat([c_span, c[rows:]]) if rows < B else c_span
-        pieces.sort(key=lambda piece: piece[0])
-        y = torch.cat([y for _, y in pieces])
-        last = self.spans[-1][1]
-        if last < T:  # steps no sequence reaches
-            y = torch.cat([y, y.new_zeros(T - last, B, y.shape[2])])
-        return y, h, c
+        return outputs, h, c
+
+    def output(self, pieces: list, T: int, B: int) -> torch.Tensor:
+        """The spans' outputs -> y [T, B, F] in the caller's order, zero past each length: one fill
+        and the rows that ran (a write into a new tensor, which autograd differentiates through)."""
+        y = pieces[0].new_zeros(T, B, pieces[0].shape[2])
+        for (start, end, rows, _), piece in zip(self.spans, pieces):
+            y[start:end].index_copy_(1, self.order[:rows], piece)
+        return y
 
 
 # ---- the stack -----------------------------------------------------------------------
@@ -298,19 +319,19 @@ def run_stack(backend, spec: RNNSpec, weights: Sequence[PassWeights], x, h0s, c0
     run alone.
     """
     T, B = x.shape[:2]
-    if lengths is not None:
+    segments = None
+    if not hasattr(backend, "run_stack") and Segments.worth_it(backend, spec, lengths, T, training):
+        segments = Segments(lengths, x.device)  # each span's input zeroed as it is gathered
+        h0s = [h.index_select(0, segments.order) for h in h0s]
+        c0s = None if c0s is None else [c.index_select(0, segments.order) for c in c0s]
+    elif lengths is not None:
         x = torch.where(step_mask(lengths, T, x.device).unsqueeze(2), x, torch.zeros((), dtype=x.dtype,
                                                                                  device=x.device))
     if hasattr(backend, "run_stack"):
         return backend.run_stack(spec, weights, x, h0s, c0s, lengths, training)
-    segments = None
-    if Segments.worth_it(backend, spec, lengths, T, training):
-        segments = Segments(lengths)
-        x = x[:, segments.order]
-        h0s = [h[segments.order] for h in h0s]
-        c0s = None if c0s is None else [c[segments.order] for c in c0s]
     D = spec.num_directions
-    layer_input, h_ns, c_ns = x, [], []
+    # with segments, every layer's input and output a list of the spans' (no random masks there)
+    layer_input, h_ns, c_ns = x if segments is None else segments.inputs(x), [], []
     for layer in range(spec.num_layers):
         cell = spec.cell(layer)
         outputs = []
@@ -331,15 +352,17 @@ def run_stack(backend, spec: RNNSpec, weights: Sequence[PassWeights], x, h0s, c0
             c_ns.append(c_n)
         if D == 1:
             y = outputs[0]
+        elif segments is not None:
+            y = [torch.cat(pair, 2) if spec.merge == "concat" else pair[0] + pair[1] for pair in zip(*outputs)]
         else:
             y = torch.cat(outputs, 2) if spec.merge == "concat" else outputs[0] + outputs[1]
         if training and spec.dropout and layer < spec.num_layers - 1:
             y = layer_dropout(y, spec.dropout)
         layer_input = y
     if segments is not None:  # back to the caller's order
-        layer_input = layer_input[:, segments.restore]
-        h_ns = [h[segments.restore] for h in h_ns]
-        c_ns = [c[segments.restore] for c in c_ns] if spec.mode == "lstm" else c_ns
+        layer_input = segments.output(layer_input, T, B)
+        h_ns = [h.index_select(0, segments.restore) for h in h_ns]
+        c_ns = [c.index_select(0, segments.restore) for c in c_ns] if spec.mode == "lstm" else c_ns
     return layer_input, h_ns, (c_ns if spec.mode == "lstm" else None)
 
 
@@ -513,19 +536,34 @@ def _check_packed(input: PackedSequence) -> None:
 
 def sequence_call(run, input, hx, lengths, batch_first: bool):
     """The stacks' call convention around ``run(input, hx, lengths, batch_first) -> (y, hy)``: a
-    PackedSequence input is run padded with its lengths, and its output packed the same way."""
+    PackedSequence input is run padded with its lengths, and its output packed the same way. The
+    padded batch stays in the packed order (longest first), the states permuted into it and back
+    as torch.nn's are: unsorting the padded input and sorting the output again were two passes
+    over the whole padded T x B."""
     if isinstance(input, PackedSequence):
         if lengths is not None:
             raise ValueError("lengths: a PackedSequence carries its own lengths; pass lengths=None")
         _check_packed(input)
-        padded, lens = pad_packed_sequence(input)  # [T, B, I], batch in original order
-        y, hy = run(padded, hx, lens, False)
-        order = input.sorted_indices
-        if order is not None:
-            y, lens = y.index_select(1, order), lens[order.cpu()]
+        order, unorder = input.sorted_indices, input.unsorted_indices
+        padded, lens = pad_packed_sequence(PackedSequence(input.data, input.batch_sizes))  # [T, B, I], packed order
+        B = padded.shape[1]
+        y, hy = run(padded, _batch_permuted(hx, order, B), lens, False)
         data = pack_padded_sequence(y, lens, enforce_sorted=True).data
-        return PackedSequence(data, input.batch_sizes, input.sorted_indices, input.unsorted_indices), hy
+        return PackedSequence(data, input.batch_sizes, order, unorder), _batch_permuted(hy, unorder, B)
     return run(input, hx, lengths, batch_first)
+
+
+def _batch_permuted(states, index: Optional[torch.Tensor], B: int):
+    """Stacked states (a tensor, an LSTM's pair, per-layer lists; batch on dim 1) with their batch
+    permuted by ``index``; anything else, or a tensor of another batch size, as it is (the state
+    checks then refuse it by name, rather than a permutation picking rows of it)."""
+    if index is None or states is None:
+        return states
+    if isinstance(states, (tuple, list)):
+        return type(states)(_batch_permuted(t, index, B) for t in states)
+    if isinstance(states, torch.Tensor) and states.dim() >= 2 and states.shape[1] == B:
+        return states.index_select(1, index.to(states.device))
+    return states
 
 
 # ---- cuDNN's four calls --------------------------------------------------------------
