@@ -9,6 +9,7 @@ float64 tolerance. The two-process runs (DDP, FSDP2) launch tests/distributed_wo
 from __future__ import annotations
 
 import copy
+import math
 import os
 import pickle
 import subprocess
@@ -970,6 +971,40 @@ def test_reset_parameters_keeps_the_constructors_forget_bias():
     module.forget_bias = None  # torch.nn's uniform draw
     module.reset_parameters()
     assert not torch.equal(forget(module), torch.ones(H))
+
+
+def test_reset_parameters_draws_into_the_packed_buffer_as_torch_nn_draws():
+    """reset_parameters() draws straight into the buffer the parameters alias (a full-size
+    temporary doubled the peak memory of constructing a wide stack): the same values as torch.nn's
+    under one seed, the parameters still views of the same buffer; a parametrized module's
+    other weights (not views of a buffer any more) through a temporary as before, the same values."""
+    module, twin = rnnkit.LSTM(I, H, num_layers=2), torch.nn.LSTM(I, H, num_layers=2)
+    flat, pointers = module.flat_weights, [p.data_ptr() for p in module.parameters()]
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Allocations(TorchDispatchMode):
+        sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.empty, torch.ops.aten.empty_strided):
+                self.sizes.append(math.prod(args[0]))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(7)
+    with Allocations():
+        module.reset_parameters(forget_bias=None)
+    assert not [n for n in Allocations.sizes if n >= flat.numel() // 2], Allocations.sizes  # no temporary buffer
+    torch.manual_seed(7)
+    twin.reset_parameters()
+    assert module.flat_weights.data_ptr() == flat.data_ptr() and [p.data_ptr() for p in module.parameters()] == pointers
+    for name, value in twin.state_dict().items():
+        assert torch.equal(getattr(module, name), value), name
+    parametrized = parametrize.register_parametrization(rnnkit.LSTM(I, H, num_layers=2), "weight_hh_l0",
+                                                        torch.nn.Identity())
+    torch.manual_seed(7)
+    parametrized.reset_parameters(forget_bias=None)
+    for name, value in twin.state_dict().items():
+        assert name == "weight_hh_l0" or torch.equal(getattr(parametrized, name), value), name
 
 
 # ---- a buffer placed as cuDNN places its weight space ------------------------------------------

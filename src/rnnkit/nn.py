@@ -733,8 +733,13 @@ class _PackedModule(_SpecAttributes, nn.Module):
         """
         if forget_bias is None:
             forget_bias = getattr(self, "forget_bias", None)  # None in a module pickled before it was kept
-        any_param = next((p for p in (self._parameters.get(n) for n in self._names) if p is not None), None)
+        params = [self._parameters.get(n) for n in self._names]
+        any_param = next((p for p in params if p is not None), None)
         if any_param is None or any_param.device.type == "meta":
+            return
+        if all(p is not None for p in params) and not self._cudnn_placed and self._aliased(params):
+            with torch.no_grad():  # drawn straight into the buffer the parameters are views of
+                initialize(self.layout, self._flat, forget_bias=forget_bias)  # (a copy doubled the peak)
             return
         fresh = torch.empty(self.layout.numel, dtype=any_param.dtype, device=any_param.device)
         initialize(self.layout, fresh, forget_bias=forget_bias)
