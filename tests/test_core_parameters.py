@@ -395,7 +395,8 @@ def test_a_pruned_module_trains_as_torch_nns_and_is_read_as_it_computes():
     """torch.nn.utils.prune (its forward pre-hook, mask and ``_orig`` parameter) trains as on
     torch.nn's LSTM; between forwards, after an optimizer step, the module's weights as converters,
     flat_weights and named_weights read them are orig * mask (what the next forward computes with),
-    not the attribute prune's hook set at the last forward; prune.remove leaves them in place."""
+    not the attribute prune's hook set at the last forward; a forward computes with what the hooks
+    left (a later hook's edit of the masked weight too); prune.remove leaves them in place."""
     prune = pytest.importorskip("torch.nn.utils.prune")
     kit, twin = make("lstm", "fused")
     masks = {}
@@ -413,6 +414,11 @@ def test_a_pruned_module_trains_as_torch_nns_and_is_read_as_it_computes():
         assert torch.equal(kit.named_weights()["weight_hh_l0"].detach(), masked)
         assert torch.equal(kit.layout.view(kit.flat_weights, "weight_hh_l0"), masked)
         assert torch.equal(torch_pieces(kit)["weight_hh_l0"], masked)  # every converter's reading
+        for module in (kit, twin):  # a later hook that edits the masked weight (noise, fake quantization): the
+            module.register_forward_pre_hook(  # forward computes with what the hooks left, as torch.nn's
+                lambda m, args: setattr(m, "weight_hh_l0", m.weight_hh_l0 * 0.5))
+        assert_close(run_step(kit, 21), run_step(twin, 21), "with a hook after prune's")
+        kit._forward_pre_hooks.popitem(), twin._forward_pre_hooks.popitem()
         prune.remove(kit, "weight_hh_l0"), prune.remove(kit, "weight_ih_l0")
         assert torch.equal(kit.weight_hh_l0.detach(), masked)
         kit.flatten_parameters()

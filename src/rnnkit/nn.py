@@ -479,11 +479,17 @@ class _PackedModule(_SpecAttributes, nn.Module):
         return self._current()[0]
 
     def _current(self) -> list:
-        """The weights as the module computes with them now (parameters, or parametrized values), a
-        pruned one (torch.nn.utils.prune) as prune's hook computes it, orig * mask: the attribute the
-        hook sets is as old as the last forward (an optimizer step since is not in it), and
-        converters, ``flat_weights`` and `rnnkit.quantize` read the weights between forwards."""
-        tensors = [getattr(self, name) for name in self._names]
+        """The weights as the module computes with them now (parameters, or parametrized values; in a
+        forward, what the forward pre-hooks left: prune's masked weight, and what a later hook made
+        of it, as torch.nn computes with)."""
+        return [getattr(self, name) for name in self._names]
+
+    def _settled(self) -> list:
+        """The weights as read between calls (converters, ``flat_weights``, ``named_weights``,
+        `rnnkit.quantize`): `_current`, with a pruned weight (torch.nn.utils.prune) as prune's hook
+        computes it, orig * mask: the attribute the hook sets is as old as the last forward (an
+        optimizer step since is not in it)."""
+        tensors = self._current()
         pruned = pruning_hooks(self) if self._forward_pre_hooks else None
         if pruned:
             tensors = [pruned[name].apply_mask(self) if name in pruned else t for name, t in zip(self._names, tensors)]
@@ -515,9 +521,10 @@ class _PackedModule(_SpecAttributes, nn.Module):
             self._warned_unpacked = True
             warnings.warn(
                 f"{type(self).__name__}: the weights are not views of one packed buffer any more (a parametrization, "
-                "p.data = ..., load_state_dict(assign=True) or set_ broke the aliasing), so each call passes them "
-                "to the kernels one by one and flat_weights / flat_weights.grad are copies. Call "
-                "flatten_parameters() to pack them again.",
+                "pruning, p.data = ..., load_state_dict(assign=True) or set_ broke the aliasing), so each call passes "
+                "them to the kernels one by one and flat_weights / flat_weights.grad are copies. Call "
+                "flatten_parameters() to pack them again (after removing a parametrization or pruning: "
+                "parametrize.remove_parametrizations, prune.remove).",
                 stacklevel=3,
             )
 
@@ -628,7 +635,7 @@ class _PackedModule(_SpecAttributes, nn.Module):
         It is not itself a parameter and does not require grad: optimize ``module.parameters()``.
         When the aliasing is broken (see the class docstring) this is a copy of the weights.
         """
-        tensors = self._current()
+        tensors = self._settled()
         if self._aliased(tensors):
             flat = self._flat if self._shown is None else self._shown
         else:
@@ -755,8 +762,9 @@ class _PackedModule(_SpecAttributes, nn.Module):
             self.__dict__["_rebound"] = True
 
     def named_weights(self):
-        """{torch.nn name: weight} for every piece, in buffer order."""
-        return dict(zip(self._names, self._current()))
+        """{torch.nn name: weight} for every piece, in buffer order, as the next call computes with
+        them (parametrized values; a pruned weight as orig * mask)."""
+        return dict(zip(self._names, self._settled()))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -131,7 +131,7 @@ class _Quantized(_SpecAttributes, nn.Module):
         super().__init__()
         if not isinstance(source, self._FLOAT):
             raise TypeError(f"module: expected an rnnkit.{self._FLOAT.__name__}, got {type(source).__name__}")
-        current = source._current()  # parametrized or pruned weights as they compute now
+        current = source._settled()  # parametrized or pruned weights as they compute now
         if current[0].device.type not in ("cpu", "meta"):  # meta: shapes only (the op's fake implementation)
             raise ValueError(f"module: int8 inference runs on the CPU; move the module there first (it is on "
                              f"{current[0].device})")
