@@ -1013,6 +1013,38 @@ def test_reset_parameters_draws_into_the_packed_buffer_as_torch_nn_draws():
         assert name == "weight_hh_l0" or torch.equal(getattr(parametrized, name), value), name
 
 
+def test_reset_parameters_redraws_pruned_and_parametrized_weights():
+    """reset_parameters() re-draws a pruned weight's _orig (the mask kept) and a parametrized
+    weight (through right_inverse: the weight is the draw; without one, each original uniformly,
+    as torch.nn's reset draws everything parameters() lists): it left both as they were."""
+    prune = pytest.importorskip("torch.nn.utils.prune")
+
+    class Twice(torch.nn.Module):  # no right_inverse
+        def forward(self, x):
+            return 2 * x
+
+    twin = rnnkit.LSTM(I, H)
+    torch.manual_seed(5)
+    twin.reset_parameters()
+    pruned = rnnkit.LSTM(I, H)
+    prune.l1_unstructured(pruned, "weight_hh_l0", 0.5)
+    mask = pruned.weight_hh_l0_mask.clone()
+    normed = weight_norm(rnnkit.LSTM(I, H), "weight_hh_l0")
+    doubled = parametrize.register_parametrization(rnnkit.LSTM(I, H), "weight_hh_l0", Twice())
+    before = doubled.parametrizations.weight_hh_l0.original.clone()
+    for module in (pruned, normed, doubled):
+        torch.manual_seed(5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the note that the weights run unpacked
+            module.reset_parameters()
+        for name, value in twin.state_dict().items():
+            assert name == "weight_hh_l0" or torch.equal(getattr(module, name), value), name
+    assert torch.equal(pruned.weight_hh_l0_orig, twin.weight_hh_l0) and torch.equal(pruned.weight_hh_l0_mask, mask)
+    assert_close(normed.weight_hh_l0, twin.weight_hh_l0, "weight_norm's weight")
+    original = doubled.parametrizations.weight_hh_l0.original
+    assert not torch.equal(original, before) and original.abs().max() <= 1 / math.sqrt(H)
+
+
 # ---- a buffer placed as cuDNN places its weight space ------------------------------------------
 
 def _scattered_placement(spec, layout, device, dtype, between=0):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import inspect
 import warnings
 from collections import OrderedDict
@@ -730,7 +731,9 @@ class _PackedModule(_SpecAttributes, nn.Module):
             self._mark_placed(flat)
 
     def reset_parameters(self, forget_bias: Optional[float] = None) -> None:
-        """Re-draw the weights as torch.nn does (uniform ±1/sqrt(H)); LN gains 1, shifts 0.
+        """Re-draw the weights as torch.nn does (uniform ±1/sqrt(H)); LN gains 1, shifts 0. A pruned
+        weight's ``_orig`` is drawn (its mask kept), a parametrized one through its ``right_inverse``
+        (the weight is the draw; without one, each original uniformly, as torch.nn's reset does).
 
         Args:
             forget_bias: the LSTM forget gate's initial bias; None: the module's ``forget_bias``
@@ -741,20 +744,35 @@ class _PackedModule(_SpecAttributes, nn.Module):
         if forget_bias is None:
             forget_bias = getattr(self, "forget_bias", None)  # None in a module pickled before it was kept
         params = [self._parameters.get(n) for n in self._names]
-        any_param = next((p for p in params if p is not None), None)
-        if any_param is None or any_param.device.type == "meta":
+        like = self._current()[0]
+        if like.device.type == "meta":
             return
         if all(p is not None for p in params) and not self._cudnn_placed and self._aliased(params):
             with torch.no_grad():  # drawn straight into the buffer the parameters are views of
                 initialize(self.layout, self._flat, forget_bias=forget_bias)  # (a copy doubled the peak)
             return
-        fresh = torch.empty(self.layout.numel, dtype=any_param.dtype, device=any_param.device)
+        fresh = torch.empty(self.layout.numel, dtype=like.dtype, device=like.device)
         initialize(self.layout, fresh, forget_bias=forget_bias)
+        pruned = pruning_hooks(self) if self._forward_pre_hooks else {}
+        entries = {entry.name: entry for entry in self.layout}
         with torch.no_grad():
             for name, value in self.layout.named_views(fresh).items():
                 p = self._parameters.get(name)
                 if p is not None:
                     p.copy_(value)
+                    continue
+                # a weight pruned (its _orig re-drawn, the mask kept) or parametrized: torch.nn's
+                # reset re-draws what parameters() lists, the _orig and the originals, too
+                target = name + "_orig" if name in pruned else name
+                if not nn.utils.parametrize.is_parametrized(self, target):
+                    self._parameters[target].copy_(value)
+                    continue
+                try:
+                    setattr(self, target, value)  # the originals through right_inverse: the weight is the draw
+                except (RuntimeError, NotImplementedError):  # no right_inverse: each original drawn, as torch.nn does
+                    bound = 1.0 / math.sqrt(self.spec.hidden_sizes[entries[name].layer])
+                    for original in self.parametrizations[target].parameters():
+                        original.uniform_(-bound, bound)
 
     def __setattr__(self, name, value) -> None:
         super().__setattr__(name, value)
