@@ -813,6 +813,10 @@ def test_non_finite_values_give_nan_not_a_finite_answer(mode):
     q_rows, scale = rnnkit.quantized.quantize_rows(torch.tensor([[1.0, float("inf")], [2.0, -1.0]]))
     assert scale[0].isnan() and torch.equal(q_rows[0], torch.zeros(2, dtype=torch.int8))
     assert torch.equal(q_rows[1], torch.tensor([127, -64], dtype=torch.int8))
+    # rows of tiny weights (127 / max|w| overflows below ~3.7e-37): the codes of any other scale
+    q_rows, scale = rnnkit.quantized.quantize_rows(torch.tensor([[1e-40, 0.0, -5e-41], [1e-38, 3e-39, 0.0]]))
+    assert torch.equal(q_rows, torch.tensor([[127, 0, -64], [127, 38, 0]], dtype=torch.int8))
+    assert torch.equal(scale, torch.tensor([1e-40, 1e-38]) / 127)
 
 
 @pytest.mark.parametrize("call, error, words", [

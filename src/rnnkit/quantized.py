@@ -53,8 +53,11 @@ def quantize_rows(weight: torch.Tensor):
     w = weight.detach().to(torch.float32)
     amax = w.abs().amax(dim=1)  # NaN or inf where the row holds one (the reductions propagate NaN)
     finite = torch.isfinite(amax)
-    inverse = torch.where(finite & (amax > 0), 127.0 / amax, torch.zeros_like(amax))
-    scaled = w * inverse[:, None]  # rounded and clamped in place: 6 passes over the matrix, not 9
+    # a row whose largest |w| is under ~3.7e-37 has no finite 127 / amax: it is scaled by 2^100 first
+    # (exact: a power of two), every other row by 1 (the same products as without)
+    boost = torch.where(amax < 1e-30, 2.0 ** 100, 1.0)
+    inverse = torch.where(finite & (amax > 0), 127.0 / (amax * boost), torch.zeros_like(amax))
+    scaled = (w * boost[:, None]).mul_(inverse[:, None])  # rounded and clamped in place: 7 passes, not 9
     q = scaled.round_().clamp_(-127, 127).to(torch.int8)
     q.masked_fill_(~finite[:, None], 0)  # no sync on the values: also on the meta device, and fake tensors
     return q, torch.where(finite, amax / 127.0, torch.full_like(amax, float("nan")))
