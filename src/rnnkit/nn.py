@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import difflib
-import math
 import inspect
+import math
 import warnings
 from collections import OrderedDict
 from contextlib import nullcontext
@@ -765,7 +765,8 @@ class _PackedModule(_SpecAttributes, nn.Module):
                 # reset re-draws what parameters() lists, the _orig and the originals, too
                 target = name + "_orig" if name in pruned else name
                 if not nn.utils.parametrize.is_parametrized(self, target):
-                    self._parameters[target].copy_(value)
+                    if self._parameters.get(target) is not None:
+                        self._parameters[target].copy_(value)
                     continue
                 try:
                     setattr(self, target, value)  # the originals through right_inverse: the weight is the draw
