@@ -8,6 +8,7 @@ direction, and merges their outputs. On top of it sit the cuDNN-style calls
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import numbers
 from contextlib import nullcontext
@@ -257,6 +258,10 @@ def span_ends(lengths: Sequence[int], count: int) -> List[int]:
     return sorted(chosen)
 
 
+# Set while `sequence_call` runs a PackedSequence: the padded output's padding is never read there
+_PADDING_UNREAD = contextvars.ContextVar("rnnkit_padding_unread", default=False)
+
+
 class Segments:
     """A batch sorted by length (longest first) and cut into at most `SEGMENTS` spans of time,
     each run on the rows still going at its start: a prefix of the sorted batch. Rows that end
@@ -330,8 +335,11 @@ class Segments:
 
     def output(self, pieces: list, T: int, B: int) -> torch.Tensor:
         """The spans' outputs -> y [T, B, F] in the caller's order, zero past each length: one fill
-        and the rows that ran (a write into a new tensor, which autograd differentiates through)."""
-        y = pieces[0].new_zeros(T, B, pieces[0].shape[2])
+        and the rows that ran (a write into a new tensor, which autograd differentiates through).
+        Where the caller reads only the steps that ran (`sequence_call` packing the output), the
+        padding is left unset and the fill skipped."""
+        unread = _PADDING_UNREAD.get()
+        y = (pieces[0].new_empty if unread else pieces[0].new_zeros)(T, B, pieces[0].shape[2])
         for (start, end, rows, _), piece in zip(self.spans, pieces):
             y[start:end].index_copy_(1, self.order[:rows], piece)
         return y
@@ -575,10 +583,25 @@ def sequence_call(run, input, hx, lengths, batch_first: bool):
             raise ValueError("lengths: a PackedSequence carries its own lengths; pass lengths=None")
         _check_packed(input)
         order, unorder = input.sorted_indices, input.unsorted_indices
-        padded, lens = pad_packed_sequence(PackedSequence(input.data, input.batch_sizes))  # [T, B, I], packed order
-        B = padded.shape[1]
-        y, hy = run(padded, _batch_permuted(hx, order, B), lens, False)
-        data = pack_padded_sequence(y, lens, enforce_sorted=True).data
+        if torch.compiler.is_compiling() or input.data.device.type == "meta":
+            padded, lens = pad_packed_sequence(PackedSequence(input.data, input.batch_sizes))  # [T, B, I], packed order
+            B = padded.shape[1]
+            y, hy = run(padded, _batch_permuted(hx, order, B), lens, False)
+            data = pack_padded_sequence(y, lens, enforce_sorted=True).data
+        else:  # the padding left unset (every backend zeroes or skips it, as a caller's NaN there), and not read back
+            sizes = input.batch_sizes
+            T, B = sizes.numel(), int(sizes[0]) if sizes.numel() else 0
+            ran = (torch.arange(B)[None, :] < sizes[:, None]).flatten().nonzero().squeeze(1)  # packed data's order
+            lens = (sizes[None, :] > torch.arange(B)[:, None]).sum(1)
+            padded = input.data.new_empty(T * B, input.data.shape[1])
+            padded.index_copy_(0, ran.to(input.data.device), input.data)
+            padded = padded.view(T, B, input.data.shape[1])
+            token = _PADDING_UNREAD.set(True)
+            try:
+                y, hy = run(padded, _batch_permuted(hx, order, B), lens, False)
+            finally:
+                _PADDING_UNREAD.reset(token)
+            data = y.reshape(T * B, y.shape[2]).index_select(0, ran.to(y.device))
         return PackedSequence(data, input.batch_sizes, order, unorder), _batch_permuted(hy, unorder, B)
     return run(input, hx, lengths, batch_first)
 
