@@ -1013,6 +1013,52 @@ def test_reset_parameters_draws_into_the_packed_buffer_as_torch_nn_draws():
         assert name == "weight_hh_l0" or torch.equal(getattr(parametrized, name), value), name
 
 
+def test_deepcopy_copies_the_packed_buffer_once():
+    """copy.deepcopy gives a copy whose parameters are views of its own buffer (requires_grad as
+    they were, no .grad, as torch's), made with one copy of the weights (torch's Parameter deepcopy
+    cloned each and the copy packed them again: three copies at once); a parameter shared with
+    another module stays shared, whichever is copied first; a parametrized module copies as before."""
+    import copy
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    module = rnnkit.LSTM(I, H, num_layers=2, proj_size=2, peephole=True)
+    module.weight_ih_l0.requires_grad_(False)
+    x = torch.randn(5, 2, I)
+    module(x)[0].sum().backward()
+    numel = module.flat_weights.numel()
+
+    class Copies(TorchDispatchMode):
+        sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel() >= numel // 4 and func.overloadpacket not in (
+                    torch.ops.aten.view, torch.ops.aten.slice, torch.ops.aten.alias, torch.ops.aten.detach):
+                self.sizes.append((str(func), out.numel()))
+            return out
+
+    with Copies():
+        twin = copy.deepcopy(module)
+    assert len(Copies.sizes) == 1, Copies.sizes
+    assert twin._aliased(twin._current()) and twin.flat_weights.data_ptr() != module.flat_weights.data_ptr()
+    assert [p.requires_grad for p in twin.parameters()] == [p.requires_grad for p in module.parameters()]
+    assert all(p.grad is None for p in twin.parameters())
+    assert torch.equal(twin(x)[0], module(x)[0])
+    with torch.no_grad():
+        twin.weight_hh_l1.add_(1)
+    assert not torch.equal(twin(x)[0], module(x)[0])
+    for first in (True, False):
+        linear = torch.nn.Linear(I, 4 * H)
+        linear.weight = module.weight_ih_l0
+        pair = copy.deepcopy(torch.nn.ModuleList([module, linear] if first else [linear, module]))
+        copied, lin = (pair[0], pair[1]) if first else (pair[1], pair[0])
+        assert lin.weight is copied.weight_ih_l0
+    normed = weight_norm(rnnkit.LSTM(I, H), "weight_hh_l0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note that the parametrized weights run unpacked
+        assert torch.equal(copy.deepcopy(normed)(x)[0], normed(x)[0])
+
+
 def test_reset_parameters_redraws_pruned_and_parametrized_weights():
     """reset_parameters() re-draws a pruned weight's _orig (the mask kept) and a parametrized
     weight (through right_inverse: the weight is the draw; without one, each original uniformly,
