@@ -960,6 +960,20 @@ def test_an_in_place_edit_of_a_parameter_before_backward_is_refused(name):
         y.sum().backward()
 
 
+@pytest.mark.parametrize("name", ["lstm", "gru"])
+def test_a_module_on_the_meta_device_gives_the_shapes(name):
+    """A module built on the meta device computes shapes, as torch.nn's does, for a tensor, lengths
+    and a PackedSequence (asking whether autocast is on for "meta" raised)."""
+    cls = {"lstm": rnnkit.LSTM, "gru": rnnkit.GRU}[name]
+    module = cls(5, 7, num_layers=2, device="meta")
+    x = torch.randn(4, 3, 5, device="meta")
+    assert module(x)[0].shape == (4, 3, 7) and module(x)[0].device.type == "meta"
+    assert module(x, lengths=torch.tensor([4, 2, 1]))[0].shape == (4, 3, 7)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(torch.randn(4, 3, 5), torch.tensor([4, 2, 1]))
+    y, _ = module(torch.nn.utils.rnn.PackedSequence(packed.data.to("meta"), packed.batch_sizes))
+    assert y.data.shape == (7, 7)
+
+
 def test_reset_parameters_keeps_the_constructors_forget_bias():
     """reset_parameters() (and so meta -> to_empty -> reset_parameters()) drew the forget gate's
     bias uniformly again, dropping forget_bias=1 silently."""

@@ -729,6 +729,33 @@ def test_a_packed_sequence_runs_in_its_packed_order_with_the_states_permuted(per
         assert_close(flatten(hy), flatten(want_hy), "torch.nn")
 
 
+def test_a_packed_call_leaves_other_calls_padding_zero(monkeypatch):
+    """A PackedSequence's padded output is not filled (only the steps that ran are read back), and
+    only that call's: a padded call with lengths= made while it runs (from a hook, a mode, a
+    backend of one's own) still gets zeros past each length."""
+    from rnnkit import functional
+
+    monkeypatch.setattr(functional, "SEGMENT_MIN_HIDDEN", 1)
+    torch.manual_seed(0)
+    outer, inner = rnnkit.LSTM(3, 5, backend="fused"), rnnkit.GRU(3, 5, backend="fused")
+    lengths = torch.tensor([6, 1, 2, 1])
+    x = torch.randn(6, 4, 3)
+    seen, real = [], functional.Segments.run_pass
+
+    def run_pass(self, *args, **kwargs):
+        if not seen:  # once, in the outer call
+            seen.append(None)
+            seen[0] = inner(x, lengths=lengths)[0]
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(functional.Segments, "run_pass", run_pass)
+    y, _ = outer(pack_padded_sequence(x, lengths, enforce_sorted=False))
+    want = rnnkit.LSTM(3, 5, backend="reference")
+    want.load_state_dict(outer.state_dict())
+    assert_close(pad_packed_sequence(y, total_length=6)[0], want(x, lengths=lengths)[0])
+    assert seen and all(bool((seen[0][int(n):, b] == 0).all()) for b, n in enumerate(lengths))
+
+
 def test_vmapped_lengths_run_without_spans():
     """Per-sample lengths under torch.func.vmap (README) with cells wide enough to segment: the spans
     need the lengths' values, which vmap has not, so the batch runs in one pass (it failed on
@@ -771,6 +798,7 @@ def test_span_ends_leave_the_fewest_padded_row_steps():
     distinct = sorted(set(tail))
     evenly = [distinct[round((k + 1) * len(distinct) / 4) - 1] for k in range(4)]
     assert 3 * work(tail, span_ends(tail, 4)) < work(tail, evenly)
+    assert span_ends(list(torch.tensor([5, 5, 3, 1]).unbind()), 4) == [1, 3, 5]  # by value, not identity
 
 
 def test_lengths_segment_only_where_it_saves_work():

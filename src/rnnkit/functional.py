@@ -8,7 +8,6 @@ direction, and merges their outputs. On top of it sit the cuDNN-style calls
 """
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import numbers
 from contextlib import nullcontext
@@ -235,6 +234,7 @@ def span_ends(lengths: Sequence[int], count: int) -> List[int]:
     its steps where one row needed them (lengths geometric with mean 50, one of 1000: 14 rows for
     917 steps). Every span costs its fixed work (packing the weights again) however it is cut,
     so the count stays ``count``: a dynamic program over the distinct lengths (n² a step, n ≤ B)."""
+    lengths = [int(n) for n in lengths]  # a tensor's elements hash by identity, not value
     distinct = sorted(set(lengths))
     n = len(distinct)
     if n <= count:
@@ -256,10 +256,6 @@ def span_ends(lengths: Sequence[int], count: int) -> List[int]:
         j = int(first[j]) - 1
     chosen.append(int(ends[j]))
     return sorted(chosen)
-
-
-# Set while `sequence_call` runs a PackedSequence: the padded output's padding is never read there
-_PADDING_UNREAD = contextvars.ContextVar("rnnkit_padding_unread", default=False)
 
 
 class Segments:
@@ -333,13 +329,12 @@ class Segments:
                 c = torch.cat([c_span, c[rows:]]) if rows < B else c_span
         return outputs, h, c
 
-    def output(self, pieces: list, T: int, B: int) -> torch.Tensor:
+    def output(self, pieces: list, T: int, B: int, padding_unread: bool = False) -> torch.Tensor:
         """The spans' outputs -> y [T, B, F] in the caller's order, zero past each length: one fill
         and the rows that ran (a write into a new tensor, which autograd differentiates through).
-        Where the caller reads only the steps that ran (`sequence_call` packing the output), the
-        padding is left unset and the fill skipped."""
-        unread = _PADDING_UNREAD.get()
-        y = (pieces[0].new_empty if unread else pieces[0].new_zeros)(T, B, pieces[0].shape[2])
+        ``padding_unread``: the caller reads only the steps that ran (`sequence_call` packing the
+        output), so the padding is left unset and the fill skipped."""
+        y = (pieces[0].new_empty if padding_unread else pieces[0].new_zeros)(T, B, pieces[0].shape[2])
         for (start, end, rows, _), piece in zip(self.spans, pieces):
             y[start:end].index_copy_(1, self.order[:rows], piece)
         return y
@@ -347,7 +342,8 @@ class Segments:
 
 # ---- the stack -----------------------------------------------------------------------
 
-def run_stack(backend, spec: RNNSpec, weights: Sequence[PassWeights], x, h0s, c0s, lengths, training):
+def run_stack(backend, spec: RNNSpec, weights: Sequence[PassWeights], x, h0s, c0s, lengths, training,
+              padding_unread: bool = False):
     """All layers and directions on time-major x -> (y [T, B, F], h_ns, c_ns).
 
     ``weights`` has one `PassWeights` per layer-direction (layer by layer, forward
@@ -398,7 +394,7 @@ def run_stack(backend, spec: RNNSpec, weights: Sequence[PassWeights], x, h0s, c0
             y = layer_dropout(y, spec.dropout)
         layer_input = y
     if segments is not None:  # back to the caller's order
-        layer_input = segments.output(layer_input, T, B)
+        layer_input = segments.output(layer_input, T, B, padding_unread)
         h_ns = [h.index_select(0, segments.restore) for h in h_ns]
         c_ns = [c.index_select(0, segments.restore) for c in c_ns] if spec.mode == "lstm" else c_ns
     return layer_input, h_ns, (c_ns if spec.mode == "lstm" else None)
@@ -446,12 +442,15 @@ def run(
     backend,
     batch_first: bool,
     like: torch.Tensor,
+    padding_unread: bool = False,
 ):
     """`rnn` with the weights given per pass (the modules' entry) -> (y, hy, backend name).
 
     ``like`` is a weight tensor: the input must have its dtype and device. ``backend`` is a
     registered backend's name, or a backend object that runs the call as given (autocast does not
     apply: rnnkit.quantize's int8 modules, whose weights are not floating point).
+    ``padding_unread``: the caller reads y only at the steps that ran (`sequence_call`), so its
+    padding may be left unset.
     """
     if torch.compiler.is_exporting():
         from .interop import onnx_ops
@@ -483,7 +482,7 @@ def run(
     # autocast would otherwise move to its dtype (a float16 module's to bfloat16) or refuse to join
     shielded = named and _autocast_on(x.device)
     with torch.autocast(x.device.type, enabled=False) if shielded else nullcontext():
-        y, h_ns, c_ns = run_stack(chosen, spec, weights, x, h0s, c0s, lengths, training)
+        y, h_ns, c_ns = run_stack(chosen, spec, weights, x, h0s, c0s, lengths, training, padding_unread)
         if unbatched:
             y = y.squeeze(1)
         elif batch_first:
@@ -546,9 +545,9 @@ def rnn(
     check_weights(spec, weights, layout)
     passes = layout.all_pass_weights(weights)
 
-    def run_padded(x, h0, lens, x_batch_first):  # a PackedSequence arrives here padded, with its lengths
+    def run_padded(x, h0, lens, x_batch_first, padding_unread=False):  # a PackedSequence arrives padded
         y, hy, _ = run(spec, passes, x, h0, lens, training=training, backend=backend, batch_first=x_batch_first,
-                       like=weights)
+                       like=weights, padding_unread=padding_unread)
         return y, hy
 
     return sequence_call(run_padded, input, hx, lengths, batch_first)
@@ -574,7 +573,8 @@ def _check_packed(input: PackedSequence) -> None:
 
 def sequence_call(run, input, hx, lengths, batch_first: bool):
     """The stacks' call convention around ``run(input, hx, lengths, batch_first) -> (y, hy)``: a
-    PackedSequence input is run padded with its lengths, and its output packed the same way. The
+    PackedSequence input is run padded with its lengths (``run(..., padding_unread=True)``: its
+    output's padding is not read), and its output packed the same way. The
     padded batch stays in the packed order (longest first), the states permuted into it and back
     as torch.nn's are: unsorting the padded input and sorting the output again were two passes
     over the whole padded T x B."""
@@ -596,11 +596,7 @@ def sequence_call(run, input, hx, lengths, batch_first: bool):
             padded = input.data.new_empty(T * B, input.data.shape[1])
             padded.index_copy_(0, ran.to(input.data.device), input.data)
             padded = padded.view(T, B, input.data.shape[1])
-            token = _PADDING_UNREAD.set(True)
-            try:
-                y, hy = run(padded, _batch_permuted(hx, order, B), lens, False)
-            finally:
-                _PADDING_UNREAD.reset(token)
+            y, hy = run(padded, _batch_permuted(hx, order, B), lens, False, padding_unread=True)
             data = y.reshape(T * B, y.shape[2]).index_select(0, ran.to(y.device))
         return PackedSequence(data, input.batch_sizes, order, unorder), _batch_permuted(hy, unorder, B)
     return run(input, hx, lengths, batch_first)

@@ -560,7 +560,7 @@ class _PackedModule(_SpecAttributes, nn.Module):
             if not self._aliased(tensors):  # as the general path says (`_pass_weights`)
                 self._note_unpacked(tensors)
         plans = cached[0]
-        if plans is None or torch.is_autocast_enabled(tensors[0].device.type):
+        if plans is None or functional._autocast_on(tensors[0].device):
             return None
         if steps != 1 and not self._plans_take_sequences(cached[4], tensors[0], batch):
             return None
@@ -997,7 +997,8 @@ class _Recurrent(_StackAttributes, _PackedModule):
             self.__dict__["last_backend"] = "native"
             return out
         weights = self._pass_weights()
-        return functional.sequence_call(lambda *args: self._run(weights, *args), input, hx, lengths, self.spec.batch_first)
+        return functional.sequence_call(lambda *args, **kwargs: self._run(weights, *args, **kwargs), input, hx, lengths,
+                                        self.spec.batch_first)
 
     def _whole_native_call(self, input, hx, lengths):
         """The call in torch's one RNN op, as torch.nn's forward makes it, where the general path
@@ -1016,7 +1017,7 @@ class _Recurrent(_StackAttributes, _PackedModule):
         tensors = self._current()
         W = tensors[0]
         if type(data) is not torch.Tensor or data.dtype != W.dtype or data.device != W.device or not _plain_eager() \
-                or torch.is_autocast_enabled(W.device.type) or not self._aliased(tensors) \
+                or functional._autocast_on(W.device) or not self._aliased(tensors) \
                 or data.dim() == 0 or data.shape[-1] != spec.input_size:  # the general path's checks and messages
             return None
         if self.training and spec.dropout and spec.num_layers > 1 and W.device.type != "cuda":
@@ -1075,9 +1076,9 @@ class _Recurrent(_StackAttributes, _PackedModule):
             hy = tuple(t.index_select(1, unorder) for t in hy) if type(hy) is tuple else hy.index_select(1, unorder)
         return PackedSequence(y, input.batch_sizes, order, unorder), hy
 
-    def _run(self, weights, input, hx, lengths, batch_first):
+    def _run(self, weights, input, hx, lengths, batch_first, padding_unread=False):
         y, hy, ran = functional.run(self.spec, weights, input, hx, lengths, training=self.training, backend=self.backend,
-                           batch_first=batch_first, like=weights[0].W)
+                                    batch_first=batch_first, like=weights[0].W, padding_unread=padding_unread)
         if not torch.compiler.is_compiling():
             self.__dict__["last_backend"] = ran  # a plain attribute: skips Module.__setattr__
         return y, hy

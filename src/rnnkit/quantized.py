@@ -323,10 +323,11 @@ class _QuantizedStack(_StackAttributes, _Quantized):
             return out
         return functional.sequence_call(self._run, input, hx, lengths, self.spec.batch_first)
 
-    def _run(self, input, hx, lengths, batch_first):
+    def _run(self, input, hx, lengths, batch_first, padding_unread=False):
         data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
         y, hy, _ = functional.run(self.spec, self._current_passes(data), input, hx, lengths, training=False,
-                                  backend=INT8, batch_first=batch_first, like=self._like())
+                                  backend=INT8, batch_first=batch_first, like=self._like(),
+                                  padding_unread=padding_unread)
         return y, hy
 
 

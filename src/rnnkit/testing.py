@@ -206,9 +206,9 @@ def int8_reference(module, input, hx=None, lengths=None):
             slot: (None if t is None else
                    (t.to(torch.float32) * scales[slot][:, None]).as_subclass(FakeQuantRows) if slot in scales else t)
             for slot, t in w.weights._asdict().items()}))
-    run = lambda inp, h, lens, batch_first: functional.run(  # noqa: E731
+    run = lambda inp, h, lens, batch_first, padding_unread=False: functional.run(  # noqa: E731
         module.spec, weights, inp, h, lens, training=False, backend="reference", batch_first=batch_first,
-        like=module._like())[:2]
+        like=module._like(), padding_unread=padding_unread)[:2]
     from .functional import sequence_call
 
     with torch.no_grad():
