@@ -799,6 +799,9 @@ def test_span_ends_leave_the_fewest_padded_row_steps():
     evenly = [distinct[round((k + 1) * len(distinct) / 4) - 1] for k in range(4)]
     assert 3 * work(tail, span_ends(tail, 4)) < work(tail, evenly)
     assert span_ends(list(torch.tensor([5, 5, 3, 1]).unbind()), 4) == [1, 3, 5]  # by value, not identity
+    many = [1 + (k * 7919) % 20000 for k in range(8192)]  # ~8,000 distinct: chosen among SPAN_CANDIDATES of them
+    ends = span_ends(many, 4)
+    assert len(ends) == 4 and ends == sorted(set(ends)) and set(ends) <= set(many) and ends[-1] == max(many)
 
 
 def test_lengths_segment_only_where_it_saves_work():
