@@ -314,20 +314,16 @@ class Segments:
         pieces = []
         for start, end, rows, inside in self.spans:
             piece = x[start:end].index_select(1, self.order[:rows])
-            if inside is not None:
-                piece = torch.where(step_mask(inside, end - start, x.device).unsqueeze(2), piece,
-                                    torch.zeros((), dtype=x.dtype, device=x.device))
-            pieces.append(piece)
+            pieces.append(piece if inside is None else _zero_padding(piece, inside))
         return pieces
 
     def run_pass(self, backend, cell, pieces: list, h0, c0, w, reverse: bool, masks):
         """One pass over the sorted batch, span by span (the reverse direction from the last span):
         -> (per span y [end - start, rows, F] zero past each length, h_n, c_n), rows in sorted order."""
-        h, c = h0, c0
+        h, c, B = h0, c0, h0.shape[0]
         outputs = [None] * len(self.spans)
         for k in (reversed(range(len(self.spans))) if reverse else range(len(self.spans))):
             _, _, rows, inside = self.spans[k]
-            B = h.shape[0]
             outputs[k], h_span, c_span = backend.run_pass(cell, pieces[k], h[:rows], None if c is None else c[:rows],
                                                           w, inside, reverse, masks)
             h = torch.cat([h_span, h[rows:]]) if rows < B else h_span
@@ -348,6 +344,13 @@ class Segments:
 
 # ---- the stack -----------------------------------------------------------------------
 
+def _zero_padding(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """x [T, B, F] with the steps t >= lengths[b] zero: nothing a caller leaves in the padding (NaN,
+    inf) reaches an output or a gradient."""
+    return torch.where(step_mask(lengths, x.shape[0], x.device).unsqueeze(2), x,
+                       torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def run_stack(backend, spec: RNNSpec, weights: Sequence[PassWeights], x, h0s, c0s, lengths, training,
               padding_unread: bool = False):
     """All layers and directions on time-major x -> (y [T, B, F], h_ns, c_ns).
@@ -365,8 +368,7 @@ def run_stack(backend, spec: RNNSpec, weights: Sequence[PassWeights], x, h0s, c0
         h0s = [h.index_select(0, segments.order) for h in h0s]
         c0s = None if c0s is None else [c.index_select(0, segments.order) for c in c0s]
     elif lengths is not None:
-        x = torch.where(step_mask(lengths, T, x.device).unsqueeze(2), x, torch.zeros((), dtype=x.dtype,
-                                                                                 device=x.device))
+        x = _zero_padding(x, lengths)
     if hasattr(backend, "run_stack"):
         return backend.run_stack(spec, weights, x, h0s, c0s, lengths, training)
     D = spec.num_directions

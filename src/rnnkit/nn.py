@@ -1069,12 +1069,9 @@ class _Recurrent(_StackAttributes, _PackedModule):
         if not packed:
             return chosen.run_whole(spec, tensors, input, hx, self.training, spec.batch_first)
         order, unorder = input.sorted_indices, input.unsorted_indices
-        if hx is not None and order is not None:  # the states come in the caller's batch order, as torch.nn's
-            hx = tuple(t.index_select(1, order) for t in hx) if type(hx) is tuple else hx.index_select(1, order)
+        hx = functional._batch_permuted(hx, order, batch)  # the states come in the caller's batch order, as torch.nn's
         y, hy = chosen.run_whole(spec, tensors, data, hx, self.training, False, input.batch_sizes)
-        if unorder is not None:
-            hy = tuple(t.index_select(1, unorder) for t in hy) if type(hy) is tuple else hy.index_select(1, unorder)
-        return PackedSequence(y, input.batch_sizes, order, unorder), hy
+        return PackedSequence(y, input.batch_sizes, order, unorder), functional._batch_permuted(hy, unorder, batch)
 
     def _run(self, weights, input, hx, lengths, batch_first, padding_unread=False):
         y, hy, ran = functional.run(self.spec, weights, input, hx, lengths, training=self.training, backend=self.backend,
